@@ -1,0 +1,55 @@
+"""Chained prefix block hashes, shared by the gateway and the worker.
+
+    h[-1] = xxh3_128(b"spillway-root" || hash_seed || model)
+    h[i]  = xxh3_128(h[i-1] || tokens_i as little-endian uint32 || extra_i)
+
+Only full blocks are hashed. `extra_0` is the request's cache salt (empty without one);
+later blocks carry no extra. 128-bit digests are trusted without comparing tokens.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+from spillway.protocol.messages import BlockHash
+
+DEFAULT_HASH_SEED = b"spillway-v1"
+
+
+def root_hash(hash_seed: bytes, model: str) -> BlockHash:
+    return BlockHash(xxhash.xxh3_128_digest(b"spillway-root" + hash_seed + model.encode()))
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    data = parent + struct.pack(f"<{len(tokens)}I", *tokens) + extra
+    return BlockHash(xxhash.xxh3_128_digest(data))
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    root: BlockHash,
+    cache_salt: str | None = None,
+    start: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids`, from block `start` on.
+
+    To extend an existing chain pass `start` (the number of blocks already hashed) and
+    `parent` (the hash of block start-1). The salt applies to block 0 only.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if start > 0 and parent is None:
+        raise ValueError("extending a chain needs the parent hash")
+    salt = cache_salt.encode() if cache_salt else b""
+    prev = root if start == 0 else parent
+    hashes: list[BlockHash] = []
+    for i in range(start, len(token_ids) // block_size):
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        prev = hash_block(prev, chunk, salt if i == 0 else b"")
+        hashes.append(prev)
+    return hashes

@@ -1,0 +1,163 @@
+"""Wire messages between the gateway and a worker.
+
+Two PUSH/PULL pairs:
+
+    gateway -> worker:  Generate | Abort | Control        (`GatewayMessage`)
+    worker  -> gateway: Ready | StepOutputs | WorkerError  (`WorkerMessage`)
+
+Every message is an immutable msgspec Struct in a tagged union, encoded as msgpack.
+Fields are append-only: a new field always has a default, so an older peer still decodes.
+This module imports only msgspec and the standard library.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import NewType
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+RequestId = NewType("RequestId", str)
+BlockHash = NewType("BlockHash", bytes)
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # the gateway aborted it
+    ERROR = "error"  # the worker refused or failed it
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the worker needs to sample one request. Validated by the gateway."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; N: the sampled token plus the top N
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    # Chained hashes of the prompt's full blocks (protocol/hashing.py), computed by the gateway.
+    block_hashes: list[bytes]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Mixed into block 0's hash; the worker needs it when generated tokens complete block 0.
+    cache_salt: str | None = None
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    request_ids: list[str]
+
+
+class ControlCommand(str, Enum):
+    SHUTDOWN = "shutdown"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    CHECK_INVARIANTS = "check_invariants"  # answered with a StepOutputs carrying Stats
+    STATS = "stats"
+
+
+class Control(msgspec.Struct, frozen=True, tag=True):
+    command: ControlCommand
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    protocol_version: int
+    model: str
+    block_size: int
+    hash_seed: bytes
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    enable_prefix_caching: bool = True
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities (of the model's raw distribution) around one sampled token."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    # Set on the request's first delta: prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = -1
+    error: str | None = None
+
+
+class Stats(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    gpu_cache_usage: float = 0.0  # fraction of GPU blocks referenced by requests
+    cpu_cache_usage: float = 0.0
+    num_gpu_blocks: int = 0
+    num_free_gpu_blocks: int = 0
+    # Cumulative, in tokens: prompt tokens looked up in the prefix cache, and those found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    invariants_ok: bool = True
+
+
+class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    step: int
+    outputs: list[RequestDelta]
+    stats: Stats | None = None
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    message: str
+    fatal: bool = True
+    traceback: str = ""
+
+
+GatewayMessage = Generate | Abort | Control
+WorkerMessage = Ready | StepOutputs | WorkerError
+
+
+def gateway_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for the worker's inbox."""
+    return msgspec.msgpack.Decoder(GatewayMessage)
+
+
+def worker_decoder() -> msgspec.msgpack.Decoder:
+    """Decoder for the gateway's inbox."""
+    return msgspec.msgpack.Decoder(WorkerMessage)
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()

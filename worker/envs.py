@@ -1,0 +1,25 @@
+"""Every environment variable Spillway reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted model files (dequantised GGUF weights, tokenizers) are kept."""
+    root = os.environ.get("SPILLWAY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "spillway"
+    )
+    return Path(root)
+
+
+def debug_invariants() -> bool:
+    """Check the block manager's invariants after every engine step (tests turn this on)."""
+    return os.environ.get("SPILLWAY_DEBUG_INVARIANTS", "0") not in ("", "0", "false")
+
+
+def cpu_kvcache_space_gb() -> float | None:
+    """CPU KV tier size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, under Spillway's name)."""
+    value = os.environ.get("SPILLWAY_CPU_KVCACHE_SPACE")
+    return float(value) if value else None
