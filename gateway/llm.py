@@ -1,0 +1,419 @@
+"""The offline API: `LLM`, `SamplingParams`, `RequestOutput`, as vLLM users know them.
+
+`LLM` drives a worker process over the same protocol as the server: there is one engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from spillway.gateway.sampling_params import SamplingParams
+from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
+from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.protocol.messages import (
+    Abort,
+    Control,
+    ControlCommand,
+    FinishReason,
+    Generate,
+    RequestDelta,
+    Stats,
+    StepOutputs,
+    WorkerError,
+)
+from spillway.worker.config import WorkerConfig
+from spillway.worker.models import loader
+
+# vLLM arguments whose features Spillway does not have yet: refused, never silently ignored.
+_NOT_YET = {
+    "cpu_offload_gb": "the CPU KV tier",
+    "swap_space": "the CPU KV tier",
+    "speculative_model": "speculative decoding",
+    "speculative_config": "speculative decoding",
+    "num_speculative_tokens": "speculative decoding",
+    "enable_reasoning": "reasoning parsers",
+    "reasoning_parser": "reasoning parsers",
+    "quantization": "quantised execution",
+    "enable_lora": "LoRA adapters",
+}
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One sample (one of a prompt's n) in flight."""
+
+    prompt_index: int
+    sample_index: int
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    >>> llm = LLM()                       # the embedded SmolLM2-135M-Instruct
+    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        device: str = "auto",
+        load_format: str = "auto",
+        served_model_name: str | None = None,
+        num_gpu_blocks_override: int | None = None,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        chat_template: str | None = None,
+        **unsupported,
+    ) -> None:
+        for name in unsupported:
+            if name in _NOT_YET:
+                raise ValueError(f"LLM({name}=...) needs {_NOT_YET[name]}, which Spillway does not have yet")
+            raise ValueError(f"LLM() got an unknown argument {name!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if tokenizer is not None and tokenizer != model:
+            raise ValueError("a tokenizer separate from the model is not supported yet")
+        _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization)
+        files = loader.resolve_model(model, load_format)  # ValueError for unknown models
+        self._hf_tokenizer = loader.load_tokenizer(files) if files.load_format != "dummy" else None
+        if self._hf_tokenizer is None and (files.path / "tokenizer.json").is_file():
+            self._hf_tokenizer = loader.load_tokenizer(files)
+        self.config = WorkerConfig(
+            model=str(files.path),
+            served_model_name=served_model_name or files.name,
+            load_format=files.load_format,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self._worker = WorkerProcess(self.config)
+        self._finalizer = weakref.finalize(self, self._worker.close)
+        try:
+            self.ready = self._worker.wait_ready()
+        except WorkerStartError as exc:
+            self._finalizer()
+            raise ValueError(f"the engine could not start: {exc}") from exc
+        root = root_hash(self.ready.hash_seed, self.ready.model)
+        self._tokenizer = (
+            PromptTokenizer(self._hf_tokenizer, block_size, root, chat_template) if self._hf_tokenizer else None
+        )
+        self._root = root
+        self._ids = itertools.count()
+        self.last_stats: Stats | None = None
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def get_tokenizer(self):
+        return self._hf_tokenizer
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts: strings, token-id lists, or
+        `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dicts."""
+        items = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them."""
+        tok = self._require_tokenizer()
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        items = []
+        for conversation in conversations:
+            if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
+                raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
+            text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            items.append((text, tok.encode_chat(conversation, add_generation_prompt=add_generation_prompt,
+                                                chat_template=chat_template,
+                                                chat_template_kwargs=chat_template_kwargs)))
+        params = self._normalize_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        self._worker.send(Control(ControlCommand.RESET_PREFIX_CACHE))
+        self.stats()
+
+    def stats(self) -> Stats:
+        """The worker's counters (cache usage, prefix hits, preemptions); checks its invariants."""
+        self._worker.send(Control(ControlCommand.STATS))
+        while True:
+            msg = self._recv()
+            if isinstance(msg, StepOutputs) and msg.stats is not None:
+                self.last_stats = msg.stats
+                return msg.stats
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> PromptTokenizer:
+        if self._tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+        return self._tokenizer
+
+    def _normalize_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a token-id list, or a non-empty list of them")
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                if "prompt_token_ids" in prompt:
+                    prompt = list(prompt["prompt_token_ids"])
+                elif "prompt" in prompt:
+                    prompt = prompt["prompt"]
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(prompt, str):
+                items.append((prompt, self._require_tokenizer().encode(prompt)))
+            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+                items.append((None, list(prompt)))
+            else:
+                raise ValueError(f"unsupported prompt {prompt!r:.80}: expected a string or a list of token ids")
+        for text, token_ids in items:
+            self._check_prompt(token_ids)
+        return items
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("a prompt is empty")
+        if len(token_ids) >= self.ready.max_model_len:
+            raise ValueError(
+                f"a prompt has {len(token_ids)} tokens, but max_model_len is {self.ready.max_model_len} "
+                "(the prompt plus at least one output token must fit)"
+            )
+        if min(token_ids) < 0 or max(token_ids) >= self.ready.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.ready.vocab_size})")
+
+    @staticmethod
+    def _normalize_params(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"give one SamplingParams, or exactly one per prompt ({count})")
+        return params
+
+    def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        batch = next(self._ids)
+        pending: dict[str, _Pending] = {}
+        for index, ((_, token_ids), p) in enumerate(zip(items, params)):
+            max_tokens = self.ready.max_model_len - len(token_ids)
+            if p.max_tokens is not None:
+                max_tokens = min(max_tokens, p.max_tokens)
+            hashes = block_hashes(token_ids, self.ready.block_size, self._root)
+            for sample in range(p.n):
+                request_id = f"offline-{batch}-{index}-{sample}"
+                seed = None if p.seed is None else p.seed + sample
+                pending[request_id] = _Pending(index, sample, p, logprobs=[] if p.logprobs is not None else None)
+                self._worker.send(Generate(request_id=request_id, prompt_token_ids=token_ids,
+                                           block_hashes=hashes, params=p.to_wire(max_tokens, seed)))
+        bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr)
+        try:
+            self._collect(pending, items, bar)
+        except BaseException:
+            self._worker.send(Abort([rid for rid, s in pending.items() if s.finish_reason is None]))
+            raise
+        finally:
+            bar.close()
+        return self._outputs(items, params, pending, batch)
+
+    def _collect(self, pending: dict[str, _Pending], items, bar) -> None:
+        open_samples = [0] * len(items)
+        for state in pending.values():
+            open_samples[state.prompt_index] += 1
+        unfinished = len(pending)
+        while unfinished:
+            msg = self._recv()
+            if msg.stats is not None:
+                self.last_stats = msg.stats
+            for delta in msg.outputs:
+                state = pending.get(delta.request_id)
+                if state is None or state.finish_reason is not None:
+                    continue  # a late delta for a sample this side already finished
+                if delta.error is not None:
+                    self._worker.send(Abort([rid for rid, s in pending.items() if s.finish_reason is None]))
+                    raise ValueError(delta.error)
+                self._apply(delta.request_id, state, delta)
+                if state.finish_reason is not None:
+                    unfinished -= 1
+                    open_samples[state.prompt_index] -= 1
+                    if open_samples[state.prompt_index] == 0:
+                        bar.update(1)
+
+    def _apply(self, request_id: str, state: _Pending, delta: RequestDelta) -> None:
+        if delta.num_cached_tokens >= 0:
+            state.num_cached_tokens = delta.num_cached_tokens
+        state.token_ids.extend(delta.new_token_ids)
+        if state.logprobs is not None and delta.logprobs:
+            state.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            state.finish_reason = delta.finish_reason.value
+            if delta.finish_reason is FinishReason.STOP and state.token_ids:
+                last = state.token_ids[-1]
+                state.stop_reason = last if last in state.params.stop_token_ids else None
+        if state.params.stop_strings and self._tokenizer is not None:
+            self._check_stop_strings(request_id, state)
+
+    def _check_stop_strings(self, request_id: str, state: _Pending) -> None:
+        text = self._tokenizer.decode(state.token_ids, state.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in state.params.stop_strings if s in text]
+        if not hits:
+            return
+        position, stop = min(hits)
+        state.text = text[: position + (len(stop) if state.params.include_stop_str_in_output else 0)]
+        state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
+        self._worker.send(Abort([request_id]))
+
+    def _recv(self) -> StepOutputs:
+        while True:
+            msg = self._worker.recv(timeout_ms=1000)
+            match msg:
+                case StepOutputs():
+                    return msg
+                case WorkerError(message=message):
+                    raise RuntimeError(f"the engine failed: {message}")
+                case None if not self._worker.alive:
+                    raise RuntimeError(f"the engine process died (exit code {self._worker.process.exitcode})")
+
+    def _outputs(self, items, params, pending: dict[str, _Pending], batch: int) -> list[RequestOutput]:
+        results = []
+        for index, ((text, token_ids), p) in enumerate(zip(items, params)):
+            samples = [pending[f"offline-{batch}-{index}-{s}"] for s in range(p.n)]
+            completions = [self._completion(state) for state in samples]
+            results.append(RequestOutput(
+                request_id=f"offline-{batch}-{index}",
+                prompt=text,
+                prompt_token_ids=token_ids,
+                outputs=completions,
+                num_cached_tokens=samples[0].num_cached_tokens,
+            ))
+        return results
+
+    def _completion(self, state: _Pending) -> CompletionOutput:
+        text = state.text
+        if text is None:
+            text = self._tokenizer.decode(state.token_ids, state.params.skip_special_tokens) if self._tokenizer else ""
+        logprobs, cumulative = None, None
+        if state.logprobs is not None:
+            logprobs = [self._logprob_dict(entry) for entry in state.logprobs]
+            cumulative = sum(entry.logprob for entry in state.logprobs)
+        return CompletionOutput(index=state.sample_index, text=text, token_ids=list(state.token_ids),
+                                cumulative_logprob=cumulative, logprobs=logprobs,
+                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+
+    def _logprob_dict(self, entry) -> dict[int, Logprob]:
+        decode = (lambda t: self._tokenizer.decode([t], False)) if self._tokenizer else (lambda t: None)
+        result = {tid: Logprob(lp, rank + 1, decode(tid))
+                  for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
+        if entry.token_id not in result:
+            result[entry.token_id] = Logprob(entry.logprob, entry.rank, decode(entry.token_id))
+        return result
+
+
+def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization):
+    if block_size not in (8, 16, 32, 64, 128):
+        raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {block_size!r}")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
+    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                               or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")

@@ -1,0 +1,54 @@
+"""Prompts to token ids (chat templates included) and their prefix block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from spillway.protocol.hashing import block_hashes
+from spillway.protocol.messages import BlockHash
+
+
+class PromptTokenizer:
+    """Wraps a Hugging Face tokenizer with what the gateway needs from it."""
+
+    def __init__(self, tokenizer, block_size: int, root: BlockHash, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.root = root
+        self.chat_template = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, missing keys: the caller's input
+            raise ValueError(f"cannot apply the chat template: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[dict], **kwargs) -> list[int]:
+        text = self.apply_chat_template(messages, **kwargs)
+        # The template already placed the special tokens it wants.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        return block_hashes(token_ids, self.block_size, self.root, cache_salt)

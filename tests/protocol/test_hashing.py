@@ -1,0 +1,59 @@
+"""Golden vectors pin the block hash: gateway and worker (and older releases) must agree."""
+
+import struct
+
+import pytest
+import xxhash
+
+from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, hash_block, root_hash
+
+ROOT = root_hash(DEFAULT_HASH_SEED, "SmolLM2-135M-Instruct")
+
+
+def test_root_hash_golden():
+    assert ROOT.hex() == "23dad6301a5ed627ddc9971d29f43310"
+
+
+def test_block_hash_is_xxh3_128_of_parent_tokens_extra():
+    parent = b"\x00" * 16
+    expected = xxhash.xxh3_128_digest(parent + b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x00")
+    assert hash_block(parent, [1, 2, 3, 4]) == expected
+    assert expected.hex() == "4e7b4f6b8cadfb2a1b1a20c2457494c4"
+
+
+def test_chain_golden_only_full_blocks():
+    hashes = block_hashes(list(range(40)), 16, ROOT)
+    assert [h.hex() for h in hashes] == [
+        "0ece20c307b2a6bba35ed47ed71ab0fc",
+        "26c2a6ad9a126ab0ba74e7b9c32019d1",
+    ]
+    assert hashes[1] == xxhash.xxh3_128_digest(hashes[0] + struct.pack("<16I", *range(16, 32)))
+
+
+def test_salt_changes_every_block_through_the_chain():
+    salted = block_hashes(list(range(40)), 16, ROOT, cache_salt="tenant-a")
+    assert [h.hex() for h in salted] == [
+        "f343be5415aac5d8293979edafd7e1e3",
+        "eecd4422b4036864061e147f7deb430a",
+    ]
+    assert salted[0] == xxhash.xxh3_128_digest(ROOT + struct.pack("<16I", *range(16)) + b"tenant-a")
+
+
+def test_extending_a_chain_equals_hashing_at_once():
+    tokens = list(range(1000, 1100))
+    whole = block_hashes(tokens, 16, ROOT, cache_salt="s")
+    head = block_hashes(tokens[:40], 16, ROOT, cache_salt="s")
+    tail = block_hashes(tokens, 16, ROOT, cache_salt="s", start=len(head), parent=head[-1])
+    assert head + tail == whole and len(whole) == 6
+
+
+def test_different_models_do_not_share_blocks():
+    other = root_hash(DEFAULT_HASH_SEED, "Qwen3-8B")
+    assert block_hashes([1] * 16, 16, ROOT) != block_hashes([1] * 16, 16, other)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        block_hashes([1, 2], 0, ROOT)
+    with pytest.raises(ValueError):
+        block_hashes([1] * 32, 16, ROOT, start=1)

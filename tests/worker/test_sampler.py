@@ -1,0 +1,373 @@
+"""The sampler against plain one-row-at-a-time references, on fixed logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spillway.protocol.messages import SamplingParams
+from spillway.worker.sampler import (
+    Sampler, SamplingInput, adjusted_logits, apply_penalties, filtered_logits,
+)
+
+EOS = 2
+
+
+def make_input(request_id: str = "r", prompt: list[int] | None = None,
+               output: list[int] | None = None, **params) -> SamplingInput:
+    return SamplingInput(request_id, SamplingParams(**params), prompt or [], output or [])
+
+
+def fixed_logits(batch: int, vocab: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vocab, generator=generator) * scale
+
+
+# ---- references: one row, plain Python over the vocabulary --------------------------------
+
+def reference_penalised(row: torch.Tensor, prompt: list[int], output: list[int],
+                        params: SamplingParams) -> torch.Tensor:
+    row = row.clone()
+    for token in set(prompt) | set(output):
+        if row[token] > 0:
+            row[token] = row[token] / params.repetition_penalty
+        else:
+            row[token] = row[token] * params.repetition_penalty
+    for token in set(output):
+        row[token] = row[token] - params.frequency_penalty * output.count(token)
+        row[token] = row[token] - params.presence_penalty
+    return row
+
+
+def reference_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one sampled row draws from: temperature, top-k, top-p, min-p."""
+    vocab = row.shape[0]
+    scaled = (row / params.temperature).tolist()
+    keep = [True] * vocab
+
+    def renormalised() -> list[float]:
+        weights = [math.exp(x - max(scaled)) if k else 0.0 for x, k in zip(scaled, keep)]
+        return [w / sum(weights) for w in weights]
+
+    if params.top_k > 0:
+        kth_largest = sorted(scaled, reverse=True)[min(params.top_k, vocab) - 1]
+        keep = [k and x >= kth_largest for x, k in zip(scaled, keep)]
+    if params.top_p < 1.0:
+        probs = renormalised()
+        cumulative, nucleus = 0.0, set()
+        for token in sorted(range(vocab), key=lambda t: -probs[t]):
+            if cumulative >= params.top_p:
+                break
+            nucleus.add(token)
+            cumulative += probs[token]
+        keep = [k and t in nucleus for t, k in enumerate(keep)]
+    if params.min_p > 0.0:
+        probs = renormalised()
+        keep = [k and p >= params.min_p * max(probs) for p, k in zip(probs, keep)]
+    return torch.tensor(renormalised(), dtype=torch.float32)
+
+
+def assert_same_distribution(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert (actual > 0).tolist() == (expected > 0).tolist()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def support(probs: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(probs > 0).flatten().tolist())
+
+
+# ---- filters and penalties against the references -----------------------------------------
+
+FILTER_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=2.5),
+    dict(top_k=1),
+    dict(top_k=5),
+    dict(top_k=0),
+    dict(top_k=-1),
+    dict(top_k=1000),
+    dict(top_p=0.05),
+    dict(top_p=0.5),
+    dict(top_p=0.9),
+    dict(min_p=0.1),
+    dict(min_p=0.5),
+    dict(temperature=0.7, top_k=8, top_p=0.8, min_p=0.05),
+    dict(temperature=1.3, top_k=12, top_p=0.6),
+    dict(temperature=0.9, top_p=0.95, min_p=0.2),
+]
+
+
+@pytest.mark.parametrize("vocab", [17, 64])
+def test_filters_match_the_reference_row_by_row(vocab):
+    params = [SamplingParams(**case) for case in FILTER_CASES]
+    logits = fixed_logits(len(params), vocab, seed=vocab)
+    probs = filtered_logits(logits, params).softmax(dim=-1)
+    for row, row_params in enumerate(params):
+        expected = reference_probs(logits[row], row_params)
+        assert_same_distribution(probs[row], expected)
+
+
+def test_filters_actually_drop_tokens():
+    logits = fixed_logits(1, 40, seed=3)
+    for case, kept in [(dict(top_k=5), 5), (dict(top_p=0.3), None), (dict(min_p=0.3), None)]:
+        probs = filtered_logits(logits, [SamplingParams(**case)]).softmax(dim=-1)
+        assert 1 <= len(support(probs[0])) < 40
+        if kept is not None:
+            assert len(support(probs[0])) == kept
+
+
+def test_top_k_keeps_tokens_tied_with_the_kth():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 0.0]])
+    probs = filtered_logits(logits, [SamplingParams(top_k=3)]).softmax(dim=-1)
+    assert support(probs[0]) == {1, 2, 3, 4}
+    assert_same_distribution(probs[0], reference_probs(logits[0], SamplingParams(top_k=3)))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_and_always_the_top_token():
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert support(filtered_logits(logits, [SamplingParams(top_p=0.5)]).softmax(-1)[0]) == {0}
+    assert support(filtered_logits(logits, [SamplingParams(top_p=0.51)]).softmax(-1)[0]) == {0, 1}
+    assert support(filtered_logits(logits, [SamplingParams(top_p=1e-6)]).softmax(-1)[0]) == {0}
+
+
+def test_min_p_is_relative_to_the_most_likely_token():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = filtered_logits(logits, [SamplingParams(min_p=0.3)]).softmax(dim=-1)
+    assert support(probs[0]) == {0, 1, 2}
+
+
+def test_penalties_match_the_reference_row_by_row():
+    vocab = 23
+    inputs = [
+        make_input(prompt=[1, 4, 4, 9], output=[4, 5, 5, 5, 17], repetition_penalty=1.3),
+        make_input(prompt=[1, 4], output=[4, 5, 5, 5, 17], frequency_penalty=0.7),
+        make_input(prompt=[1, 4], output=[4, 5, 5, 5, 17], presence_penalty=1.1),
+        make_input(prompt=[0, 3, 8], output=[3, 3, 21, 22, 8], repetition_penalty=0.8,
+                   frequency_penalty=-0.4, presence_penalty=0.5),
+        make_input(prompt=[6, 7], output=[6, 7, 7]),
+    ]
+    logits = fixed_logits(len(inputs), vocab, seed=11)
+    penalised = apply_penalties(logits, inputs)
+    for row, i in enumerate(inputs):
+        expected = reference_penalised(logits[row], list(i.prompt_token_ids),
+                                       list(i.output_token_ids), i.params)
+        torch.testing.assert_close(penalised[row], expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(penalised[:4], logits[:4])
+    assert torch.equal(penalised[4], logits[4])
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    inputs = [make_input(prompt=[0], output=[1], repetition_penalty=2.0)]
+    assert apply_penalties(logits, inputs).tolist() == [[1.0, -4.0, 2.0, -2.0]]
+    assert logits.tolist() == [[2.0, -2.0, 2.0, -2.0]]
+
+
+# ---- the sampler end to end --------------------------------------------------------------
+
+def test_greedy_equals_argmax_with_and_without_the_fast_path():
+    logits = fixed_logits(5, 31, seed=1)
+    expected = logits.argmax(dim=-1).tolist()
+    plain = [make_input(f"r{b}", temperature=0.0) for b in range(5)]
+    with_logprobs = [make_input(f"r{b}", temperature=0.0, logprobs=1) for b in range(5)]
+    sampler = Sampler([EOS])
+    assert [t.token_id for t in sampler.sample(logits, plain)] == expected
+    assert [t.token_id for t in sampler.sample(logits, with_logprobs)] == expected
+
+
+def test_greedy_picks_the_argmax_of_the_penalised_logits():
+    logits = torch.tensor([[1.0, 3.0, 2.9, 0.0]])
+    inputs = [make_input(output=[1], temperature=0.0, presence_penalty=0.5)]
+    assert Sampler([EOS]).sample(logits, inputs)[0].token_id == 2
+
+
+def test_temperature_scales_the_distribution():
+    logits = fixed_logits(1, 9, seed=2)
+    for temperature in (0.25, 1.0, 4.0):
+        probs = filtered_logits(logits, [SamplingParams(temperature=temperature)]).softmax(-1)
+        torch.testing.assert_close(probs[0], (logits[0] / temperature).softmax(-1))
+    cold = filtered_logits(logits, [SamplingParams(temperature=0.25)]).softmax(-1)
+    assert cold.max() > logits.softmax(-1).max()
+
+
+@pytest.mark.parametrize("case", FILTER_CASES[3:], ids=str)
+def test_sampled_tokens_only_come_from_the_allowed_set(case):
+    batch, vocab = 300, 40
+    row = fixed_logits(1, vocab, seed=5, scale=1.0)
+    params = SamplingParams(**case)
+    allowed = support(reference_probs(row[0], params))
+    inputs = [make_input(f"r{b}", **case) for b in range(batch)]
+    tokens = {t.token_id for t in Sampler([EOS], seed=1).sample(row.expand(batch, vocab), inputs)}
+    assert tokens <= allowed
+    if len(allowed) > 3:
+        assert len(tokens) > 1
+
+
+def test_sampled_frequencies_match_the_probabilities():
+    probs = torch.tensor([0.05, 0.1, 0.2, 0.3, 0.35])
+    draws = 4000
+    logits = probs.log().expand(draws, 5)
+    inputs = [make_input(f"r{b}") for b in range(draws)]
+    tokens = [t.token_id for t in Sampler([99], seed=123).sample(logits, inputs)]
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=5).float() / draws
+    torch.testing.assert_close(frequencies, probs, rtol=0, atol=0.025)
+
+
+def test_one_seeded_request_over_many_steps_follows_the_filtered_distribution():
+    logits = torch.tensor([[0.05, 0.1, 0.2, 0.3, 0.35]]).log()
+    sampler = Sampler([99])
+    inputs = [make_input("seeded", seed=42, temperature=0.8, top_k=4)]
+    draws = 2000
+    tokens = [sampler.sample(logits, inputs)[0].token_id for _ in range(draws)]
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=5).float() / draws
+    expected = reference_probs(logits[0], inputs[0].params)
+    assert frequencies[0] == 0
+    torch.testing.assert_close(frequencies, expected, rtol=0, atol=0.035)
+
+
+def run_steps(sampler: Sampler, logits: torch.Tensor, inputs: list[SamplingInput],
+              steps: int) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {i.request_id: [] for i in inputs}
+    for _ in range(steps):
+        for i, token in zip(inputs, sampler.sample(logits, inputs)):
+            tokens[i.request_id].append(token.token_id)
+    return tokens
+
+
+def test_a_seeded_request_is_the_same_in_any_batch_and_any_sampler():
+    vocab, steps = 50, 20
+    row = fixed_logits(1, vocab, seed=8, scale=0.5)
+    seeded = make_input("seeded", seed=1234, top_p=0.9)
+    alone = run_steps(Sampler([EOS], seed=0), row, [seeded], steps)["seeded"]
+
+    neighbours = [make_input("greedy", temperature=0.0), make_input("other", seed=99),
+                  make_input("unseeded", top_k=5)]
+    batch = [neighbours[0], seeded, neighbours[1], neighbours[2]]
+    in_batch = run_steps(Sampler([EOS], seed=7), row.expand(4, vocab), batch, steps)["seeded"]
+    reordered = [neighbours[2], neighbours[1], seeded, neighbours[0]]
+    in_reordered = run_steps(Sampler([EOS], seed=3), row.expand(4, vocab), reordered, steps)
+    assert alone == in_batch == in_reordered["seeded"]
+    assert len(set(alone)) > 5
+
+
+def test_different_seeds_give_different_tokens():
+    row = fixed_logits(1, 50, seed=8, scale=0.5)
+    first = run_steps(Sampler([EOS]), row, [make_input("a", seed=1)], 20)["a"]
+    second = run_steps(Sampler([EOS]), row, [make_input("a", seed=2)], 20)["a"]
+    assert first != second
+
+
+def test_unseeded_requests_are_reproducible_from_the_sampler_seed():
+    logits = fixed_logits(6, 50, seed=9, scale=0.5)
+    inputs = [make_input(f"r{b}") for b in range(6)]
+    first = run_steps(Sampler([EOS], seed=5), logits, inputs, 5)
+    again = run_steps(Sampler([EOS], seed=5), logits, inputs, 5)
+    other = run_steps(Sampler([EOS], seed=6), logits, inputs, 5)
+    assert first == again
+    assert first != other
+
+
+def test_forget_restarts_a_seeded_request():
+    row = fixed_logits(1, 50, seed=8, scale=0.5)
+    sampler = Sampler([EOS])
+    request = make_input("a", seed=3)
+    first = run_steps(sampler, row, [request], 10)["a"]
+    continued = run_steps(sampler, row, [request], 10)["a"]
+    sampler.forget("a")
+    restarted = run_steps(sampler, row, [request], 10)["a"]
+    assert restarted == first != continued
+    assert sampler.request_generators == {"a": sampler.request_generators["a"]}
+    sampler.forget("a")
+    sampler.forget("never-seen")
+    assert sampler.request_generators == {}
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 1.0, 9.0, 3.0, 8.0, 2.0]])  # EOS=2, then stop id 4
+    sampler = Sampler([EOS])
+
+    def greedy(output: list[int], **params) -> int:
+        request = make_input(output=output, temperature=0.0, stop_token_ids=(4,), **params)
+        return sampler.sample(logits, [request])[0].token_id
+
+    assert greedy([7, 7], min_tokens=3) == 3
+    assert greedy([7, 7, 7], min_tokens=3) == EOS
+    assert greedy([7, 7], min_tokens=3, ignore_eos=True) == 3
+    assert greedy([7, 7], ignore_eos=True) == EOS
+    masked = adjusted_logits(logits, [make_input(min_tokens=1, stop_token_ids=(4,))], [EOS])
+    assert masked[0, EOS] == masked[0, 4] == float("-inf")
+    assert logits[0, EOS] == 9.0
+
+    sampled = [make_input(f"r{b}", output=[1], min_tokens=2, stop_token_ids=(4,)) for b in range(200)]
+    tokens = {t.token_id for t in sampler.sample(logits.expand(200, 6), sampled)}
+    assert EOS not in tokens and 4 not in tokens and 3 in tokens
+
+
+def test_logprobs_come_from_the_raw_logits():
+    vocab = 13
+    logits = fixed_logits(3, vocab, seed=4)
+    inputs = [
+        make_input("a", prompt=[0, 1], output=[2], temperature=0.0, logprobs=3,
+                   repetition_penalty=1.5, presence_penalty=2.0),
+        make_input("b", temperature=0.7, top_k=4, logprobs=0, seed=5),
+        make_input("c", temperature=0.0),
+    ]
+    sampled = Sampler([EOS]).sample(logits, inputs)
+    raw = logits.log_softmax(dim=-1)
+    for row, n in [(0, 3), (1, 0)]:
+        lp = sampled[row].logprobs
+        token = sampled[row].token_id
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(raw[row, token].item(), abs=1e-6)
+        assert lp.rank == 1 + sorted(raw[row].tolist(), reverse=True).index(raw[row, token].item())
+        expected_top = sorted(range(vocab), key=lambda t: -raw[row, t].item())[:n]
+        assert lp.top_token_ids == expected_top
+        assert lp.top_logprobs == pytest.approx([raw[row, t].item() for t in expected_top], abs=1e-6)
+    assert sampled[2].logprobs is None
+    assert len(sampled[0].logprobs.top_token_ids) == 3 and sampled[1].logprobs.top_token_ids == []
+
+
+def test_logprob_rank_of_a_penalised_choice_is_its_raw_rank():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    request = make_input(output=[1], temperature=0.0, logprobs=2, presence_penalty=5.0)
+    token = Sampler([EOS]).sample(logits, [request])[0]
+    assert token.token_id == 2
+    assert token.logprobs.rank == 2
+    assert token.logprobs.top_token_ids == [1, 2]
+    assert token.logprobs.logprob == pytest.approx(logits.log_softmax(-1)[0, 2].item())
+
+
+def test_mixed_batch_of_greedy_and_sampled_requests():
+    vocab = 29
+    logits = fixed_logits(6, vocab, seed=6)
+    inputs = [
+        make_input("g0", temperature=0.0),
+        make_input("s1", top_k=3),
+        make_input("g2", temperature=0.0, output=[5], frequency_penalty=1.0),
+        make_input("s3", top_p=0.5, seed=1),
+        make_input("s4", min_p=0.4, temperature=0.5),
+        make_input("g5", temperature=0.0, logprobs=1),
+    ]
+    sampler = Sampler([EOS])
+    adjusted = adjusted_logits(logits, inputs, [EOS])
+    for _ in range(10):
+        tokens = [t.token_id for t in sampler.sample(logits, inputs)]
+        for row in (0, 2, 5):
+            assert tokens[row] == adjusted[row].argmax().item()
+        for row in (1, 3, 4):
+            assert tokens[row] in support(reference_probs(logits[row], inputs[row].params))
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1001])
+def test_batch_of_one_and_odd_vocab_sizes(vocab):
+    logits = fixed_logits(1, vocab, seed=vocab)
+    sampler = Sampler([0])
+    greedy = sampler.sample(logits, [make_input(temperature=0.0)])[0]
+    assert greedy.token_id == logits[0].argmax().item()
+    case = dict(top_k=3, top_p=0.9, min_p=0.01, logprobs=5, seed=1)
+    sampled = sampler.sample(logits, [make_input(**case)])[0]
+    assert sampled.token_id in support(reference_probs(logits[0], SamplingParams(**case)))
+    assert len(sampled.logprobs.top_token_ids) == min(5, vocab)

@@ -1,0 +1,26 @@
+"""The worker's start-up configuration: built by the gateway, sent to the worker as msgpack."""
+
+from __future__ import annotations
+
+import msgspec
+
+from spillway.protocol.hashing import DEFAULT_HASH_SEED
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker needs to start. Built by the gateway, sent to the worker process."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    hash_seed: bytes = DEFAULT_HASH_SEED

@@ -1,0 +1,254 @@
+"""One engine step: schedule, run the model, sample, update. No sockets here (see main.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import msgspec
+import torch
+
+from spillway.protocol.hashing import root_hash
+from spillway.protocol.messages import (
+    FinishReason,
+    Generate,
+    Ready,
+    RequestDelta,
+    Stats,
+    PROTOCOL_VERSION,
+)
+from spillway.worker import envs
+from spillway.worker.config import WorkerConfig
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
+from spillway.worker.models import loader
+from spillway.worker.models import model_class_for
+from spillway.worker.request import Request
+from spillway.worker.sampler import Sampler, SamplingInput
+from spillway.worker.scheduler import Scheduler, StepPlan
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 4 << 30  # the CPU backend's default KV pool, as vLLM's CPU backend
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def eos_token_ids(files: loader.ModelFiles, hf_config) -> list[int]:
+    """EOS ids from the config and, where the folder has one, generation_config.json."""
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = files.path / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(msgspec.json.decode(gen_path.read_bytes()).get("eos_token_id"))
+    for value in sources:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
+class Engine:
+    """Owns the scheduler, the model runner and the sampler of one worker."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        files = loader.resolve_model(config.model, config.load_format)
+        self.model_name = config.served_model_name or files.name
+        hf_config = loader.load_config(files)
+        self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.vocab_size = int(hf_config.vocab_size)
+        model = self._build_model(hf_config, files)
+        self.block_size = config.block_size
+        num_blocks = self._num_blocks(hf_config)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=self.block_size,
+                                  device=self.device, dtype=self.dtype)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = eos_token_ids(files, hf_config)
+        self.root_hash = root_hash(config.hash_seed, self.model_name)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            root_hash=self.root_hash,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.debug_invariants = envs.debug_invariants()
+        self.num_steps = 0
+        self._arrivals = 0
+
+    def _build_model(self, hf_config, files: loader.ModelFiles) -> torch.nn.Module:
+        model = model_class_for(hf_config).build(hf_config, device=self.device, dtype=self.dtype)
+        if files.load_format == "dummy":
+            loader.init_dummy_weights(model, seed=self.config.seed)
+        else:
+            model.load_weights(loader.iter_weights(files))
+        return model.eval()
+
+    def _num_blocks(self, hf_config) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            if self.config.num_gpu_blocks_override < 1:
+                raise ValueError("num_gpu_blocks_override must be at least 1")
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - self.config.gpu_memory_utilization)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.dtype, int(budget))
+        # No point in more blocks than max_num_seqs full-length requests can use.
+        needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+        num_blocks = min(num_blocks, needed)
+        if num_blocks < math.ceil(self.max_model_len / self.block_size):
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len or give it more memory"
+            )
+        return num_blocks
+
+    def ready(self) -> Ready:
+        return Ready(
+            protocol_version=PROTOCOL_VERSION,
+            model=self.model_name,
+            block_size=self.block_size,
+            hash_seed=self.config.hash_seed,
+            num_gpu_blocks=self.block_manager.num_blocks,
+            num_cpu_blocks=0,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, msg: Generate) -> RequestDelta | None:
+        """Queue a request; returns an error delta instead when the worker cannot take it."""
+        error = self._check_request(msg)
+        if error is not None:
+            return RequestDelta(request_id=msg.request_id, new_token_ids=[],
+                                finish_reason=FinishReason.ERROR, error=error)
+        self._arrivals += 1
+        self.scheduler.add(Request.from_generate(msg, self._arrivals))
+        return None
+
+    def _check_request(self, msg: Generate) -> str | None:
+        num_prompt = len(msg.prompt_token_ids)
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt >= self.max_model_len:
+            return (f"the prompt has {num_prompt} tokens; max_model_len={self.max_model_len} "
+                    "leaves no room for output")
+        if min(msg.prompt_token_ids) < 0 or max(msg.prompt_token_ids) >= self.vocab_size:
+            return f"prompt token ids must lie in [0, {self.vocab_size})"
+        if self.scheduler.has_request(msg.request_id):
+            return f"request id {msg.request_id!r} is already in use"
+        return None
+
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        aborted = self.scheduler.abort(request_ids)
+        for request in aborted:
+            self.sampler.forget(request.request_id)
+        return [RequestDelta(request_id=r.request_id, new_token_ids=[],
+                             finish_reason=FinishReason.ABORT) for r in aborted]
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        sampled, logprobs = self._run(plan)
+        results = self.scheduler.update(plan, sampled)
+        self.num_steps += 1
+        deltas = []
+        for result in results:
+            request_id = result.request.request_id
+            if result.finish_reason is not None:
+                self.sampler.forget(request_id)
+            token_logprobs = logprobs.get(request_id)
+            deltas.append(RequestDelta(
+                request_id=request_id,
+                new_token_ids=result.new_token_ids,
+                finish_reason=result.finish_reason,
+                logprobs=[token_logprobs] if token_logprobs is not None and result.new_token_ids else None,
+                num_cached_tokens=result.num_cached_tokens,
+            ))
+        if self.debug_invariants:
+            self.block_manager.check_invariants()
+        return deltas
+
+    def _run(self, plan: StepPlan):
+        chunks = [
+            ChunkInput(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start, c.block_table)
+            for c in plan.chunks
+        ]
+        logits = self.runner.execute(chunks)
+        rows = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not rows:
+            return {}, {}
+        inputs = []
+        for i in rows:
+            request = plan.chunks[i].request
+            inputs.append(SamplingInput(request.request_id, request.params,
+                                        request.prompt_token_ids, request.output_token_ids))
+        sampled = self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, inputs)
+        tokens = {inp.request_id: s.token_id for inp, s in zip(inputs, sampled)}
+        logprobs = {inp.request_id: s.logprobs for inp, s in zip(inputs, sampled) if s.logprobs is not None}
+        return tokens, logprobs
+
+    def stats(self) -> Stats:
+        bm, sched = self.block_manager, self.scheduler
+        try:
+            bm.check_invariants()
+            ok = True
+        except AssertionError:
+            logger.exception("block manager invariants broken")
+            ok = False
+        return Stats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            gpu_cache_usage=bm.usage,
+            num_gpu_blocks=bm.num_blocks,
+            num_free_gpu_blocks=bm.num_free_blocks,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            num_steps=self.num_steps,
+            invariants_ok=ok,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()

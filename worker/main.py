@@ -1,0 +1,117 @@
+"""The worker process: handshake, then a busy loop over ZeroMQ.
+
+    drain inbox (Generate | Abort | Control) -> engine.step() -> push one StepOutputs
+
+The gateway binds both sockets; the worker connects, so a worker on another host only
+needs the gateway's address.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from spillway.protocol.messages import (
+    Abort,
+    Control,
+    ControlCommand,
+    Generate,
+    RequestDelta,
+    StepOutputs,
+    WorkerError,
+    encoder,
+    gateway_decoder,
+)
+from spillway.worker.config import WorkerConfig
+from spillway.worker.engine import Engine
+
+logger = logging.getLogger("spillway.worker")
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 1000
+
+
+def spawn_entry(config_bytes: bytes, inbox: str, outbox: str, parent_pid: int | None) -> None:
+    """Target of the spawned process; the config travels as msgpack, never pickled."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+    raise SystemExit(run_worker(config, inbox, outbox, parent_pid))
+
+
+def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None) -> int:
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(outbox)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(inbox)
+    enc = encoder()
+    try:
+        engine = Engine(config)
+    except Exception as exc:  # report why, then exit: the gateway raises it to the user
+        logger.exception("worker failed to start")
+        out.send(enc.encode(WorkerError(message=str(exc), fatal=True, traceback=traceback.format_exc())))
+        ctx.destroy(linger=2000)
+        return 1
+    out.send(enc.encode(engine.ready()))
+    try:
+        _busy_loop(engine, inp, out, parent_pid)
+    except Exception as exc:
+        logger.exception("worker step failed")
+        out.send(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
+                                        traceback=traceback.format_exc())))
+        return 1
+    finally:
+        ctx.destroy(linger=2000)
+    return 0
+
+
+def _busy_loop(engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
+    enc, dec = encoder(), gateway_decoder()
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    step = 0
+    last_stats = 0.0
+    while True:
+        pending: list[RequestDelta] = []
+        want_stats = False
+        timeout = 0 if engine.has_work else IDLE_POLL_MS
+        while poller.poll(timeout):
+            timeout = 0
+            match dec.decode(inp.recv()):
+                case Generate() as msg:
+                    error = engine.add_request(msg)
+                    if error is not None:
+                        pending.append(error)
+                case Abort(request_ids=request_ids):
+                    pending.extend(engine.abort(request_ids))
+                case Control(command=ControlCommand.SHUTDOWN):
+                    return
+                case Control(command=ControlCommand.RESET_PREFIX_CACHE):
+                    engine.reset_prefix_cache()
+                    want_stats = True
+                case Control():
+                    want_stats = True
+        if parent_pid is not None and os.getppid() != parent_pid:
+            logger.warning("the gateway process is gone; worker exiting")
+            return
+        was_busy = engine.has_work
+        if was_busy:
+            pending.extend(engine.step())
+        now = time.monotonic()
+        if was_busy and not engine.has_work:
+            want_stats = True  # the gateway sees the idle state right away
+        if was_busy and now - last_stats >= STATS_INTERVAL_S:
+            want_stats = True
+        if pending or want_stats:
+            stats = engine.stats() if want_stats else None
+            if stats is not None:
+                last_stats = now
+            out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))
+            step += 1

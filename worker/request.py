@@ -1,0 +1,107 @@
+"""Mutable worker-side state of one request, built from the immutable wire `Generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, its KV dropped; recomputed when resumed
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+_FINISHED_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
+
+
+def finished_status(reason: FinishReason) -> RequestStatus:
+    return _FINISHED_STATUS[reason]
+
+
+@dataclass(slots=True)
+class Request:
+    """One request as the scheduler sees it.
+
+    `num_computed_tokens` chases `num_tokens`: tokens [0, num_computed_tokens) of
+    `all_token_ids` have their KV in the request's blocks; the rest are computed by the
+    chunks the scheduler hands out. `block_hashes[i]` is the chained hash of full block i of
+    `all_token_ids`; it may run ahead of the computed tokens (the gateway sends every full
+    prompt block), but only computed blocks are ever committed to the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_hashes: list[BlockHash]
+    arrival_index: int
+    priority: int = 0
+    cache_salt: str | None = None
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when first scheduled; -1 until then.
+    num_cached_tokens: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_generate(cls, msg: Generate, arrival_index: int) -> Request:
+        return cls(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            params=msg.params,
+            block_hashes=[BlockHash(h) for h in msg.block_hashes],
+            arrival_index=arrival_index,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
