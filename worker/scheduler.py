@@ -1,0 +1,269 @@
+"""The unified token-budget scheduler.
+
+One rule covers prefill, chunked prefill, decode and recompute: a request's
+`num_computed_tokens` chases its `num_tokens`. Each step hands out tokens to compute under
+`max_num_batched_tokens` and `max_num_seqs`:
+
+    1. running requests, oldest first: 1 token for a decode, the next chunk for a prefill
+    2. waiting requests, in queue order: a prefill chunk after the prefix-cache hits, cut to
+       the budget that is left (chunked prefill)
+
+Both queues are ordered by (priority, arrival_index): FCFS when no priority is given, and a
+preempted request goes back ahead of every younger waiting one. When a running request
+needs a block and none is free, the newest running request is preempted (recompute: its
+blocks are released, its tokens computed again when it is resumed).
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from spillway.protocol.hashing import block_hashes
+from spillway.protocol.messages import BlockHash, FinishReason
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.request import Request, RequestStatus, finished_status
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Compute `all_token_ids[start : start + num_tokens]` of `request` this step."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_tokens: int
+    block_table: list[int]  # a snapshot covering start + num_tokens tokens
+    sample: bool  # the chunk reaches the request's last token: sample the next one
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    preempted: list[str]  # request ids whose blocks were released this step
+    num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = -1  # set on the request's first output only
+
+
+def _queue_key(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_index)
+
+
+class Scheduler:
+    """Turns the request queues into one `StepPlan` per step; see the module doc.
+
+    Usage per step: `plan = schedule()`, run the model on `plan.chunks`, then
+    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        root_hash: BlockHash,
+        eos_token_ids: Iterable[int],
+    ) -> None:
+        if block_size != block_manager.block_size:
+            raise ValueError(f"block size {block_size} != the block manager's {block_manager.block_size}")
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+        if -(-max_model_len // block_size) > block_manager.num_gpu_blocks:
+            # Otherwise one long request could never fit and would preempt itself forever.
+            raise ValueError(f"{block_manager.num_gpu_blocks} blocks of {block_size} tokens "
+                             f"cannot hold one request of max_model_len {max_model_len}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Request] = []  # sorted by _queue_key
+        self.running: list[Request] = []  # sorted by _queue_key: the newest is last
+        self._requests: dict[str, Request] = {}
+        # Cumulative, in prompt tokens, first schedulings only (never a resume).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError, queueing nothing, for a request it refuses."""
+        problem = self._refusal(request)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.block_manager.enable_prefix_caching:
+            self._hash_full_blocks(request)  # when the sender did not hash the prompt
+        insort(self.waiting, request, key=_queue_key)
+        self._requests[request.request_id] = request
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the known ones among `request_ids` as aborted, releasing their blocks now."""
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+            self._release(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_tokens, preempted):
+                break  # the request was the newest and preempted itself
+            chunks.append(self._chunk(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        # After running out of blocks, admitting new work would only be preempted again.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break  # strict queue order: nobody overtakes a request that does not fit
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return StepPlan(chunks, preempted, self.max_num_batched_tokens - budget)
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[StepResult]:
+        """Apply a computed plan: `sampled` maps request id -> token for chunks with `sample`."""
+        results = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted after schedule()
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.sample:
+                request.append_token(sampled[request.request_id])
+            self._commit_full_blocks(request, chunk.start)
+            if chunk.sample:
+                results.append(self._check_stop(request))
+        if any(result.finish_reason is not None for result in results):
+            self.running = [request for request in self.running if not request.is_finished]
+        return results
+
+    def _refusal(self, request: Request) -> str | None:
+        num_prompt = request.num_prompt_tokens
+        if request.request_id in self._requests:
+            return f"request id {request.request_id!r} is already in use"
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt >= self.max_model_len:
+            return (f"the prompt has {num_prompt} tokens, which leaves no room to generate "
+                    f"within max_model_len {self.max_model_len}")
+        if request.params.max_tokens < 1:
+            return f"max_tokens must be at least 1, got {request.params.max_tokens}"
+        if len(request.block_hashes) > num_prompt // self.block_size:
+            return f"{len(request.block_hashes)} block hashes for {num_prompt // self.block_size} full prompt blocks"
+        return None
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """Blocks for the request's next `num_tokens`, preempting the newest running requests
+        until they fit. False when the request itself was the newest and had to go."""
+        num_tokens_covered = request.num_computed_tokens + num_tokens
+        while not self.block_manager.allocate(request.request_id, num_tokens_covered):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        insort(self.waiting, request, key=_queue_key)
+
+    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+        """Move the head of the waiting queue to running with its first chunk, or None."""
+        # The last token is always recomputed: its logits give the next token.
+        num_hashes = (request.num_tokens - 1) // self.block_size
+        cached = self.block_manager.find_cached_prefix(request.block_hashes[:num_hashes])
+        num_cached = len(cached) * self.block_size
+        num_tokens = min(request.num_tokens - num_cached, budget)
+        if not self.block_manager.allocate(request.request_id, num_cached + num_tokens, cached):
+            return None
+        self.waiting.pop(0)
+        if request.status == RequestStatus.WAITING:  # first scheduling; a resume is no hit
+            request.num_cached_tokens = num_cached
+            if self.block_manager.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_prompt_tokens
+                self.prefix_cache_hits += num_cached
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        insort(self.running, request, key=_queue_key)
+        return self._chunk(request, num_tokens)
+
+    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        block_table = self.block_manager.block_table(request.request_id)
+        return ScheduledChunk(request, start, num_tokens, block_table, start + num_tokens == request.num_tokens)
+
+    def _hash_full_blocks(self, request: Request) -> None:
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            parent = hashes[-1] if hashes else None
+            hashes += block_hashes(request.all_token_ids, self.block_size, self.root_hash,
+                                   request.cache_salt, start=len(hashes), parent=parent)
+
+    def _commit_full_blocks(self, request: Request, chunk_start: int) -> None:
+        """Cache the blocks this chunk completed (only computed blocks are ever committed)."""
+        num_full = request.num_computed_tokens // self.block_size
+        if not self.block_manager.enable_prefix_caching or num_full == chunk_start // self.block_size:
+            return
+        self._hash_full_blocks(request)
+        self.block_manager.commit(request.request_id, request.block_hashes[:num_full])
+
+    def _check_stop(self, request: Request) -> StepResult:
+        token = request.all_token_ids[-1]
+        reason = self._finish_reason(request, token)
+        if reason is not None:
+            self._release(request, finished_status(reason))
+        num_cached = request.num_cached_tokens if request.num_output_tokens == 1 else -1
+        return StepResult(request, [token], reason, num_cached)
+
+    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.block_manager.free(request.request_id)
+        del self._requests[request.request_id]
+
