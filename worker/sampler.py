@@ -137,10 +137,10 @@ def filtered_logits(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         top_k = per_row([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                         torch.long)
     top_p = per_row([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
-    if any(p.min_p > 0.0 for p in params):
-        logits = _apply_min_p(logits, per_row([p.min_p for p in params]))
     if top_k is not None or top_p is not None:
         logits = _apply_top_k_top_p(logits, top_k, top_p)
+    if any(p.min_p > 0.0 for p in params):
+        logits = _apply_min_p(logits, per_row([p.min_p for p in params]))
     return logits
 
 

@@ -139,6 +139,15 @@ def test_min_p_is_relative_to_the_most_likely_token():
     assert support(probs[0]) == {0, 1, 2}
 
 
+def test_min_p_applies_after_top_p():
+    # min-p first would renormalise away the tail and let top-p stop one token earlier.
+    logits = torch.tensor([[0.3, 0.26, 0.24, 0.04, 0.04, 0.04, 0.04, 0.04]]).log()
+    params = SamplingParams(top_p=0.6, min_p=0.5)
+    probs = filtered_logits(logits, [params]).softmax(dim=-1)
+    assert support(probs[0]) == {0, 1, 2}
+    assert_same_distribution(probs[0], reference_probs(logits[0], params))
+
+
 def test_penalties_match_the_reference_row_by_row():
     vocab = 23
     inputs = [
@@ -297,6 +306,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert greedy([7, 7, 7], min_tokens=3) == EOS
     assert greedy([7, 7], min_tokens=3, ignore_eos=True) == 3
     assert greedy([7, 7], ignore_eos=True) == EOS
+    assert greedy([7, 7], ignore_eos=True, logprobs=0) == EOS
+    unmasked = adjusted_logits(logits, [make_input(ignore_eos=True, stop_token_ids=(4,))], [EOS])
+    assert torch.equal(unmasked, logits)
     masked = adjusted_logits(logits, [make_input(min_tokens=1, stop_token_ids=(4,))], [EOS])
     assert masked[0, EOS] == masked[0, 4] == float("-inf")
     assert logits[0, EOS] == 9.0
