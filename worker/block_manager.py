@@ -155,10 +155,14 @@ class BlockManager:
             hits.append(block.block_id)
         return hits
 
-    def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def can_allocate(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         return self._num_free_blocks_taken(request_id, num_tokens, cached_blocks) <= len(self._free)
 
-    def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
 
         On the request's first allocation `cached_blocks` (from `find_cached_prefix`) become
@@ -189,7 +193,9 @@ class BlockManager:
         """
         table = self._tables[request_id]
         if len(block_hashes) > len(table.block_ids):
-            raise ValueError(f"{request_id}: {len(block_hashes)} hashes for {len(table.block_ids)} blocks")
+            raise ValueError(
+                f"{request_id}: {len(block_hashes)} hashes for {len(table.block_ids)} blocks"
+            )
         if self.enable_prefix_caching:
             for i in range(table.num_committed, len(block_hashes)):
                 block = self.blocks[table.block_ids[i]]
@@ -226,43 +232,44 @@ class BlockManager:
         free_ids = [block.block_id for block in self._free]
         _check(len(free_ids) == len(self._free), "free list length differs from its count")
         _check(len(set(free_ids)) == len(free_ids), "a block is in the free list twice")
-        refs = Counter(block_id for table in self._tables.values() for block_id in table.block_ids)
-        num_referenced = 0
+        tables = self._tables.values()
+        refs = Counter(block_id for table in tables for block_id in table.block_ids)
         for block in self.blocks:
-            _check(block.ref_count == refs[block.block_id],
-                   f"block {block.block_id}: ref_count {block.ref_count}, in {refs[block.block_id]} tables")
+            name = f"block {block.block_id} (ref_count {block.ref_count})"
+            _check(block.ref_count == refs[block.block_id], f"{name}: in {refs[block.block_id]} tables")
             _check((block.ref_count == 0) == (block.prev_free is not None),
-                   f"block {block.block_id}: ref_count {block.ref_count} but free-list membership disagrees")
-            num_referenced += block.ref_count > 0
+                   f"{name}: free-list membership disagrees")
             if block.block_hash is not None:
-                _check(self._cached.get(block.block_hash) is block,
-                       f"block {block.block_id} has a hash that does not map to it")
+                _check(self._cached.get(block.block_hash) is block, f"{name}: hash does not map to it")
+        num_referenced = sum(block.ref_count > 0 for block in self.blocks)
         _check(num_referenced + len(free_ids) == self.num_gpu_blocks, "referenced + free != total")
         for block_hash, block in self._cached.items():
-            _check(block.block_hash == block_hash, f"cached hash maps to block {block.block_id} without it")
+            _check(block.block_hash == block_hash, f"a hash maps to block {block.block_id} without it")
         _check(self.enable_prefix_caching or not self._cached, "hashes cached with caching off")
         gpu_slots = [block.gpu_slot for block in self.blocks]
         cpu_slots = [block.cpu_slot for block in self.blocks if block.cpu_slot is not None]
         _check(len(set(gpu_slots)) == len(gpu_slots), "a GPU slot is owned twice")
         _check(len(set(cpu_slots)) == len(cpu_slots), "a CPU slot is owned twice")
         for request_id, table in self._tables.items():
-            ids = table.block_ids
+            ids, num_committed = table.block_ids, table.num_committed
             _check(len(set(ids)) == len(ids), f"{request_id}: a block appears twice in its table")
-            _check(table.num_committed <= len(ids), f"{request_id}: more committed blocks than blocks")
-            _check(all(self.blocks[i].block_hash is None for i in ids[table.num_committed :]),
+            _check(num_committed <= len(ids), f"{request_id}: more blocks committed than held")
+            _check(all(self.blocks[i].block_hash is None for i in ids[num_committed:]),
                    f"{request_id}: an uncommitted block holds a hash")
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _num_free_blocks_taken(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int:
+    def _num_free_blocks_taken(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]
+    ) -> int:
         table = self._tables.get(request_id)
         if table is not None and cached_blocks:
-            raise ValueError(f"{request_id}: cached blocks are taken only on the first allocation")
+            raise ValueError(f"{request_id}: cached blocks are taken on the first allocation only")
         if len(cached_blocks) * self.block_size > num_tokens:
-            raise ValueError(f"{request_id}: {len(cached_blocks)} cached blocks exceed {num_tokens} tokens")
+            raise ValueError(f"{request_id}: {len(cached_blocks)} cached blocks, {num_tokens} tokens")
         if any(self.blocks[i].block_hash is None for i in cached_blocks):
-            raise ValueError(f"{request_id}: a block of the cached prefix was evicted since the lookup")
+            raise ValueError(f"{request_id}: a cached prefix block was evicted since the lookup")
         num_held = len(table.block_ids) if table else len(cached_blocks)
         num_new = max(0, self._num_blocks_needed(num_tokens) - num_held)
         # A hit on a free block takes it out of the free list too.

@@ -136,7 +136,7 @@ class Engine:
             model=self.model_name,
             block_size=self.block_size,
             hash_seed=self.config.hash_seed,
-            num_gpu_blocks=self.block_manager.num_blocks,
+            num_gpu_blocks=self.block_manager.num_gpu_blocks,
             num_cpu_blocks=0,
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
@@ -157,7 +157,11 @@ class Engine:
             return RequestDelta(request_id=msg.request_id, new_token_ids=[],
                                 finish_reason=FinishReason.ERROR, error=error)
         self._arrivals += 1
-        self.scheduler.add(Request.from_generate(msg, self._arrivals))
+        try:
+            self.scheduler.add(Request.from_generate(msg, self._arrivals))
+        except ValueError as exc:
+            return RequestDelta(request_id=msg.request_id, new_token_ids=[],
+                                finish_reason=FinishReason.ERROR, error=str(exc))
         return None
 
     def _check_request(self, msg: Generate) -> str | None:
@@ -241,7 +245,7 @@ class Engine:
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             gpu_cache_usage=bm.usage,
-            num_gpu_blocks=bm.num_blocks,
+            num_gpu_blocks=bm.num_gpu_blocks,
             num_free_gpu_blocks=bm.num_free_blocks,
             prefix_cache_queries=sched.prefix_cache_queries,
             prefix_cache_hits=sched.prefix_cache_hits,

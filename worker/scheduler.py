@@ -75,9 +75,9 @@ class Scheduler:
         eos_token_ids: Iterable[int],
     ) -> None:
         if block_size != block_manager.block_size:
-            raise ValueError(f"block size {block_size} != the block manager's {block_manager.block_size}")
+            raise ValueError(f"block size {block_size} differs from {block_manager.block_size}")
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) <= 0:
-            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be positive")
+            raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len must be positive")
         if -(-max_model_len // block_size) > block_manager.num_gpu_blocks:
             # Otherwise one long request could never fit and would preempt itself forever.
             raise ValueError(f"{block_manager.num_gpu_blocks} blocks of {block_size} tokens "
@@ -109,6 +109,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id belongs to an unfinished request (waiting or running)."""
+        return request_id in self._requests
+
     def add(self, request: Request) -> None:
         """Queue a new request. Raises ValueError, queueing nothing, for a request it refuses."""
         problem = self._refusal(request)
@@ -126,7 +130,8 @@ class Scheduler:
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            (self.running if request.status == RequestStatus.RUNNING else self.waiting).remove(request)
+            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+            queue.remove(request)
             self._release(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(request)
         return aborted
@@ -145,7 +150,7 @@ class Scheduler:
             budget -= num_tokens
             index += 1
         # After running out of blocks, admitting new work would only be preempted again.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break  # strict queue order: nobody overtakes a request that does not fit
@@ -182,8 +187,12 @@ class Scheduler:
         if request.params.max_tokens < 1:
             return f"max_tokens must be at least 1, got {request.params.max_tokens}"
         if len(request.block_hashes) > num_prompt // self.block_size:
-            return f"{len(request.block_hashes)} block hashes for {num_prompt // self.block_size} full prompt blocks"
+            return (f"{len(request.block_hashes)} block hashes for "
+                    f"{num_prompt // self.block_size} full prompt blocks")
         return None
+
+    def _has_free_seq_slot(self) -> bool:
+        return len(self.running) < self.max_num_seqs
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
         """Blocks for the request's next `num_tokens`, preempting the newest running requests
@@ -228,7 +237,8 @@ class Scheduler:
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         block_table = self.block_manager.block_table(request.request_id)
-        return ScheduledChunk(request, start, num_tokens, block_table, start + num_tokens == request.num_tokens)
+        sample = start + num_tokens == request.num_tokens
+        return ScheduledChunk(request, start, num_tokens, block_table, sample)
 
     def _hash_full_blocks(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -254,11 +264,11 @@ class Scheduler:
         return StepResult(request, [token], reason, num_cached)
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        params, num_outputs = request.params, request.num_output_tokens
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if num_outputs >= params.min_tokens and (is_eos or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if num_outputs >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
