@@ -61,14 +61,17 @@ class ModelFiles:
 def resolve_model(model: str | None, load_format: str = "auto") -> ModelFiles:
     """Turn a user's model argument into a local folder, converting a GGUF file once."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}: {load_format!r}")
     if model is None:
         if load_format == "dummy":
             return _builtin_files("smollm2-135m", DEFAULT_MODEL_NAME)
         return _gguf_files(default_model_path(), DEFAULT_MODEL_NAME, load_format)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_files(path, model, load_format)
+    if path.is_file():
+        raise ValueError(f"model {model!r} is a file but not a .gguf file: pass a model "
+                         "folder (config.json + *.safetensors) or a .gguf file")
     if load_format == "gguf":
         raise ValueError(f"load_format='gguf' needs a .gguf file; {model!r} is not one")
     if path.is_dir():
@@ -79,7 +82,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelFiles:
                 f"{model!r} is a built-in config without weights: use load_format='dummy'"
             )
         return _builtin_files(model, model)
-    snapshot = _hub_snapshot(model) if _HUB_ID.match(model) and not path.exists() else None
+    snapshot = _hub_snapshot(model) if _HUB_ID.match(model) else None
     if snapshot is not None:
         return _folder_files(snapshot, model, load_format)
     raise ValueError(_not_found_message(model, path))
@@ -220,7 +223,7 @@ def _gguf_files(gguf_path: Path, name: str, load_format: str) -> ModelFiles:
         started = time.monotonic()
         print(f"Spillway: converting {gguf_path} to safetensors in {folder} "
               "(first use only)", file=sys.stderr, flush=True)
-        with _building(folder) as tmp:
+        with _building(folder, replace=False) as tmp:
             _convert_gguf(gguf_path, tmp)
         print(f"Spillway: converted in {time.monotonic() - started:.1f} s",
               file=sys.stderr, flush=True)
@@ -245,6 +248,7 @@ def gguf_content_hash(gguf_path: Path) -> str:
     index_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=index_path.parent, delete=False) as f:
         json.dump(index, f, indent=1)
+    os.chmod(f.name, 0o644)
     os.replace(f.name, index_path)
     return digest
 
@@ -306,7 +310,7 @@ def _builtin_files(config_name: str, name: str) -> ModelFiles:
     )
     tokenizer_missing = tokenizer_gguf is not None and not (folder / "tokenizer.json").is_file()
     if not config_current or tokenizer_missing:
-        with _building(folder) as tmp:
+        with _building(folder, replace=True) as tmp:
             shutil.copyfile(source, tmp / "config.json")
             if tokenizer_gguf is not None:
                 _save_gguf_tokenizer(tokenizer_gguf, tmp)
@@ -321,11 +325,12 @@ def _default_gguf_or_none() -> Path | None:
 
 
 @contextlib.contextmanager
-def _building(folder: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside `folder`; on success it replaces `folder` in one rename.
+def _building(folder: Path, replace: bool) -> Iterator[Path]:
+    """Yield a temporary folder beside `folder`, renamed to `folder` once the block succeeds.
 
-    Temporary names carry the builder's pid, so leftovers of a killed build are removed by the
-    next one on this host.
+    If `folder` appeared meanwhile (another process built it), `replace` says whether ours
+    takes its place or is dropped. Temporary names carry the builder's pid, so leftovers of a
+    killed build are removed by the next build on this host.
     """
     folder.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{folder.name}."
@@ -334,16 +339,19 @@ def _building(folder: Path) -> Iterator[Path]:
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", suffix=".partial",
                                 dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
     try:
         yield tmp
-        if folder.exists():
+        if replace and folder.exists():
             old = folder.parent / f"{prefix}{os.getpid()}-old.partial"
-            os.replace(folder, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, folder)
-    except OSError:
-        if not folder.is_dir():  # another process did not publish it first
-            raise
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(folder, old)
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not folder.is_dir():  # else another process published it first: keep theirs
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,0 +1,367 @@
+"""Model resolution: GGUF conversion and its cache, HF folders, built-in configs, dummy weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from spillway.worker.models import loader
+from spillway.worker.models.loader import (
+    ModelFiles,
+    TokenizerNotFoundError,
+    default_model_path,
+    init_dummy_weights,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_cache_dir(tmp_path_factory):
+    """Every test here writes to a private cache, never to the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("spillway-cache")
+        mp.setenv("SPILLWAY_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def default_files(module_cache_dir) -> ModelFiles:
+    """The default GGUF converted once for the whole module (about 20 s)."""
+    return resolve_model(None)
+
+
+@pytest.fixture()
+def own_cache_dir(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SPILLWAY_CACHE_DIR", str(path))
+    return path
+
+
+def write_folder(path: Path, tensors: dict[str, torch.Tensor] | None = None, **files: str) -> Path:
+    """A model folder with the built-in SmolLM2 config, optional weights and extra files."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = loader.BUILTIN_CONFIGS_DIR / "smollm2-135m.json"
+    (path / "config.json").write_text(config.read_text())
+    if tensors is not None:
+        save_file(tensors, path / "model.safetensors")
+    for name, text in files.items():
+        (path / name.replace("__", ".")).write_text(text)
+    return path
+
+
+def fake_converter(calls: list[Path]):
+    def convert(gguf_path: Path, dest: Path) -> None:
+        calls.append(gguf_path)
+        write_folder(dest, {"w": torch.ones(2)})
+
+    return convert
+
+
+# The default model, converted from GGUF.
+
+
+@pytest.mark.slow
+def test_default_model_becomes_an_hf_folder_in_the_cache(default_files, module_cache_dir):
+    assert default_files.name == "SmolLM2-135M-Instruct"
+    assert default_files.load_format == "safetensors"
+    assert default_files.path.parent == module_cache_dir / "gguf"
+    assert len(default_files.path.name) == 32  # xxh3_128 hex digest
+    config = json.loads((default_files.path / "config.json").read_text())
+    shape = (config["model_type"], config["num_hidden_layers"], config["vocab_size"])
+    assert shape == ("llama", 30, 49152)
+    assert "quantization_config" not in config
+    assert {"model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(
+        p.name for p in default_files.path.iterdir()
+    )
+    assert not list((module_cache_dir / "gguf").glob(".*.partial"))
+
+
+@pytest.mark.slow
+def test_default_tokenizer_encodes_and_has_a_chat_template(default_files):
+    tokenizer = load_tokenizer(default_files)
+    assert tokenizer.is_fast
+    assert tokenizer.encode("Hello") == [19556]
+    assert tokenizer.decode([19556]) == "Hello"
+    assert tokenizer.eos_token == "<|im_end|>"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_default_weights_have_hf_names_and_shapes(default_files):
+    config = load_config(default_files)
+    assert config.hidden_size == 576
+    assert config.num_key_value_heads == 3
+    assert config.tie_word_embeddings
+    shapes = {name: tuple(tensor.shape) for name, tensor in iter_weights(default_files)}
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (576, 576)
+    assert shapes["model.layers.29.self_attn.k_proj.weight"] == (192, 576)
+    assert shapes["model.embed_tokens.weight"] == (49152, 576)
+    assert "lm_head.weight" not in shapes  # tied to the embedding, as in HF checkpoints
+    assert len(shapes) == 2 + 30 * 9
+
+
+@pytest.mark.slow
+def test_converted_weights_equal_transformers_own_gguf_loading(default_files):
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = default_model_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
+    ).state_dict()
+    converted = dict(iter_weights(default_files))
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert converted[q_proj].dtype == torch.float32
+    assert torch.equal(converted[q_proj], reference[q_proj])
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.slow
+def test_second_resolve_uses_the_cache_and_is_fast(default_files, monkeypatch):
+    def fail(*args):
+        raise AssertionError("the cache should have answered")
+
+    monkeypatch.setattr(loader, "_convert_gguf", fail)
+    monkeypatch.setattr(loader, "_hash_file", fail)  # the index knows the file
+    started = time.monotonic()
+    again = resolve_model(None)
+    assert time.monotonic() - started < 3.0
+    assert again == default_files
+
+
+@pytest.mark.slow
+def test_dummy_smollm2_gets_the_gguf_tokenizer():
+    files = resolve_model("smollm2-135m", load_format="dummy")
+    assert sorted(p.name for p in files.path.iterdir()) == [
+        "chat_template.jinja", "config.json", "tokenizer.json", "tokenizer_config.json"
+    ]
+    assert load_tokenizer(files).encode("Hello") == [19556]
+    assert resolve_model(None, load_format="dummy").path == files.path
+
+
+# The conversion cache, with the converter replaced.
+
+
+def test_content_hash_is_remembered_until_the_file_changes(own_cache_dir, tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF one")
+    hashed: list[Path] = []
+    real_hash = loader._hash_file
+    monkeypatch.setattr(loader, "_hash_file", lambda path: hashed.append(path) or real_hash(path))
+
+    first = loader.gguf_content_hash(gguf)
+    assert loader.gguf_content_hash(gguf) == first
+    assert len(hashed) == 1
+    os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 1))
+    assert loader.gguf_content_hash(gguf) == first
+    assert len(hashed) == 2
+    gguf.write_bytes(b"GGUF two!")
+    assert loader.gguf_content_hash(gguf) != first
+    assert len(hashed) == 3
+
+
+def test_gguf_is_converted_once_and_named_as_given(own_cache_dir, tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls: list[Path] = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
+    first = resolve_model(str(gguf))
+    second = resolve_model(str(gguf), load_format="gguf")
+    assert first == second == ModelFiles(str(gguf), first.path, "safetensors")
+    assert calls == [gguf]
+    assert [name for name, _ in iter_weights(first)] == ["w"]
+
+
+def test_interrupted_conversion_leaves_no_cache_folder(own_cache_dir, tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    digest = loader.gguf_content_hash(gguf)
+    stale = own_cache_dir / "gguf" / f".{digest}.999999999-x.partial"  # a pid that cannot exist
+    stale.mkdir()
+
+    def interrupted(gguf_path: Path, dest: Path) -> None:
+        (dest / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_convert_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(str(gguf))
+    assert sorted(p.name for p in (own_cache_dir / "gguf").iterdir()) == ["index.json"]
+
+    calls: list[Path] = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
+    files = resolve_model(str(gguf))
+    assert files.path == own_cache_dir / "gguf" / digest
+    assert calls == [gguf]
+
+
+# HF folders.
+
+
+def test_sharded_folder_yields_the_indexed_shards_only(tmp_path):
+    folder = write_folder(tmp_path / "m")
+    save_file({"a": torch.zeros(2)}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(3)}, folder / "model-00002-of-00002.safetensors")
+    save_file({"stale": torch.ones(1)}, folder / "consolidated.safetensors")
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    index = {"metadata": {"total_size": 20}, "weight_map": shards}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    files = resolve_model(str(folder))
+    assert files == ModelFiles(str(folder), folder, "safetensors")
+    weights = {name: t.tolist() for name, t in iter_weights(files)}
+    assert weights == {"a": [0.0, 0.0], "b": [1.0, 1.0, 1.0]}
+
+
+def test_folder_with_only_bin_weights_is_refused(tmp_path):
+    folder = write_folder(tmp_path / "m", pytorch_model__bin="not a pickle")
+    with pytest.raises(ValueError, match=r"\.bin.*safetensors"):
+        resolve_model(str(folder))
+
+
+def test_folder_without_weights_needs_dummy(tmp_path):
+    folder = write_folder(tmp_path / "m")
+    with pytest.raises(ValueError, match="dummy"):
+        resolve_model(str(folder))
+    files = resolve_model(str(folder), load_format="dummy")
+    assert files == ModelFiles(str(folder), folder, "dummy")
+    with pytest.raises(ValueError, match="no weights"):
+        next(iter_weights(files))
+
+
+def test_hub_model_already_in_the_local_hf_cache_resolves(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = write_folder(repo / "snapshots" / commit, {"w": torch.ones(1)})
+    assert resolve_model("acme/tiny") == ModelFiles("acme/tiny", snapshot, "safetensors")
+
+
+@pytest.mark.parametrize(
+    ("model", "load_format", "message"),
+    [
+        ("/no/such/folder", "auto", "not found.*never downloads"),
+        ("meta-llama/Llama-3-8B", "auto", "'meta-llama/Llama-3-8B' not found.*never downloads"),
+        ("qwen3-8b", "auto", "load_format='dummy'"),
+        (None, "pt", "load_format must be one of"),
+        (None, "safetensors", "is a GGUF file"),
+    ],
+)
+def test_unresolvable_models_raise_value_error(model, load_format, message, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    with pytest.raises(ValueError, match=message):
+        resolve_model(model, load_format=load_format)
+
+
+def test_non_gguf_file_and_folder_without_config_are_refused(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.safetensors"))
+    (tmp_path / "m.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no config.json; pass the .gguf file itself \(m.gguf\)"):
+        resolve_model(str(tmp_path))
+
+
+# Built-in configs and dummy weights.
+
+
+@pytest.mark.parametrize(
+    ("name", "model_type", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab"),
+    [
+        ("qwen3-8b", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+        ("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936),
+        ("llama-3-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256),
+        pytest.param(
+            "smollm2-135m", "llama", 576, 30, 9, 3, 64, 1536, 49152, marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_builtin_configs_give_real_dummy_configs(
+    name, model_type, hidden, layers, heads, kv_heads, head_dim, ffn, vocab
+):
+    files = resolve_model(name, load_format="dummy")
+    assert (files.name, files.load_format) == (name, "dummy")
+    config = load_config(files)
+    head_dim_of_config = config.head_dim or config.hidden_size // config.num_attention_heads
+    assert (
+        config.model_type, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+        config.num_key_value_heads, head_dim_of_config, config.intermediate_size, config.vocab_size,
+    ) == (model_type, hidden, layers, heads, kv_heads, head_dim, ffn, vocab)
+    with pytest.raises(ValueError, match="no weights"):
+        next(iter_weights(files))
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-0.6b", "llama-3-8b"])
+def test_builtin_configs_without_tokenizer_say_so(name):
+    files = resolve_model(name, load_format="dummy")
+    assert [p.name for p in files.path.iterdir()] == ["config.json"]
+    with pytest.raises(TokenizerNotFoundError, match="token ids only"):
+        load_tokenizer(files)
+
+
+def test_builtin_folder_follows_a_changed_config(own_cache_dir, tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    monkeypatch.setattr(loader, "BUILTIN_CONFIGS_DIR", configs)
+    files = resolve_model("tiny", load_format="dummy")
+    (configs / "tiny.json").write_text('{"model_type": "llama", "hidden_size": 128}')
+    assert resolve_model("tiny", load_format="dummy").path == files.path
+    assert load_config(files).hidden_size == 128
+
+
+def test_init_dummy_weights_gives_finite_varied_logits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_json_file(loader.BUILTIN_CONFIGS_DIR / "smollm2-135m.json")
+    model = LlamaForCausalLM(config).eval()
+    init_dummy_weights(model, seed=0)
+    params = dict(model.named_parameters())
+    assert torch.equal(params["model.layers.3.input_layernorm.weight"], torch.ones(576))
+    assert torch.equal(params["model.norm.weight"], torch.ones(576))
+    q_proj = params["model.layers.0.self_attn.q_proj.weight"]
+    assert 0.019 < q_proj.std().item() < 0.021
+    assert all(torch.isfinite(p).all() for p in params.values())
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 19556, 28, 905]])).logits
+    assert torch.isfinite(logits).all()
+    assert (logits.std(dim=-1) > 0.1).all()
+    assert len(set(logits[0].argmax(dim=-1).tolist())) > 1
+
+    embedding = params["model.embed_tokens.weight"].clone()
+    init_dummy_weights(model, seed=1)
+    assert not torch.equal(params["model.embed_tokens.weight"], embedding)
+    init_dummy_weights(model, seed=0)
+    assert torch.equal(params["model.embed_tokens.weight"], embedding)
+
+
+def test_init_dummy_weights_zeroes_biases_and_sets_qk_norms():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, attention_bias=True,
+    )
+    model = Qwen3ForCausalLM(config)
+    init_dummy_weights(model)
+    params = dict(model.named_parameters())
+    assert torch.equal(params["model.layers.1.self_attn.q_norm.weight"], torch.ones(16))
+    assert torch.equal(params["model.layers.1.self_attn.k_proj.bias"], torch.zeros(32))
+    assert params["lm_head.weight"].abs().max() > 0
