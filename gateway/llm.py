@@ -132,9 +132,10 @@ class LLM:
             raise ValueError("a tokenizer separate from the model is not supported yet")
         _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization)
         files = loader.resolve_model(model, load_format)  # ValueError for unknown models
-        self._hf_tokenizer = loader.load_tokenizer(files) if files.load_format != "dummy" else None
-        if self._hf_tokenizer is None and (files.path / "tokenizer.json").is_file():
+        try:
             self._hf_tokenizer = loader.load_tokenizer(files)
+        except loader.TokenizerNotFoundError:
+            self._hf_tokenizer = None  # token-id prompts only
         self.config = WorkerConfig(
             model=str(files.path),
             served_model_name=served_model_name or files.name,
