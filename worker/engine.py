@@ -29,7 +29,7 @@ from spillway.worker.scheduler import Scheduler, StepPlan
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 4 << 30  # the CPU backend's default KV pool, as vLLM's CPU backend
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU device's KV pool: 1 GiB holds ~23k SmolLM2-135M tokens
 
 
 def resolve_device(name: str) -> torch.device:
@@ -79,6 +79,13 @@ class Engine:
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         model = self._build_model(hf_config, files)
+        window = getattr(model, "sliding_window", None)
+        if window is not None and self.max_model_len > window:
+            # Sliding-window attention is not implemented: stay within one window, exactly.
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding "
+                                 f"window ({window}), which Spillway does not implement yet")
+            self.max_model_len = window
         self.block_size = config.block_size
         num_blocks = self._num_blocks(hf_config)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=self.block_size,

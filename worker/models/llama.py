@@ -1,0 +1,297 @@
+"""The Llama-shaped decoders: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
+
+One implementation; the families differ only in flags read from the config:
+
+    family   q/k/v bias   q/k RMSNorm   notes
+    llama    attention_bias  -          Llama 3.1 "llama3" rope scaling
+    mistral  -            -             sliding window: the runner refuses longer contexts
+    qwen2    always       -
+    qwen3    attention_bias  per head   head_dim from the config
+
+Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
+(`qkv_proj`, `gate_up_proj`); `load_weights` maps the checkpoint's names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spillway.worker.attention import AttentionBackend, AttentionMetadata
+from spillway.worker.models.layers import (
+    Llama3RopeScaling,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    silu_and_mul,
+)
+
+ARCHITECTURE_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+MODEL_TYPES = tuple(ARCHITECTURE_MODEL_TYPES.values())
+
+
+def model_type_of(config) -> str:
+    """The family named by `config.model_type`, else by its first known architecture."""
+    model_type = getattr(config, "model_type", "") or ""
+    if model_type in MODEL_TYPES:
+        return model_type
+    for architecture in getattr(config, "architectures", None) or ():
+        if architecture in ARCHITECTURE_MODEL_TYPES:
+            return ARCHITECTURE_MODEL_TYPES[architecture]
+    return model_type
+
+
+def rope_from_config(config) -> tuple[float, Llama3RopeScaling | None]:
+    """`(rope_theta, scaling)` from `rope_parameters` (transformers 5) or the older attributes."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    scaling = params if params.get("rope_type", params.get("type", "default")) != "default" else legacy
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        return float(theta), Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """The config values the decoder is built from."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config) -> DecoderSpec:
+        model_type = model_type_of(config)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        num_heads = config.num_attention_heads
+        rope_theta, rope_scaling = rope_from_config(config)
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=_active_sliding_window(config, model_type),
+        )
+
+
+def _active_sliding_window(config, model_type: str) -> int | None:
+    if model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None) if model_type != "llama" else None
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(self, hidden, cos, sin, kv_cache, backend: AttentionBackend, metadata: AttentionMetadata):
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer_idx, q, k, v, kv_cache, metadata)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, kv_cache, backend, metadata):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+# Our fused projection → the checkpoint's projections, stacked along the output rows in order.
+_FUSED_SHARDS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-shaped decoder over the paged KV cache; see the module docstring for families."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.spec = spec = DecoderSpec.from_config(config)
+        self.model = DecoderModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.tie_weights()
+
+    @classmethod
+    def build(cls, config, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """The model on `device` in `dtype`, its weights uninitialised (the loader fills them).
+
+        Built on the meta device and then given storage, so no time goes into random init.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()  # to_empty gives each module its own storage
+        return model.eval()
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Attention is full, so contexts are exact only up to the checkpoint's window."""
+        return self.spec.sliding_window
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config says so (again after `to_empty`)."""
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states `[rows, hidden_size]` for packed tokens `[rows]`."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, kv_cache, backend, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face state dict (or safetensors stream) into the parameters.
+
+        Raises ValueError naming every missing and unexpected weight, or a shape mismatch.
+        """
+        targets = self._checkpoint_targets()
+        optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name not in targets:
+                    unexpected.append(name)
+                    continue
+                param, offset, rows = targets[name]
+                destination = param.narrow(0, offset, rows)
+                if destination.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                    )
+                destination.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded - optional)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}"
+            )
+
+    def _checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Checkpoint name → (parameter, first row, number of rows) it fills."""
+        shard_rows = {
+            "qkv_proj": [self.spec.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2,
+            "gate_up_proj": [self.spec.intermediate_size] * 2,
+        }
+        targets = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            module_path, projection, kind = ([""] * 3 + name.rsplit(".", 2))[-3:]
+            if projection not in _FUSED_SHARDS:
+                targets[name] = (param, 0, param.shape[0])
+                continue
+            offset = 0
+            for shard_name, rows in zip(_FUSED_SHARDS[projection], shard_rows[projection]):
+                targets[f"{module_path}.{shard_name}.{kind}"] = (param, offset, rows)
+                offset += rows
+        return targets
