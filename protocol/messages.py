@@ -17,6 +17,8 @@ from typing import NewType
 
 import msgspec
 
+from spillway.protocol.reasoning import ThinkingPolicy
+
 PROTOCOL_VERSION = 1
 
 RequestId = NewType("RequestId", str)
@@ -62,6 +64,8 @@ class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     arrival_time: float = 0.0
     # Mixed into block 0's hash; the worker needs it when generated tokens complete block 0.
     cache_salt: str | None = None
+    # Markers and budget of a reasoning model's thinking (protocol/reasoning.py).
+    thinking: ThinkingPolicy | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):

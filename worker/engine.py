@@ -9,6 +9,7 @@ import msgspec
 import torch
 
 from spillway.protocol.hashing import root_hash
+from spillway.protocol.reasoning import advance, forced_token
 from spillway.protocol.messages import (
     FinishReason,
     Generate,
@@ -180,6 +181,10 @@ class Engine:
                     "leaves no room for output")
         if min(msg.prompt_token_ids) < 0 or max(msg.prompt_token_ids) >= self.vocab_size:
             return f"prompt token ids must lie in [0, {self.vocab_size})"
+        thinking = msg.thinking
+        if thinking is not None and (not thinking.start_token_ids or not thinking.end_token_ids
+                                     or (thinking.budget is not None and thinking.budget < 0)):
+            return "the thinking policy needs start and end markers and a non-negative budget"
         if self.scheduler.has_request(msg.request_id):
             return f"request id {msg.request_id!r} is already in use"
         return None
@@ -230,12 +235,16 @@ class Engine:
         rows = [i for i, c in enumerate(plan.chunks) if c.sample]
         if not rows:
             return {}, {}
-        inputs = []
-        for i in rows:
-            request = plan.chunks[i].request
-            inputs.append(SamplingInput(request.request_id, request.params,
-                                        request.prompt_token_ids, request.output_token_ids))
+        requests = [plan.chunks[i].request for i in rows]
+        inputs = [
+            SamplingInput(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids,
+                          None if r.thinking_state is None else forced_token(r.thinking_state))
+            for r in requests
+        ]
         sampled = self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, inputs)
+        for request, token in zip(requests, sampled):
+            if request.thinking_state is not None:
+                request.thinking_state = advance(request.thinking_policy, request.thinking_state, token.token_id)[0]
         tokens = {inp.request_id: s.token_id for inp, s in zip(inputs, sampled)}
         logprobs = {inp.request_id: s.logprobs for inp, s in zip(inputs, sampled) if s.logprobs is not None}
         return tokens, logprobs

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams
+from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
 
 
 class RequestStatus(IntEnum):
@@ -63,9 +64,14 @@ class Request:
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    thinking_policy: ThinkingPolicy | None = None
+    # Advanced with every committed output token; decides tokens forced by the budget.
+    thinking_state: ThinkingState | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.thinking_policy is not None:
+            self.thinking_state = initial_state(self.thinking_policy)
 
     @classmethod
     def from_generate(cls, msg: Generate, arrival_index: int) -> Request:
@@ -77,6 +83,7 @@ class Request:
             arrival_index=arrival_index,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            thinking_policy=msg.thinking,
         )
 
     @property

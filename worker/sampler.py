@@ -32,6 +32,8 @@ class SamplingInput:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    # Set while a thinking budget closes thinking: this token is produced whatever the logits.
+    forced_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -188,7 +190,9 @@ class Sampler:
     def sample(self, logits: Tensor, inputs: list[SamplingInput]) -> list[SampledToken]:
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (logits.shape, len(inputs))
         if all(is_plain_greedy(i) for i in inputs):
-            return [SampledToken(token_id) for token_id in logits.argmax(dim=-1).tolist()]
+            token_list = logits.argmax(dim=-1).tolist()
+            return [SampledToken(token_id if i.forced_token_id is None else i.forced_token_id)
+                    for token_id, i in zip(token_list, inputs)]
 
         adjusted = adjusted_logits(logits, inputs, self.eos_token_ids)
         sampled_rows = [row for row, i in enumerate(inputs) if not i.params.greedy]
@@ -199,6 +203,9 @@ class Sampler:
             if sampled_rows:
                 rows = torch.tensor(sampled_rows, device=logits.device)
                 token_ids[rows] = self._draw(adjusted[rows], [inputs[r] for r in sampled_rows])
+        for row, sampling_input in enumerate(inputs):
+            if sampling_input.forced_token_id is not None:
+                token_ids[row] = sampling_input.forced_token_id
 
         logprobs = self._logprobs(logits, inputs, token_ids)
         return [SampledToken(token_id, logprobs.get(row))

@@ -383,3 +383,20 @@ def test_batch_of_one_and_odd_vocab_sizes(vocab):
     sampled = sampler.sample(logits, [make_input(**case)])[0]
     assert sampled.token_id in support(reference_probs(logits[0], SamplingParams(**case)))
     assert len(sampled.logprobs.top_token_ids) == min(5, vocab)
+
+
+def test_a_forced_token_wins_over_greedy_and_sampling_and_gets_its_logprob():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 1.0, 2.0]])
+    sampler = Sampler(eos_token_ids=[0], seed=0)
+    inputs = [
+        SamplingInput("greedy", SamplingParams(temperature=0.0), [1], [], forced_token_id=2),
+        SamplingInput("sampled", SamplingParams(temperature=1.0, logprobs=1), [1], [], forced_token_id=3),
+        SamplingInput("free", SamplingParams(temperature=0.0), [1], []),
+    ]
+    out = sampler.sample(logits, inputs)
+    assert [s.token_id for s in out] == [2, 3, 0]
+    expected = torch.log_softmax(logits[1], -1)[3].item()
+    assert out[1].logprobs.token_id == 3 and abs(out[1].logprobs.logprob - expected) < 1e-6
+    plain = sampler.sample(logits[:1], [SamplingInput("g", SamplingParams(temperature=0.0), [1], [],
+                                                      forced_token_id=3)])
+    assert plain[0].token_id == 3  # the all-greedy fast path forces too
