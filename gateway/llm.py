@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, resolve_markers, thinking_policy
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.protocol.reasoning import ThinkingPolicy
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -38,8 +40,6 @@ _NOT_YET = {
     "speculative_model": "speculative decoding",
     "speculative_config": "speculative decoding",
     "num_speculative_tokens": "speculative decoding",
-    "enable_reasoning": "reasoning parsers",
-    "reasoning_parser": "reasoning parsers",
     "quantization": "quantised execution",
     "enable_lora": "LoRA adapters",
 }
@@ -61,6 +61,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With a reasoning parser: the text split at the thinking markers (markers excluded).
+    reasoning_content: str | None = None
+    content: str | None = None
+    num_reasoning_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -89,6 +93,7 @@ class _Pending:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
+    thinking: ThinkingPolicy | None = None
 
 
 class LLM:
@@ -120,6 +125,9 @@ class LLM:
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
         chat_template: str | None = None,
+        enable_reasoning: bool = False,
+        reasoning_parser: str | None = None,
+        reasoning_config: str | dict | None = None,
         **unsupported,
     ) -> None:
         for name in unsupported:
@@ -150,6 +158,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
             enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
         )
         self._worker = WorkerProcess(self.config)
         self._finalizer = weakref.finalize(self, self._worker.close)
@@ -163,6 +172,12 @@ class LLM:
             PromptTokenizer(self._hf_tokenizer, block_size, root, chat_template) if self._hf_tokenizer else None
         )
         self._root = root
+        self._markers: ReasoningMarkers | None = None
+        if enable_reasoning or reasoning_parser or reasoning_config:
+            if self._hf_tokenizer is None:
+                self._finalizer()
+                raise ValueError("a reasoning parser needs the model's tokenizer")
+            self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
         self._ids = itertools.count()
         self.last_stats: Stats | None = None
 
@@ -292,7 +307,10 @@ class LLM:
     def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         batch = next(self._ids)
         pending: dict[str, _Pending] = {}
+        if self._markers is None and any(p.thinking_budget is not None for p in params):
+            raise ValueError("thinking_budget needs a reasoning parser: LLM(..., enable_reasoning=True)")
         for index, ((_, token_ids), p) in enumerate(zip(items, params)):
+            thinking = None if self._markers is None else thinking_policy(self._markers, token_ids, p.thinking_budget)
             max_tokens = self.ready.max_model_len - len(token_ids)
             if p.max_tokens is not None:
                 max_tokens = min(max_tokens, p.max_tokens)
@@ -300,9 +318,13 @@ class LLM:
             for sample in range(p.n):
                 request_id = f"offline-{batch}-{index}-{sample}"
                 seed = None if p.seed is None else p.seed + sample
-                pending[request_id] = _Pending(index, sample, p, logprobs=[] if p.logprobs is not None else None)
-                self._worker.send(Generate(request_id=request_id, prompt_token_ids=token_ids,
-                                           block_hashes=hashes, params=p.to_wire(max_tokens, seed)))
+                pending[request_id] = _Pending(index, sample, p, logprobs=[] if p.logprobs is not None else None,
+                                               thinking=thinking)
+                self._worker.send(Generate(
+                    request_id=request_id, prompt_token_ids=token_ids, block_hashes=hashes,
+                    params=p.to_wire(max_tokens, seed),
+                    thinking=thinking if p.thinking_budget is not None else None,
+                ))
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr)
         try:
             self._collect(pending, items, bar)
@@ -393,9 +415,24 @@ class LLM:
         if state.logprobs is not None:
             logprobs = [self._logprob_dict(entry) for entry in state.logprobs]
             cumulative = sum(entry.logprob for entry in state.logprobs)
-        return CompletionOutput(index=state.sample_index, text=text, token_ids=list(state.token_ids),
-                                cumulative_logprob=cumulative, logprobs=logprobs,
-                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        completion = CompletionOutput(index=state.sample_index, text=text, token_ids=list(state.token_ids),
+                                      cumulative_logprob=cumulative, logprobs=logprobs,
+                                      finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        if state.thinking is not None:
+            self._split_reasoning(completion, state)
+        return completion
+
+    def _split_reasoning(self, completion: CompletionOutput, state: _Pending) -> None:
+        splitter = ReasoningSplitter(state.thinking)
+        reasoning, content = splitter.feed(state.token_ids)
+        held_reasoning, held_content = splitter.flush()
+        skip = state.params.skip_special_tokens
+        completion.reasoning_content = self._tokenizer.decode(reasoning + held_reasoning, skip) or None
+        completion.content = self._tokenizer.decode(content + held_content, skip)
+        completion.num_reasoning_tokens = splitter.num_reasoning_tokens
+        if state.thinking.prompt_opened:
+            # The chat template wrote the start marker; the raw text shows it, as the model saw it.
+            completion.text = self._markers.start_text + completion.text
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
         decode = (lambda t: self._tokenizer.decode([t], False)) if self._tokenizer else (lambda t: None)

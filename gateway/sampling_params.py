@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from spillway.protocol import messages as wire
 
@@ -36,9 +36,18 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Reasoning models: at most this many tokens inside <think> ... </think>.
+    thinking_budget: int | None = None
+    thinking_token_budget: InitVar[int | None] = None  # alias of thinking_budget
     stop_strings: list[str] = field(init=False, default_factory=list)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, thinking_token_budget: int | None) -> None:
+        if thinking_token_budget is not None:
+            _check(self.thinking_budget in (None, thinking_token_budget),
+                   "thinking_budget and thinking_token_budget disagree")
+            self.thinking_budget = thinking_token_budget
+        _check(self.thinking_budget is None or (_is_int(self.thinking_budget) and self.thinking_budget >= 0),
+               f"thinking_budget must be a non-negative integer, got {self.thinking_budget!r}")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")

@@ -1,0 +1,136 @@
+"""Reasoning models offline: thinking split from the answer, and a hard thinking budget that the
+worker enforces, on the real SmolLM2 (multi-token markers) and a tiny random model whose
+tokenizer has <think> and </think> as single tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spillway.gateway import LLM, SamplingParams
+from spillway.gateway.reasoning import resolve_markers
+from spillway.worker.models import loader
+
+BUDGETS = [0, 1, 7, 64]
+QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
+
+
+@pytest.fixture(scope="module")
+def smol_template():
+    tok = loader.load_tokenizer(loader.resolve_model(None))
+    # The model's own template, opening thinking at the start of the reply.
+    return tok.chat_template + "{% if add_generation_prompt %}{{ '<think>\n' }}{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def smol(smol_template):
+    with LLM(device="cpu", dtype="float32", max_model_len=1024, enable_reasoning=True,
+             chat_template=smol_template) as llm:
+        yield llm
+
+
+def greedy(max_tokens=100, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def test_smollm2_budgets_cut_thinking_exactly(smol):
+    free = smol.chat(QUESTION, greedy(), use_tqdm=False)[0].outputs[0]
+    natural = free.num_reasoning_tokens if "</think>" in free.text else float("inf")
+    for budget in BUDGETS:
+        out = smol.chat(QUESTION, greedy(thinking_budget=budget), use_tqdm=False)[0].outputs[0]
+        assert out.num_reasoning_tokens == min(budget, natural), budget
+        text = out.text
+        thinking = text[text.index("<think>"):text.index("</think>") + len("</think>")]
+        assert thinking.startswith("<think>") and thinking.endswith("</think>")
+        assert out.content and out.content.strip(), "an answer follows the end marker"
+        assert len(out.token_ids) == 100  # max_tokens still bounds the whole output
+
+
+def test_budget_larger_than_the_thinking_changes_nothing(smol_template):
+    # Make the end marker a token this model writes by itself at step 9 of its greedy output.
+    with LLM(device="cpu", dtype="float32", max_model_len=1024, enable_reasoning=True,
+             chat_template=smol_template) as llm:
+        tok = llm.get_tokenizer()
+        free = llm.chat(QUESTION, greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    position = next(i for i in range(9, 30)
+                    if free[i] not in free[:i] and tok.encode(tok.decode([free[i]]), add_special_tokens=False) == [free[i]])
+    end = tok.decode([free[position]])
+    config = {"start": "<think>", "end": end}
+    with LLM(device="cpu", dtype="float32", max_model_len=1024, reasoning_config=config,
+             chat_template=smol_template) as llm:
+        unbounded = llm.chat(QUESTION, greedy(40), use_tqdm=False)[0].outputs[0]
+        roomy = llm.chat(QUESTION, greedy(40, thinking_budget=position + 5), use_tqdm=False)[0].outputs[0]
+        exact = llm.chat(QUESTION, greedy(40, thinking_budget=position), use_tqdm=False)[0].outputs[0]
+        tight = llm.chat(QUESTION, greedy(40, thinking_budget=3), use_tqdm=False)[0].outputs[0]
+    assert unbounded.token_ids == free
+    assert unbounded.num_reasoning_tokens == position
+    assert roomy.token_ids == free and exact.token_ids == free
+    assert tight.num_reasoning_tokens == 3 and tight.token_ids[3] == free[position]
+
+
+def test_a_mixed_batch_gives_each_request_its_own_budget(smol):
+    budgets = [None, 3, 10, 0, 3]
+    params = [greedy(30) if b is None else greedy(30, thinking_budget=b) for b in budgets]
+    batch = smol.chat([QUESTION] * len(budgets), params, use_tqdm=False)
+    alone = [smol.chat(QUESTION, p, use_tqdm=False)[0].outputs[0].token_ids for p in params]
+    assert [o.outputs[0].token_ids for o in batch] == alone
+    counts = [o.outputs[0].num_reasoning_tokens for o in batch]
+    assert counts[1:] == [3, 10, 0, 3] and counts[0] > 10
+
+
+def test_bad_budgets_raise_value_error(smol):
+    with pytest.raises(ValueError, match="thinking_budget"):
+        SamplingParams(thinking_budget=-1)
+    with pytest.raises(ValueError, match="disagree"):
+        SamplingParams(thinking_budget=3, thinking_token_budget=4)
+    assert SamplingParams(thinking_token_budget=4).thinking_budget == 4
+
+
+def test_budget_without_a_reasoning_parser_is_refused(tiny_thinker):
+    path, think, end_think = tiny_thinker
+    with LLM(str(path), device="cpu", dtype="float32") as plain:
+        with pytest.raises(ValueError, match="reasoning parser"):
+            plain.generate([[5, 6, think]], greedy(5, thinking_budget=2), use_tqdm=False)
+        assert len(plain.generate([[5, 6, think]], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+@pytest.fixture(scope="module")
+def tiny_thinker(tmp_path_factory):
+    """A random-weight Llama whose tokenizer (SmolLM2's plus two added tokens) has <think> and
+    </think> as single tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = loader.load_tokenizer(loader.resolve_model(None))
+    tok.add_tokens(["<think>", "</think>"], special_tokens=False)
+    think, end_think = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # A zero row gives </think> logit 0, below the largest of 49k random logits: greedy
+        # never closes thinking on its own.
+        model.lm_head.weight[end_think].zero_()
+    path = tmp_path_factory.mktemp("tiny-thinker")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path, think, end_think
+
+
+def test_tiny_model_with_think_tokens(tiny_thinker):
+    path, think, end_think = tiny_thinker
+    with LLM(str(path), device="cpu", dtype="float32", enable_reasoning=True, reasoning_parser="qwen3") as llm:
+        markers = resolve_markers(llm.get_tokenizer(), "qwen3")
+        assert markers.start_token_ids == (think,) and markers.end_token_ids == (end_think,)
+        prompt = [100, 200, 300, think]
+        free = llm.generate([prompt], greedy(80, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert end_think not in free.token_ids and free.num_reasoning_tokens == 80
+        for budget in BUDGETS:
+            out = llm.generate([prompt], greedy(80, thinking_budget=budget, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+            assert out.num_reasoning_tokens == budget
+            assert out.token_ids[:budget] == free.token_ids[:budget]
+            assert out.token_ids[budget] == end_think
+            assert len(out.token_ids) == 80 and out.content is not None
+            assert out.text.startswith("<think>") and "</think>" in out.text
