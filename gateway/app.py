@@ -1,0 +1,267 @@
+"""The OpenAI-compatible HTTP server: Starlette routes over one EngineClient.
+
+The lifespan starts the worker (or waits for a remote one), loads the tokenizer, and owns the
+client until shutdown. Every error a client can cause is answered with OpenAI's error body and
+a 4xx; handlers never block the event loop on the worker.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from spillway.gateway import openai as api
+from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
+from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from spillway.gateway.remote_worker import RemoteWorker
+from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
+from spillway.gateway.serving import Generation, JobBuilder
+from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.worker_process import WorkerProcess
+from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.worker.config import WorkerConfig
+from spillway.worker.models import loader
+
+logger = logging.getLogger("spillway.gateway")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+STATS_REFRESH_TIMEOUT_S = 2.0  # one engine step, even a long prefill on a CPU
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What the server needs beyond the worker's own configuration."""
+
+    worker: WorkerConfig  # `model` is a resolved local folder
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_pending: int = 1024
+    worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
+    ready_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 60.0  # remote workers only
+
+
+class Gateway:
+    """Everything the routes share: the client, the tokenizer, the metrics."""
+
+    def __init__(self, settings: ServerSettings, client: EngineClient, metrics: GatewayMetrics, hf_tokenizer) -> None:
+        ready = client.ready
+        self.settings = settings
+        self.client = client
+        self.metrics = metrics
+        self.served_names = settings.served_model_names or [ready.model]
+        self.root = root_hash(ready.hash_seed, ready.model)
+        self.tokenizer = (PromptTokenizer(hf_tokenizer, ready.block_size, self.root, settings.chat_template)
+                          if hf_tokenizer is not None else None)
+        self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready)
+        self.strings = TokenStrings(hf_tokenizer)
+        self.created = int(time.time())
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None):
+        return block_hashes(token_ids, self.client.ready.block_size, self.root, cache_salt)
+
+    def run(self, job) -> GenerationResponse:
+        num_samples = len(job.prompts) * job.params.n
+        if num_samples > self.settings.max_pending:
+            raise api.bad_request(f"{num_samples} sequences (prompts x n) exceed this server's limit of "
+                                  f"{self.settings.max_pending}", param="n")
+        generation = Generation(job, self.client, self.tokenizer, self.block_hashes)
+        try:
+            generation.start()
+        except EngineOverloaded as exc:
+            raise api.ApiError(429, f"the server is overloaded: {exc}", type="rate_limit_error",
+                               code="overloaded", retry_after=1) from None
+        except EngineUnavailable as exc:
+            raise api.ApiError(503, str(exc), type="server_error", code="engine_unavailable",
+                               retry_after=5) from None
+        return GenerationResponse(generation, self.strings)
+
+
+def _load_tokenizer(config: WorkerConfig):
+    files = loader.resolve_model(config.model, config.load_format)
+    try:
+        return loader.load_tokenizer(files)
+    except loader.TokenizerNotFoundError:
+        logger.warning("model %s has no tokenizer: only token-id prompts will work", files.name)
+        return None
+
+
+def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
+    """The Starlette app; `start_worker` (tests) replaces starting a local worker process."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        remote = RemoteWorker(settings.worker_address, settings.worker) if settings.worker_address else None
+        factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
+        metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
+                                 else settings.worker.served_model_name or "model")
+        if remote is not None:
+            logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
+                        settings.worker_address, settings.worker_address)
+        client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
+                              ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
+                              heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None)
+        try:
+            hf_tokenizer = _load_tokenizer(settings.worker)
+            await client.start()
+            app.state.gateway = Gateway(settings, client, metrics, hf_tokenizer)
+            yield
+        finally:
+            await client.close()
+            if remote is not None:
+                remote.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version_endpoint, methods=["GET"]),
+    ]
+    handlers = {api.ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+                Exception: _internal_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def _read_json(request: Request, request_type: type):
+    limit = _gateway(request).settings.max_body_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return api.decode_request(b"".join(chunks), request_type)
+
+
+async def chat_completions(request: Request):
+    gateway = _gateway(request)
+    job = await gateway.jobs.chat_job(await _read_json(request, api.ChatCompletionRequest))
+    return gateway.run(job)
+
+
+async def completions(request: Request):
+    gateway = _gateway(request)
+    job = await gateway.jobs.completion_job(await _read_json(request, api.CompletionRequest))
+    return gateway.run(job)
+
+
+async def models(request: Request) -> Response:
+    gateway = _gateway(request)
+    ready = gateway.client.ready
+    cards = [api.ModelCard(id=name, created=gateway.created, root=gateway.settings.worker.model or ready.model,
+                           max_model_len=ready.max_model_len) for name in gateway.served_names]
+    return json_response(api.ModelList(cards))
+
+
+async def health(request: Request) -> Response:
+    if _gateway(request).client.healthy:
+        return Response(status_code=200)
+    raise api.ApiError(503, "the engine is not ready (it is starting or restarting)", type="server_error",
+                       code="engine_unavailable", retry_after=5)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    gateway = _gateway(request)
+    await gateway.client.refresh_stats(STATS_REFRESH_TIMEOUT_S)
+    return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def tokenize(request: Request) -> Response:
+    gateway = _gateway(request)
+    body = await _read_json(request, api.TokenizeRequest)
+    gateway.jobs.check_model(body.model)
+    if body.messages is not None:
+        messages = api.template_messages(body.messages)
+        token_ids = await gateway.jobs.encode_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+    elif body.prompt is not None:
+        token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)
+    else:
+        raise api.bad_request("give `prompt` or `messages`", param="prompt")
+    return json_response(api.TokenizeResponse(len(token_ids), gateway.client.ready.max_model_len, token_ids))
+
+
+async def detokenize(request: Request) -> Response:
+    gateway = _gateway(request)
+    body = await _read_json(request, api.DetokenizeRequest)
+    gateway.jobs.check_model(body.model)
+    tokenizer = gateway.jobs.require_tokenizer()
+    vocab_size = gateway.client.ready.vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
+    return json_response(api.DetokenizeResponse(tokenizer.decode(body.tokens)))
+
+
+async def version_endpoint(request: Request) -> Response:
+    try:
+        number = version("spillway")
+    except PackageNotFoundError:
+        number = "unknown"
+    return json_response({"version": number})
+
+
+# ---- errors and auth ------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: api.ApiError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(api.ApiError(exc.status_code, str(exc.detail), type=kind))
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    return Response(status_code=400)  # nobody is listening
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(api.ApiError(500, "internal server error", type="server_error"))
+
+
+class ApiKeyMiddleware:
+    """With --api-key, /v1/* requires `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = api.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
+                                     code="invalid_api_key")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,224 @@
+"""`spillway serve [MODEL] [flags]` and `spillway worker MODEL --connect tcp://HOST:PORT`.
+
+Flags follow `vllm serve`. A vLLM flag whose feature Spillway does not have yet is refused
+with a message and exit status 2, never accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# vLLM flags for features Spillway lacks: (flag, attribute, the value that asks for nothing, feature).
+_NOT_YET = [
+    ("--cpu-offload-gb", "cpu_offload_gb", 0, "the CPU KV tier"),
+    ("--swap-space", "swap_space", 0, "the CPU KV tier"),
+    ("--speculative-model", "speculative_model", None, "speculative decoding"),
+    ("--num-speculative-tokens", "num_speculative_tokens", 0, "speculative decoding"),
+    ("--speculative-draft-tensor-parallel-size", "speculative_draft_tensor_parallel_size", None,
+     "speculative decoding"),
+    ("--speculative-config", "speculative_config", None, "speculative decoding"),
+    ("--enable-reasoning", "enable_reasoning", False, "reasoning parsers"),
+    ("--reasoning-parser", "reasoning_parser", None, "reasoning parsers"),
+    ("--quantization", "quantization", None, "quantised execution"),
+    ("--enable-lora", "enable_lora", False, "LoRA adapters"),
+    ("--kv-cache-dtype", "kv_cache_dtype", "auto", "KV cache dtypes other than the model's"),
+]
+_PARALLEL = [("--tensor-parallel-size", "tensor_parallel_size", "tensor parallelism"),
+             ("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism")]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="a model folder, a .gguf file, or a built-in config with --load-format dummy "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", help="same as the positional MODEL")
+    engine.add_argument("--served-model-name", nargs="+", help="names the API answers to (first one reported)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    engine.add_argument("--device", default="auto", help="auto (CUDA if present, else the CPU), cpu, cuda, cuda:N")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    engine.add_argument("--max-model-len", type=_positive_int)
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int)
+    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    engine.add_argument("--num-gpu-blocks-override", type=_positive_int)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="accepted: decode runs eagerly (no CUDA graphs) in this version")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted: Spillway never runs code shipped with a model")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    refused = parser.add_argument_group("not available yet (refused)")
+    refused.add_argument("--cpu-offload-gb", type=float)
+    refused.add_argument("--swap-space", type=float)
+    refused.add_argument("--speculative-model")
+    refused.add_argument("--num-speculative-tokens", type=int)
+    refused.add_argument("--speculative-draft-tensor-parallel-size", type=int)
+    refused.add_argument("--speculative-config")
+    refused.add_argument("--enable-reasoning", action="store_true")
+    refused.add_argument("--reasoning-parser")
+    refused.add_argument("--quantization", "-q")
+    refused.add_argument("--enable-lora", action="store_true")
+    refused.add_argument("--kv-cache-dtype", default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spillway", description="Spillway LLM serving engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
+    _add_engine_args(serve)
+    server = serve.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
+    server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
+                        help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
+                             "`spillway worker MODEL --connect tcp://HOST:PORT` (unauthenticated: "
+                             "bind an interface only trusted hosts reach)")
+    server.add_argument("--max-pending-requests", type=_positive_int,
+                        help="sequences in flight beyond which requests get 429 (default 4 x --max-num-seqs)")
+    server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20)
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--disable-log-requests", action="store_true", help="accepted: requests are not logged")
+    serve.set_defaults(func=serve_command)
+
+    worker = commands.add_parser("worker", help="run a worker for a gateway on another host")
+    _add_engine_args(worker)
+    worker.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                        help="the gateway's --worker-address")
+    worker.set_defaults(func=worker_command)
+    return parser
+
+
+def refusals(args: argparse.Namespace) -> list[str]:
+    """Messages for every flag that asks for a feature Spillway does not have yet."""
+    messages = []
+    for flag, attribute, off, feature in _NOT_YET:
+        value = getattr(args, attribute)
+        if value is not None and value != off:
+            messages.append(f"{flag} needs {feature}, which Spillway does not have yet")
+    for flag, attribute, feature in _PARALLEL:
+        if getattr(args, attribute) != 1:
+            messages.append(f"{flag} > 1 needs {feature}, which Spillway does not have yet")
+    return messages
+
+
+def worker_config(args: argparse.Namespace):
+    """Resolve the model (converting a GGUF file once) and build the worker's configuration."""
+    from spillway.worker.config import WorkerConfig
+    from spillway.worker.models import loader
+
+    if args.model is not None and args.model_tag is not None and args.model != args.model_tag:
+        raise ValueError(f"two different models given: {args.model_tag!r} and --model {args.model!r}")
+    files = loader.resolve_model(args.model or args.model_tag, args.load_format)
+    names = args.served_model_name or [files.name]
+    return WorkerConfig(
+        model=str(files.path), served_model_name=names[0], load_format=files.load_format, dtype=args.dtype,
+        device=args.device, seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+    ), names
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from spillway.gateway.app import ServerSettings, build_app
+    from spillway.gateway.remote_worker import worker_addresses
+
+    try:
+        config, names = worker_config(args)
+        chat_template = _read_chat_template(args.chat_template)
+        if args.worker_address is not None:
+            worker_addresses(args.worker_address)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"spillway serve: {exc}", file=sys.stderr)
+        return 1
+    settings = ServerSettings(
+        worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
+        max_body_bytes=args.max_request_body_bytes,
+        max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
+    )
+    loop = "uvloop" if _has_uvloop() else "asyncio"
+    server = uvicorn.Server(uvicorn.Config(build_app(settings), host=args.host, port=args.port, loop=loop,
+                                           log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        pass
+    return 0 if server.started else 1
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    from spillway.gateway.remote_worker import worker_addresses
+    from spillway.worker.main import run_worker
+
+    try:
+        config, _ = worker_config(args)
+        inbox, outbox = worker_addresses(args.connect)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"spillway worker: {exc}", file=sys.stderr)
+        return 1
+    logging.getLogger("spillway").info("worker for %s connecting to %s", config.served_model_name, args.connect)
+    try:
+        return run_worker(config, inbox, outbox, parent_pid=None)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problems = refusals(args)
+    if problems:
+        for problem in problems:
+            print(f"spillway {args.command}: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

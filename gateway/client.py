@@ -1,0 +1,223 @@
+"""The gateway's asynchronous client of its worker: requests in, deltas routed back.
+
+    handler ── submit(Generate, ...) ─────────────────▶ WorkerLink ──▶ worker
+    handler ◀── RequestStream queue ◀── on_step (the link's one reader task) ◀──┘
+
+One reader task decodes every `StepOutputs` and routes each `RequestDelta` to the queue of the
+HTTP request that owns it; handlers only await their own queue. When the worker dies, every
+in-flight request gets `WorkerLost` at once and new ones get `EngineUnavailable` (503) until
+the replacement is ready. Admission is bounded: `EngineOverloaded` (429) past `max_pending`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.worker_link import LinkState, WorkerLink
+from spillway.protocol.messages import (
+    Abort,
+    Control,
+    ControlCommand,
+    FinishReason,
+    Generate,
+    Ready,
+    RequestDelta,
+    Stats,
+    StepOutputs,
+)
+
+
+class EngineUnavailable(Exception):
+    """No worker can take requests right now (starting, restarting or shut down): 503."""
+
+
+class EngineOverloaded(Exception):
+    """Too many sequences in flight: 429."""
+
+
+class WorkerLost(Exception):
+    """The worker died while this request was in flight."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One in-flight sub-request: where its deltas go, and its timing for the histograms."""
+
+    stream: RequestStream
+    arrival: float
+    num_prompt_tokens: int
+    last_token: float | None = None
+
+
+class RequestStream:
+    """The deltas of one HTTP request's sub-requests (its prompts times n)."""
+
+    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+        self._client = client
+        self._queue: asyncio.Queue[RequestDelta | WorkerLost] = asyncio.Queue()
+        self.open_ids = set(request_ids)
+
+    def put(self, item: RequestDelta | WorkerLost) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> list[RequestDelta]:
+        """Every delta that has arrived, waiting for at least one; raises WorkerLost."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for item in items:
+            if isinstance(item, WorkerLost):
+                raise item
+        return items
+
+    def finish(self, request_id: str, reason: str) -> None:
+        """The gateway ended this sample itself (a stop string): stop it in the worker."""
+        if request_id in self.open_ids:
+            self._client.abort([request_id], reason)
+
+    def close(self) -> None:
+        """Abort whatever is still running (the client went away, or the handler failed)."""
+        if self.open_ids:
+            self._client.abort(list(self.open_ids), "abort")
+
+
+class EngineClient:
+    """Multiplexes every HTTP request over one worker link."""
+
+    def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
+                 max_pending: int = 1024, ready_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float | None = None) -> None:
+        self._metrics = metrics
+        self._max_pending = max_pending
+        self._routes: dict[str, _Tracked] = {}
+        self._pending_aborts: list[str] = []
+        self._stats_waiters: list[asyncio.Future] = []
+        self.last_stats: Stats | None = None
+        self.link = WorkerLink(start_worker, on_step=self._on_step, on_lost=self._on_lost,
+                               ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+
+    async def start(self) -> Ready:
+        return await self.link.start()
+
+    async def close(self) -> None:
+        self._fail_all("the server is shutting down")
+        await self.link.close()
+
+    @property
+    def ready(self) -> Ready:
+        return self.link.ready
+
+    @property
+    def healthy(self) -> bool:
+        return self.link.state is LinkState.READY
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    def submit(self, generates: list[Generate]) -> RequestStream:
+        """Send the sub-requests of one HTTP request; their deltas arrive on the stream."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not ready: its worker is starting or restarting")
+        if len(self._routes) + len(generates) > self._max_pending:
+            raise EngineOverloaded(f"{len(self._routes)} sequences are in flight; the limit is {self._max_pending}")
+        stream = RequestStream(self, [g.request_id for g in generates])
+        now = time.monotonic()
+        for generate in generates:
+            self._routes[generate.request_id] = _Tracked(stream, now, len(generate.prompt_token_ids))
+            self.link.send(generate)
+        return stream
+
+    def abort(self, request_ids: Iterable[str], reason: str = "abort") -> None:
+        """Stop requests in the worker; aborts made in one loop iteration go out as one message."""
+        now = time.monotonic()
+        was_empty = not self._pending_aborts
+        for request_id in request_ids:
+            tracked = self._routes.pop(request_id, None)
+            if tracked is None:
+                continue
+            tracked.stream.open_ids.discard(request_id)
+            self._record_finish(tracked, reason, now)
+            self._pending_aborts.append(request_id)
+        if self._pending_aborts and was_empty:
+            asyncio.get_running_loop().call_soon(self._flush_aborts)
+
+    def _flush_aborts(self) -> None:
+        request_ids, self._pending_aborts = self._pending_aborts, []
+        if request_ids:
+            self.link.send(Abort(request_ids))
+
+    async def refresh_stats(self, timeout_s: float = 1.0) -> Stats | None:
+        """Ask the worker for fresh Stats; the last known ones if it does not answer in time."""
+        if not self.healthy:
+            return self.last_stats
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        self.link.send(Control(ControlCommand.STATS))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except (asyncio.TimeoutError, WorkerLost):
+            return self.last_stats
+
+    # ---- called by the link -------------------------------------------------------------------
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        if msg.stats is not None:
+            self.last_stats = msg.stats
+            if self._metrics is not None:
+                self._metrics.on_stats(msg.stats)
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(msg.stats)
+        now = time.monotonic()
+        for delta in msg.outputs:
+            tracked = self._routes.get(delta.request_id)
+            if tracked is None:
+                continue  # aborted by this side; the worker's ABORT delta is expected
+            self._record_tokens(tracked, delta, now)
+            if delta.finish_reason is not None:
+                del self._routes[delta.request_id]
+                tracked.stream.open_ids.discard(delta.request_id)
+                if delta.finish_reason is not FinishReason.ERROR:
+                    self._record_finish(tracked, delta.finish_reason.value, now)
+            tracked.stream.put(delta)
+
+    def _on_lost(self, reason: str) -> None:
+        self._fail_all(reason)
+        if self._metrics is not None:
+            self._metrics.on_worker_lost()
+
+    def _fail_all(self, reason: str) -> None:
+        routes, self._routes = self._routes, {}
+        self._pending_aborts.clear()
+        for tracked in routes.values():
+            tracked.stream.open_ids.clear()
+            tracked.stream.put(WorkerLost(reason))
+        waiters, self._stats_waiters = self._stats_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(WorkerLost(reason))
+
+    # ---- metrics ------------------------------------------------------------------------------
+
+    def _record_tokens(self, tracked: _Tracked, delta: RequestDelta, now: float) -> None:
+        metrics = self._metrics
+        if metrics is None or not delta.new_token_ids:
+            return
+        if tracked.last_token is None:
+            metrics.prompt_tokens.inc(tracked.num_prompt_tokens)
+            metrics.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            metrics.inter_token_latency.observe(now - tracked.last_token)
+        tracked.last_token = now
+        metrics.generation_tokens.inc(len(delta.new_token_ids))
+
+    def _record_finish(self, tracked: _Tracked, reason: str, now: float) -> None:
+        if self._metrics is not None:
+            self._metrics.on_finished(reason)
+            self._metrics.e2e_request_latency.observe(now - tracked.arrival)

@@ -1,0 +1,128 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged.
+
+Cache, queue and prefix-cache figures come from the worker's `Stats` (cumulative counters on
+the worker side, turned into counter increments here); token counts and latencies are
+measured by the gateway as deltas arrive. Each app owns its registry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from spillway.protocol.messages import Stats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The prefix-cache hit-rate gauges cover roughly this many recently queried prompt tokens.
+HIT_RATE_WINDOW_TOKENS = 100_000
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _WindowedRate:
+    """Hits over queries across the most recent ~window queried tokens."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.samples: deque[tuple[int, int]] = deque()
+        self.queries = 0
+        self.hits = 0
+
+    def add(self, queries: int, hits: int) -> None:
+        if queries <= 0:
+            return
+        self.samples.append((queries, hits))
+        self.queries += queries
+        self.hits += hits
+        while len(self.samples) > 1 and self.queries - self.samples[0][0] >= self.window:
+            old_queries, old_hits = self.samples.popleft()
+            self.queries -= old_queries
+            self.hits -= old_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class GatewayMetrics:
+    """All of the gateway's metrics, labelled with the served model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests the worker is running.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting in the worker.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Fraction of GPU KV blocks in use.")
+        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction of CPU KV blocks in use.")
+        self.prefix_cache_hit_rate = gauge("vllm:prefix_cache_hit_rate",
+                                           "Prefix-cache hits over recently queried prompt tokens.")
+        self.prefix_cache_miss_rate = gauge("vllm:prefix_cache_miss_rate",
+                                            "Prefix-cache misses over recently queried prompt tokens.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions in the worker.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self._request_success = Counter("vllm:request_success", "Requests that finished.",
+                                        ["model_name", "finished_reason"], registry=self.registry)
+        self.model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Time from arrival to the first generated token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Time between consecutive generated tokens.", _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "Time from arrival to the last token.", _E2E_BUCKETS)
+        self.invariants_ok = gauge("spillway:kv_invariants_ok",
+                                   "1 if the worker's block manager invariants held at its last report.")
+        self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
+        self._last: Stats | None = None
+
+    def on_stats(self, stats: Stats) -> None:
+        """Fold in one Stats snapshot; a fresh worker (counters back at zero) starts over."""
+        last = self._last or Stats()
+        queries = max(stats.prefix_cache_queries - last.prefix_cache_queries, 0)
+        hits = max(stats.prefix_cache_hits - last.prefix_cache_hits, 0)
+        self.prefix_cache_queries.inc(queries)
+        self.prefix_cache_hits.inc(hits)
+        self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._hit_rate.add(queries, hits)
+        rate = self._hit_rate.hit_rate
+        self.prefix_cache_hit_rate.set(rate)
+        self.prefix_cache_miss_rate.set(1.0 - rate if self._hit_rate.queries else 0.0)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.gpu_cache_usage)
+        self.gpu_cache_usage.set(stats.gpu_cache_usage)
+        self.cpu_cache_usage.set(stats.cpu_cache_usage)
+        self.invariants_ok.set(1 if stats.invariants_ok else 0)
+        self._last = stats
+
+    def on_worker_lost(self) -> None:
+        self._last = None  # the next worker counts from zero
+        self.num_requests_running.set(0)
+        self.num_requests_waiting.set(0)
+
+    def on_finished(self, reason: str) -> None:
+        self._request_success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,92 @@
+"""A worker on another host: `spillway worker MODEL --connect tcp://GATEWAY:PORT`.
+
+The gateway binds two TCP ports and the worker connects to both, as a local worker does over
+ipc: PORT carries gateway -> worker (Generate | Abort | Control), PORT+1 worker -> gateway.
+The protocol has no authentication: bind to an interface only trusted hosts can reach.
+
+The gateway cannot start or restart a remote worker; run it under a supervisor (systemd, a
+shell loop) that restarts it. A restarted worker announces itself with a new Ready.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import zmq
+
+from spillway.gateway.worker_process import WorkerStartError, check_handshake
+from spillway.protocol.messages import Ready, WorkerError, encoder, worker_decoder
+from spillway.worker.config import WorkerConfig
+
+
+def worker_addresses(address: str) -> tuple[str, str]:
+    """tcp://HOST:PORT -> (gateway-to-worker address, worker-to-gateway address)."""
+    parts = urlsplit(address)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise ValueError(f"a worker address looks like tcp://HOST:PORT, not {address!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    if parts.port >= 65535:
+        raise ValueError(f"port {parts.port} leaves no room for the second port")
+    return f"tcp://{host}:{parts.port}", f"tcp://{host}:{parts.port + 1}"
+
+
+class RemoteWorker:
+    """The gateway's end of a remote worker's two sockets. Bound once, kept across restarts."""
+
+    def __init__(self, address: str, config: WorkerConfig, ctx: zmq.Context | None = None) -> None:
+        self.config = config
+        self.address = address
+        inbox, outbox = worker_addresses(address)
+        ctx = ctx or zmq.Context.instance()
+        self.to_worker = ctx.socket(zmq.PUSH)
+        self.to_worker.setsockopt(zmq.LINGER, 0)
+        self.to_worker.bind(inbox)
+        self.from_worker = ctx.socket(zmq.PULL)
+        self.from_worker.setsockopt(zmq.LINGER, 0)
+        self.from_worker.bind(outbox)
+        self._decoder = worker_decoder()
+        self._encoder = encoder()
+        self._kept: Ready | None = None
+
+    def __call__(self) -> RemoteWorker:
+        """As the client's `start_worker`: the same sockets serve the next worker."""
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return True  # the client's heartbeat decides
+
+    def keep_ready(self, ready: Ready) -> None:
+        """A Ready that arrived while serving: the next wait_ready returns it."""
+        self._kept = ready
+
+    def wait_ready(self, timeout_s: float = float("inf"), on_wait=None) -> Ready:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._kept is not None:
+                ready, self._kept = self._kept, None
+                check_handshake(ready, self.config)
+                return ready
+            if not self.from_worker.poll(500):
+                if on_wait is not None:
+                    on_wait()
+                continue
+            match self._decoder.decode(self.from_worker.recv()):
+                case Ready() as ready:
+                    self._kept = ready
+                case WorkerError(message=message):
+                    raise WorkerStartError(f"the remote worker failed: {message}")
+                case _:
+                    pass  # output of a previous worker's session
+        raise WorkerStartError(f"no worker connected to {self.address} within {timeout_s:.0f} s")
+
+    def send(self, msg) -> None:
+        self.to_worker.send(self._encoder.encode(msg))
+
+    def close(self) -> None:
+        """End one worker's session; the sockets stay bound for the next one."""
+
+    def shutdown(self) -> None:
+        self.to_worker.close()
+        self.from_worker.close()

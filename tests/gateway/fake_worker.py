@@ -1,0 +1,137 @@
+"""A stand-in worker process for gateway tests: speaks the real protocol over the real
+sockets, but "generates" by replaying a fixed token sequence, one token per step.
+
+Its KV usage is one block per running request, so tests can see usage return to zero.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from spillway.gateway.worker_process import WorkerProcess
+from spillway.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Control,
+    ControlCommand,
+    FinishReason,
+    Generate,
+    Ready,
+    RequestDelta,
+    Stats,
+    StepOutputs,
+    TokenLogprobs,
+    encoder,
+    gateway_decoder,
+    worker_decoder,
+)
+from spillway.worker.config import WorkerConfig
+
+NUM_BLOCKS = 64
+
+
+def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
+                     eos_token_id: int, vocab_size: int) -> None:
+    config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(outbox)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(inbox)
+    enc, dec = encoder(), gateway_decoder()
+    out.send(enc.encode(Ready(
+        protocol_version=PROTOCOL_VERSION, model=config.served_model_name or "fake", block_size=config.block_size,
+        hash_seed=config.hash_seed, num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+        max_model_len=config.max_model_len or 256, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=512, vocab_size=vocab_size, eos_token_ids=[eos_token_id], device="cpu",
+        dtype="float32")))
+    running: dict[str, tuple[Generate, int, int]] = {}  # (request, cached tokens, produced)
+    queries = hits = 0
+    seen_hashes: set[bytes] = set()
+    step = 0
+    last_stats = 0.0
+    while True:
+        pending: list[RequestDelta] = []
+        want_stats = False
+        timeout = step_s * 1000 if running else 1000
+        while inp.poll(timeout):
+            timeout = 0
+            match dec.decode(inp.recv()):
+                case Generate() as msg:
+                    cached = 0
+                    for h in msg.block_hashes:
+                        if h not in seen_hashes:
+                            break
+                        cached += config.block_size
+                    queries += len(msg.prompt_token_ids)
+                    hits += cached
+                    seen_hashes.update(msg.block_hashes)
+                    running[msg.request_id] = (msg, cached, 0)
+                case Abort(request_ids=ids):
+                    for rid in ids:
+                        if running.pop(rid, None) is not None:
+                            pending.append(RequestDelta(request_id=rid, new_token_ids=[],
+                                                        finish_reason=FinishReason.ABORT))
+                case Control(command=ControlCommand.SHUTDOWN):
+                    return
+                case Control():
+                    want_stats = True
+        was_busy = bool(running)
+        for rid, (msg, cached, produced) in list(running.items()):
+            token = script[produced % len(script)]
+            produced += 1
+            done = produced >= msg.params.max_tokens
+            logprobs = None
+            if msg.params.logprobs is not None:
+                top = list(range(msg.params.logprobs))
+                logprobs = [TokenLogprobs(token, -0.5, 1, top, [-0.5 - i for i in top])]
+            first = produced == 1
+            pending.append(RequestDelta(
+                request_id=rid, new_token_ids=[token], logprobs=logprobs,
+                finish_reason=FinishReason.LENGTH if done else None,
+                num_cached_tokens=cached if first else -1))
+            if done:
+                del running[rid]
+            else:
+                running[rid] = (msg, cached, produced)
+        now = time.monotonic()
+        if was_busy and (not running or now - last_stats > 0.5):
+            want_stats = True
+        if pending or want_stats:
+            stats = None
+            if want_stats:
+                last_stats = now
+                stats = Stats(num_running=len(running), gpu_cache_usage=len(running) / NUM_BLOCKS,
+                              num_gpu_blocks=NUM_BLOCKS, num_free_gpu_blocks=NUM_BLOCKS - len(running),
+                              prefix_cache_queries=queries, prefix_cache_hits=hits, num_steps=step)
+            out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))
+            step += 1
+
+
+class FakeWorkerProcess(WorkerProcess):
+    """WorkerProcess's sockets and handshake, with the fake loop as the process."""
+
+    def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
+                 eos_token_id: int = 2, vocab_size: int = 49152) -> None:
+        self.config = config
+        self._ctx = zmq.Context.instance()
+        self._dir = tempfile.mkdtemp(prefix="spillway-fake-")
+        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self.to_worker = self._ctx.socket(zmq.PUSH)
+        self.to_worker.setsockopt(zmq.LINGER, 0)
+        self.to_worker.bind(inbox)
+        self.from_worker = self._ctx.socket(zmq.PULL)
+        self.from_worker.setsockopt(zmq.LINGER, 0)
+        self.from_worker.bind(outbox)
+        self._encoder = encoder()
+        self._decoder = worker_decoder()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=fake_worker_main,
+            args=(msgspec.msgpack.encode(config), inbox, outbox, script, step_s, eos_token_id, vocab_size),
+            daemon=True)
+        self.process.start()

@@ -1,0 +1,132 @@
+"""Helpers for the server tests: a real `spillway serve` process, an in-process server for
+fake-worker tests, and metric scraping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "SmolLM2-135M-Instruct"
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spillway_command() -> list[str]:
+    script = Path(sys.executable).parent / "spillway"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "spillway.gateway.cli"]
+
+
+class ServerProcess:
+    """`spillway serve` on a free port, its output kept in a log file."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="spillway-serve-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(
+            [*spillway_command(), "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"spillway serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"spillway serve was not healthy within {timeout_s} s:\n{self.log()[-4000:]}")
+
+    def worker_pid(self) -> int:
+        """The worker process: the server's child started by multiprocessing's spawn (from any
+        of the server's threads, hence every task's children)."""
+        children = [int(pid) for task in Path(f"/proc/{self.process.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        workers = [pid for pid in children
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1, children
+        return workers[0]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self._log.close()
+        os.unlink(self._log.name)
+
+
+@contextmanager
+def real_server(*args: str):
+    server = ServerProcess(*args)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def server_in_thread(app):
+    """Serve an app on a free port from a thread of this process (for fake-worker tests)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{label="value",...}': value}, model_name label left out."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """Split an SSE body into event payloads, checking the framing as a strict client would."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), text[-200:]
+    events = text[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [event[len("data: "):] for event in events]

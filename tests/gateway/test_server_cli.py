@@ -1,0 +1,70 @@
+"""`spillway serve` / `spillway worker`: refused flags, and a worker on "another host" (tcp)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import httpx
+import pytest
+
+from server_helpers import MODEL, ServerProcess, free_port, spillway_command
+from spillway.gateway.cli import main
+
+REFUSED = [
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb"),
+    (["--speculative-model", "draft"], "--speculative-model"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens"),
+    (["--speculative-draft-tensor-parallel-size", "1"], "--speculative-draft-tensor-parallel-size"),
+    (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+    (["--enable-reasoning"], "--enable-reasoning"),
+    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["-tp", "4"], "--tensor-parallel-size"),
+]
+
+
+@pytest.mark.parametrize("flags, named", REFUSED, ids=[r[1] + " " + " ".join(r[0][1:]) for r in REFUSED])
+def test_flags_for_missing_features_are_refused(capsys, flags, named):
+    assert main(["serve", *flags]) == 2
+    error = capsys.readouterr().err
+    assert named in error and "does not have yet" in error
+
+
+def test_flags_that_ask_for_nothing_are_accepted(capsys):
+    from spillway.gateway.cli import build_parser, refusals
+
+    args = build_parser().parse_args(["serve", "--cpu-offload-gb", "0", "--tensor-parallel-size", "1",
+                                      "--num-speculative-tokens", "0", "--enforce-eager"])
+    assert refusals(args) == []
+
+
+def test_refusal_is_a_nonzero_exit_of_the_command():
+    result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-reasoning"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--speculative-model" in result.stderr and "--enable-reasoning" in result.stderr
+
+
+def test_bad_worker_address_is_refused(capsys):
+    assert main(["worker", "--connect", "http://host:80"]) == 1
+    assert "tcp://HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_worker_on_another_host_serves_through_tcp():
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    server = ServerProcess("--worker-address", address, "--max-model-len", "1024")
+    worker = subprocess.Popen([*spillway_command(), "worker", "--connect", address, "--max-model-len", "1024"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        server.wait_healthy()
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "ignore_eos": True})
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        worker.kill()
+        worker.wait(10)
+        server.stop()
