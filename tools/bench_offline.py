@@ -39,6 +39,32 @@ def bench_spillway(args, prompts) -> tuple[float, int]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
+def bench_thinking_budget(args, prompts) -> None:
+    """Tokens/s with reasoning on, thinking opened by the prompt, without and with a budget."""
+    from spillway.gateway import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+              max_num_seqs=max(args.batch, 1), enable_reasoning=True)
+    start_ids = llm.get_tokenizer().encode("<think>", add_special_tokens=False)
+    opened = [p + start_ids for p in prompts]
+    llm.generate(opened[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    rates = {}
+    for label, budget in (("no budget", None), (f"budget {args.thinking_budget}", args.thinking_budget)):
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, thinking_budget=budget)
+        start = time.perf_counter()
+        outputs = llm.generate(opened, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        reasoning = sum(o.outputs[0].num_reasoning_tokens for o in outputs) / len(outputs)
+        rates[label] = tokens / elapsed
+        print(f"{label:>11}: {tokens} tokens in {elapsed:7.2f} s = {rates[label]:8.1f} output tokens/s "
+              f"(mean reasoning tokens {reasoning:.1f})")
+    llm.shutdown()
+    first, second = rates.values()
+    print(f"ratio with budget / without = {second / first:.3f}x")
+
+
 def bench_hf(args, prompts) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
@@ -73,12 +99,19 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--thinking-budget", type=int, default=None,
+                        help="instead: compare reasoning runs without and with this thinking budget")
     args = parser.parse_args()
 
     from spillway.worker.models import loader
 
     config = loader.load_config(loader.resolve_model(args.model, args.load_format))
     prompts = make_prompts(config.vocab_size, args.batch, args.input_len, args.seed)
+    if args.thinking_budget is not None:
+        print(f"workload: batch {args.batch} x ({args.input_len} in + <think>, {args.output_len} out), greedy, "
+              f"ignore_eos, {args.dtype}, {date.today()}")
+        bench_thinking_budget(args, prompts)
+        return
     ours_s, ours_tokens = bench_spillway(args, prompts)
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, device {args.device}, {date.today()}")
