@@ -60,8 +60,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be positive, got {self.repetition_penalty!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be at least 1, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,

@@ -51,7 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing by the temperature overflows float32: treat it as greedy.
+        return self.temperature < 1e-5
 
 
 class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):

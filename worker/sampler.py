@@ -117,7 +117,9 @@ def adjusted_logits(logits: Tensor, inputs: Sequence[SamplingInput],
                     eos_token_ids: Sequence[int]) -> Tensor:
     """The logits that greedy picks from and sampling starts from: penalties, then masks."""
     if any(has_penalties(i.params) for i in inputs):
-        logits = apply_penalties(logits, inputs)
+        # Extreme penalties must not turn a logit into inf or NaN.
+        finite = torch.finfo(logits.dtype).max
+        logits = apply_penalties(logits, inputs).nan_to_num(nan=-finite, posinf=finite, neginf=-finite)
     return mask_stop_tokens(logits, inputs, eos_token_ids)
 
 

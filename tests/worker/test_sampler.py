@@ -400,3 +400,13 @@ def test_a_forced_token_wins_over_greedy_and_sampling_and_gets_its_logprob():
     plain = sampler.sample(logits[:1], [SamplingInput("g", SamplingParams(temperature=0.0), [1], [],
                                                       forced_token_id=3)])
     assert plain[0].token_id == 3  # the all-greedy fast path forces too
+
+
+def test_tiny_temperature_is_greedy_and_extreme_penalties_stay_finite():
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.0]])
+    sampler = Sampler(eos_token_ids=[0], seed=0)
+    tiny = SamplingInput("t", SamplingParams(temperature=1e-300), [1], [])
+    assert sampler.sample(logits, [tiny])[0].token_id == 1
+    harsh = SamplingInput("p", SamplingParams(temperature=1.0, repetition_penalty=1e-300), [1], [3])
+    token = sampler.sample(logits, [harsh])[0].token_id
+    assert token in (1, 3)  # the penalised tokens blow up to the largest finite logit, never NaN
