@@ -1,0 +1,98 @@
+"""Store new keys and values in the paged KV cache.
+
+The cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; row i of k/v
+goes to slot `slot_mapping[i] = block * block_size + offset`, i.e. to
+`kv_cache[block, layer, 0 (k) / 1 (v), offset]`. A negative slot marks a padded row, which
+is skipped, so a CUDA graph can run with a fixed number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spillway.kernels.utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check,
+    check_tensor,
+    for_device,
+    next_power_of_2,
+)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
+    layer_offset,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # A padded row (slot < 0) masks every head out.
+    mask = (heads < tl.where(slot >= 0, num_kv_heads, 0)) & (dims < head_dim)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = cache_ptr + layer_offset + block * stride_c_block + offset * stride_c_token
+    dst = dst + heads * stride_c_head + dims
+    key = tl.load(k_ptr + row * stride_k_row + heads * stride_k_head + dims, mask=mask)
+    value = tl.load(v_ptr + row * stride_v_row + heads * stride_v_head + dims, mask=mask)
+    tl.store(dst, key, mask=mask)
+    tl.store(dst + stride_c_kv, value, mask=mask)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+) -> None:
+    """Store `k`, `v` `[rows, num_kv_heads, head_dim]` of `layer` at `slot_mapping` `[rows]`, in place.
+
+    Rows whose slot is negative are skipped. k/v may be strided views (e.g. slices of a fused
+    qkv projection) as long as their last dim is contiguous.
+    """
+    device = kv_cache.device
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=FLOAT_DTYPES, device=device)
+    num_blocks, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
+    check(two == 2, f"kv_cache dim 2 must be 2 (k, v), got shape {tuple(kv_cache.shape)}")
+    check(kv_cache.is_contiguous(), "kv_cache must be contiguous")
+    check(0 <= layer < num_layers, f"layer {layer} out of range for {num_layers} layers")
+    for name, tensor in (("k", k), ("v", v)):
+        check_tensor(name, tensor, ndim=3, dtypes=(kv_cache.dtype,), device=device)
+        check(
+            tuple(tensor.shape[1:]) == (num_kv_heads, head_dim),
+            f"{name} must be [rows, {num_kv_heads}, {head_dim}], got {tuple(tensor.shape)}",
+        )
+    check(k.shape[0] == v.shape[0], f"k has {k.shape[0]} rows, v has {v.shape[0]}")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_slots = slot_mapping.shape[0]
+    check(num_slots == k.shape[0], f"slot_mapping has {num_slots} slots for {k.shape[0]} rows")
+    num_rows = k.shape[0]
+    if num_rows == 0:
+        return
+    kernel = for_device(_write_kv_kernel, device)
+    kernel[(num_rows,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        layer * kv_cache.stride(1),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def write_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+) -> None:
+    """`write_kv` in plain torch."""
+    block_size = kv_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
+    kv_cache[blocks, layer, 0, offsets] = k[keep]
+    kv_cache[blocks, layer, 1, offsets] = v[keep]

@@ -1,0 +1,223 @@
+"""Prefill / extend attention over the paged KV cache for a ragged batch.
+
+Sequence b owns query rows `query_start_loc[b] : query_start_loc[b + 1]` of q `[T, heads, D]`;
+those rows are its last `query_len` positions `seq_lens[b] - query_len + i`, whose K/V are
+already in the cache, possibly after a cached prefix. Each query attends causally to
+positions `0 ..= its own`.
+
+One program handles one (query tile, sequence, KV head). Its rows are BLOCK_Q query tokens
+times the `group` query heads that share the KV head, so each K/V tile it reads through the
+block table serves all of them (a sequence with one new token, a decode, costs one program
+per KV head). Online softmax, flash-attention style, over tiles of BLOCK_N keys:
+
+    rows (BLOCK_M = BLOCK_Q * group, padded to a power of two)
+    r -> token r // group, head kv_head * group + r % group
+    keys 0 .. (last query of the tile) are visited; tiles wholly before the tile's first query
+    position skip the mask, the rest (the diagonal, the end of the context) apply it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spillway.kernels.utils import (
+    check,
+    check_cache,
+    check_tensor,
+    for_device,
+    next_power_of_2,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
+    stride_c_block, stride_c_kv, stride_c_token, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys `tile .. tile + BLOCK_N`; MASKED applies causality and kv_end."""
+    tokens = tile + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_range = tokens < kv_end
+        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    else:
+        blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+    token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
+    k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (tokens[None, :] <= query_pos[:, None]) & in_range[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # A row that has seen no visible key (a padded row) keeps max -inf: shift by 0, not NaN.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(scores - shift[:, None])
+    alpha = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
+    stride_bt, layer_offset, qk_scale,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    first_token = q_tile * BLOCK_Q
+    if first_token >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    query_pos = prefix_len + token
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (query_start + token).to(tl.int64)
+    q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = cache_ptr + layer_offset + kv_head * stride_c_head
+    # Keys before the tile's first query position are visible to all its rows: no mask there.
+    unmasked_end = (prefix_len + first_token) // BLOCK_N * BLOCK_N
+    kv_end = prefix_len + tl.minimum(first_token + BLOCK_Q, query_len)
+    for tile in range(0, unmasked_end, BLOCK_N):
+        acc, row_sum, row_max = _attend_tile(
+            q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
+            stride_c_block, stride_c_kv, stride_c_token, qk_scale,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, MASKED=False, DOT_PRECISION=DOT_PRECISION,
+        )
+    for tile in range(unmasked_end, kv_end, BLOCK_N):
+        acc, row_sum, row_max = _attend_tile(
+            q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
+            stride_c_block, stride_c_kv, stride_c_token, qk_scale,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, MASKED=True, DOT_PRECISION=DOT_PRECISION,
+        )
+
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    out_offsets = q_rows * stride_o_t + head * stride_o_h
+    tl.store(out_ptr + out_offsets[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
+
+
+def prefill_tile_sizes(group: int, head_dim: int, rows: int = 64) -> tuple[int, int, int]:
+    """`(BLOCK_Q, BLOCK_M, BLOCK_N)`: query tokens per program, their rows (x group), keys per tile."""
+    block_q = max(1, rows // next_power_of_2(group))
+    block_m = max(16, next_power_of_2(block_q * group))
+    block_n = 64 if head_dim <= 128 else 32
+    return block_q, block_m, block_n
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Causal attention of the packed queries `q` `[T, heads, head_dim]`; returns a new tensor like q.
+
+    `query_start_loc` int32 `[B + 1]`, `seq_lens` int32 `[B]` (context incl. the new tokens),
+    `block_tables` int32 `[B, max_blocks]`, `max_query_len` a host int >= every query length
+    (it sizes the grid; nothing is read back from the device). Rows past
+    `query_start_loc[B]` are left unwritten. q may be a strided view with a contiguous last dim.
+    """
+    device = kv_cache.device
+    check_cache(kv_cache, layer)
+    num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    check_tensor("q", q, ndim=3, dtypes=(kv_cache.dtype,), device=device)
+    num_tokens, num_heads, _ = q.shape
+    check(q.shape[2] == head_dim, f"q's head_dim is {q.shape[2]}, the cache's {head_dim}")
+    check(num_heads % num_kv_heads == 0,
+          f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
+    num_seqs = block_tables.shape[0]
+    expected_lengths = (("query_start_loc", query_start_loc, num_seqs + 1), ("seq_lens", seq_lens, num_seqs))
+    for name, tensor, length in expected_lengths:
+        check_tensor(name, tensor, ndim=1, dtypes=(torch.int32,), device=device)
+        check(tensor.shape[0] == length, f"{name} has {tensor.shape[0]} entries, expected {length}")
+    check(isinstance(max_query_len, int) and max_query_len >= 0,
+          f"max_query_len must be an int >= 0, got {max_query_len}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0 or max_query_len == 0 or num_tokens == 0:
+        return out
+    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out)
+
+
+def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+            rows=64, block_n=None, num_warps=4, num_stages=2) -> torch.Tensor:
+    """The kernel on checked arguments; tile sizes and warps are open for tuning runs."""
+    num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
+    group = q.shape[1] // num_kv_heads
+    block_q, block_m, default_block_n = prefill_tile_sizes(group, head_dim, rows)
+    grid = (triton.cdiv(max_query_len, block_q), block_tables.shape[0], num_kv_heads)
+    for_device(_prefill_kernel, kv_cache.device)[grid](
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        block_tables.stride(0), layer * kv_cache.stride(1), scale * _LOG2E,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
+        BLOCK_N=block_n or default_block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_prefill_attention` in plain torch (float32 math, one sequence at a time); padded rows are 0."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[seq], starts[seq + 1])
+        query_len = starts[seq + 1] - starts[seq]
+        if query_len == 0:
+            continue
+        blocks = block_tables[seq, : -(-seq_len // block_size)].long()
+        keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = kv_cache[blocks, layer, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out.to(q.dtype)

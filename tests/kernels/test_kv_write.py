@@ -1,0 +1,67 @@
+"""write_kv against its reference: strided k/v views, padded slots, every block size."""
+
+import pytest
+import torch
+from kernel_testing import gpu, random_tensor
+
+from spillway.kernels.kv_write import write_kv, write_kv_reference
+
+
+def _fused_kv(num_rows, num_heads, num_kv_heads, head_dim, dtype, device):
+    """k and v as the strided views a fused qkv projection yields."""
+    qkv = random_tensor(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    k = qkv[:, q_size : q_size + kv_size].view(num_rows, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_rows, num_kv_heads, head_dim)
+    return k, v
+
+
+def _check_write(slots, *, block_size, num_kv_heads, head_dim, layer, dtype=torch.float32, device="cpu"):
+    device = torch.device(device)
+    num_blocks = max(slots) // block_size + 2
+    cache = random_tensor(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, seed=5)
+    expected = cache.clone()
+    k, v = _fused_kv(len(slots), 2 * num_kv_heads, num_kv_heads, head_dim, dtype, device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    write_kv(k, v, cache, layer, slot_mapping)
+    write_kv_reference(k, v, expected, layer, slot_mapping)
+    assert torch.equal(cache, expected)
+    return cache, k, v
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_rows_land_in_their_slots_and_padding_is_skipped(block_size):
+    slots = [0, block_size - 1, block_size, -1, 3 * block_size + 5, -1, 2 * block_size + 1]
+    cache, k, v = _check_write(slots, block_size=block_size, num_kv_heads=3, head_dim=32, layer=1)
+    last = 3 * block_size + 5
+    assert torch.equal(cache[last // block_size, 1, 0, last % block_size], k[4])
+    assert torch.equal(cache[last // block_size, 1, 1, last % block_size], v[4])
+
+
+def test_other_layers_are_untouched():
+    cache, _, _ = _check_write([5, 6, 7], block_size=16, num_kv_heads=1, head_dim=64, layer=2)
+    fresh = random_tensor(*cache.shape, seed=5)
+    assert torch.equal(cache[:, :2], fresh[:, :2])
+
+
+def test_bad_arguments_are_refused():
+    cache = torch.zeros(4, 2, 2, 16, 2, 32)
+    k = torch.zeros(3, 2, 32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(k, k, cache, 0, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        write_kv(k, k, cache, 2, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"k must be \[rows, 2, 32\]"):
+        write_kv(torch.zeros(3, 4, 32), k, cache, 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k must be one of"):
+        write_kv(k.double(), k, cache, 0, torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_realistic(dtype):
+    generator = torch.Generator().manual_seed(0)
+    slots = torch.randperm(900 * 16, generator=generator)[:3000]
+    slots[::7] = -1
+    _check_write(slots.tolist(), block_size=16, num_kv_heads=8, head_dim=128, layer=2, dtype=dtype, device="cuda")

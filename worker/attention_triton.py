@@ -1,0 +1,161 @@
+"""Paged attention through the Triton kernels in `spillway.kernels`: the CUDA backend.
+
+Same interface as `TorchAttentionBackend` (worker/attention.py): `build_metadata` once per
+step, then `forward(layer_idx, q, k, v, kv_cache, metadata)` in every layer, which stores the
+new k/v with `write_kv` and returns attention of q. Which kernel runs:
+
+    every sequence has the same query length Q <= max_decode_query_len
+        -> paged_decode_attention   (decode Q = 1; speculative verification Q = k + 1)
+    anything else (prefill, extend, mixed prefill + decode)
+        -> paged_prefill_attention  (ragged; decodes are sequences with query_len 1)
+
+Metadata comes in two forms; `forward` accepts either.
+
+1. `build_metadata(query_lens, starts, block_tables, slot_mapping, *, context_lens=None,
+   query_start_loc=None)` -> `TritonAttentionMetadata` for eager steps. block_tables int32
+   (int64 is cast), slot_mapping int64 with -1 for padded rows. Pass the int32 device tensors
+   `context_lens` [B] (= starts + query_lens) and `query_start_loc` [B + 1] when they are
+   already staged; otherwise they are built here with one small host-to-device copy.
+
+2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph. The runner owns
+   persistent buffers, fills them in place before each replay, and passes the same object
+   (or one holding the same tensors) at capture and replay:
+
+       block_tables  int32 [B, max_blocks]   row b: sequence b's block ids; padding rows: 0s
+       context_lens  int32 [B]               tokens in the cache after this step's write,
+                                             the Q new ones included; 0 for a padding row
+       slot_mapping  int64 [B * Q]           slot of each q/k/v row (sequence b owns rows
+                                             b*Q .. b*Q+Q-1); -1 for padding rows
+       query_len     int  Q                  static
+       num_splits    int | None              static; None: default_num_splits(B, kv heads,
+                                             max_blocks * block_size), fixed by the shapes
+
+   q/k/v then have exactly B * Q rows. Nothing in the decode path reads device values on
+   the host or sizes a launch from them, so capture and replay are valid for any
+   context_lens <= max_blocks * block_size. Padding rows produce zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from spillway.kernels.kv_write import write_kv
+from spillway.kernels.paged_attention_decode import paged_decode_attention
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.worker.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    """A decode step's tensors; see the module docstring for shapes and the CUDA-graph contract."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_len: int = 1
+    num_splits: int | None = None
+
+
+@dataclass(slots=True)
+class PrefillMetadata:
+    """A ragged step's tensors for `paged_prefill_attention`."""
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    max_query_len: int
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata(AttentionMetadata):
+    """Exactly one of `decode` and `prefill` is set."""
+
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with the Triton kernels; q/k/v may be strided views of a fused qkv."""
+
+    def __init__(self, block_size: int, scale: float | None = None, max_decode_query_len: int = 8) -> None:
+        super().__init__(block_size, scale)
+        self.max_decode_query_len = max_decode_query_len
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        starts: list[int],
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        context_lens: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+    ) -> TritonAttentionMetadata:
+        """`context_lens` int32 [B] (starts + query_lens) and `query_start_loc` int32 [B + 1],
+        when the runner already has them on the device, save building and copying them here."""
+        assert query_lens and all(n > 0 for n in query_lens), "every sequence needs at least one new token"
+        device = slot_mapping.device
+        row_starts = [0, *itertools.accumulate(query_lens)]
+        seq_lens = [start + n for start, n in zip(starts, query_lens)]
+        tables = block_tables.to(torch.int32)
+        decode = prefill = None
+        query_len = query_lens[0]
+        num_seqs = len(query_lens)
+        if query_len <= self.max_decode_query_len and all(n == query_len for n in query_lens):
+            if context_lens is None:
+                context_lens = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+            decode = DecodeMetadata(tables, context_lens, slot_mapping, query_len)
+        else:
+            if context_lens is None or query_start_loc is None:
+                packed = torch.tensor(row_starts + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+                query_start_loc, context_lens = packed[: num_seqs + 1], packed[num_seqs + 1 :]
+            prefill = PrefillMetadata(query_start_loc, context_lens, tables, max(query_lens))
+        return TritonAttentionMetadata(
+            query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata | DecodeMetadata,
+    ) -> torch.Tensor:
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        if isinstance(metadata, DecodeMetadata):
+            decode, prefill, slot_mapping = metadata, None, metadata.slot_mapping
+        else:
+            assert isinstance(metadata, TritonAttentionMetadata)
+            decode, prefill, slot_mapping = metadata.decode, metadata.prefill, metadata.slot_mapping
+        write_kv(k, v, kv_cache, layer_idx, slot_mapping)
+        if decode is not None:
+            return self._decode(layer_idx, q, kv_cache, decode, scale)
+        out = paged_prefill_attention(
+            q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
+            scale, prefill.max_query_len,
+        )
+        num_rows = metadata.query_start_loc[-1]
+        if q.shape[0] > num_rows:
+            out[num_rows:].zero_()
+        return out
+
+    @staticmethod
+    def _decode(
+        layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeMetadata, scale: float
+    ) -> torch.Tensor:
+        num_seqs, query_len = decode.context_lens.shape[0], decode.query_len
+        num_rows, num_heads, head_dim = num_seqs * query_len, q.shape[1], q.shape[2]
+        out = paged_decode_attention(
+            q[:num_rows].view(num_seqs, query_len, num_heads, head_dim), kv_cache, layer_idx,
+            decode.block_tables, decode.context_lens, scale, decode.num_splits,
+        ).view(num_rows, num_heads, head_dim)
+        if q.shape[0] == num_rows:
+            return out
+        padded = q.new_zeros(q.shape)
+        padded[:num_rows] = out
+        return padded
