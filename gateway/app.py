@@ -23,6 +23,7 @@ from starlette.routing import Route
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
 from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
 from spillway.gateway.serving import Generation, JobBuilder
@@ -51,6 +52,14 @@ class ServerSettings:
     worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
     ready_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 60.0  # remote workers only
+    # Reasoning models: any of these enables splitting thinking from the answer.
+    enable_reasoning: bool = False
+    reasoning_parser: str | None = None  # deepseek_r1 (default) or qwen3
+    reasoning_config: str | dict | None = None  # {"start", "end", "transition"}: markers of one's own
+
+    @property
+    def reasoning(self) -> bool:
+        return bool(self.enable_reasoning or self.reasoning_parser or self.reasoning_config is not None)
 
 
 class Gateway:
@@ -65,7 +74,9 @@ class Gateway:
         self.root = root_hash(ready.hash_seed, ready.model)
         self.tokenizer = (PromptTokenizer(hf_tokenizer, ready.block_size, self.root, settings.chat_template)
                           if hf_tokenizer is not None else None)
-        self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready)
+        self.markers = _reasoning_markers(settings, hf_tokenizer)
+        self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
+                               reasoning=self.markers is not None)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
 
@@ -77,7 +88,7 @@ class Gateway:
         if num_samples > self.settings.max_pending:
             raise api.bad_request(f"{num_samples} sequences (prompts x n) exceed this server's limit of "
                                   f"{self.settings.max_pending}", param="n")
-        generation = Generation(job, self.client, self.tokenizer, self.block_hashes)
+        generation = Generation(job, self.client, self.tokenizer, self.block_hashes, self.markers)
         try:
             generation.start()
         except EngineOverloaded as exc:
@@ -87,6 +98,14 @@ class Gateway:
             raise api.ApiError(503, str(exc), type="server_error", code="engine_unavailable",
                                retry_after=5) from None
         return GenerationResponse(generation, self.strings)
+
+
+def _reasoning_markers(settings: ServerSettings, hf_tokenizer) -> ReasoningMarkers | None:
+    if not settings.reasoning:
+        return None
+    if hf_tokenizer is None:
+        raise ValueError("a reasoning parser needs the model's tokenizer, and this model has none")
+    return resolve_markers(hf_tokenizer, settings.reasoning_parser, settings.reasoning_config)
 
 
 def _load_tokenizer(config: WorkerConfig):

@@ -7,9 +7,12 @@ with a message and exit status 2, never accepted and ignored.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+
+from spillway.gateway.reasoning import PARSERS
 
 # vLLM flags for features Spillway lacks: (flag, attribute, the value that asks for nothing, feature).
 _NOT_YET = [
@@ -20,8 +23,6 @@ _NOT_YET = [
     ("--speculative-draft-tensor-parallel-size", "speculative_draft_tensor_parallel_size", None,
      "speculative decoding"),
     ("--speculative-config", "speculative_config", None, "speculative decoding"),
-    ("--enable-reasoning", "enable_reasoning", False, "reasoning parsers"),
-    ("--reasoning-parser", "reasoning_parser", None, "reasoning parsers"),
     ("--quantization", "quantization", None, "quantised execution"),
     ("--enable-lora", "enable_lora", False, "LoRA adapters"),
     ("--kv-cache-dtype", "kv_cache_dtype", "auto", "KV cache dtypes other than the model's"),
@@ -75,8 +76,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     refused.add_argument("--num-speculative-tokens", type=int)
     refused.add_argument("--speculative-draft-tensor-parallel-size", type=int)
     refused.add_argument("--speculative-config")
-    refused.add_argument("--enable-reasoning", action="store_true")
-    refused.add_argument("--reasoning-parser")
     refused.add_argument("--quantization", "-q")
     refused.add_argument("--enable-lora", action="store_true")
     refused.add_argument("--kv-cache-dtype", default="auto")
@@ -93,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
     server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    reasoning = serve.add_argument_group("reasoning models")
+    reasoning.add_argument("--enable-reasoning", action="store_true",
+                           help="split <think> ... </think> into reasoning_content (the deepseek_r1 parser "
+                                "unless --reasoning-parser or --reasoning-config says otherwise)")
+    reasoning.add_argument("--reasoning-parser", choices=sorted(PARSERS),
+                           help="which markers delimit thinking; implies --enable-reasoning")
+    reasoning.add_argument("--reasoning-config", metavar="JSON",
+                           help='markers of your own: {"start": "<think>", "end": "</think>", '
+                                '"transition": "optional phrase forced before the end at the budget"}; '
+                                "implies --enable-reasoning")
     server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
                         help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
                              "`spillway worker MODEL --connect tcp://HOST:PORT` (unauthenticated: "
@@ -155,6 +164,21 @@ def _read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def _read_reasoning_config(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--reasoning-config is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict) or set(spec) - {"start", "end", "transition"} \
+            or not all(isinstance(spec.get(k, ""), str) for k in ("start", "end", "transition")) \
+            or not spec.get("start") or not spec.get("end"):
+        raise ValueError('--reasoning-config must be {"start": str, "end": str, "transition": str (optional)}, '
+                         "with non-empty markers")
+    return spec
+
+
 def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -164,6 +188,7 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         config, names = worker_config(args)
         chat_template = _read_chat_template(args.chat_template)
+        reasoning_config = _read_reasoning_config(args.reasoning_config)
         if args.worker_address is not None:
             worker_addresses(args.worker_address)
     except (ValueError, FileNotFoundError, OSError) as exc:
@@ -173,6 +198,8 @@ def serve_command(args: argparse.Namespace) -> int:
         worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
         max_body_bytes=args.max_request_body_bytes,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
+        enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
+        reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config,
     )
     loop = "uvloop" if _has_uvloop() else "asyncio"
     server = uvicorn.Server(uvicorn.Config(build_app(settings), host=args.host, port=args.port, loop=loop,

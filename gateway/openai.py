@@ -93,6 +93,9 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    # Reasoning models (needs a reasoning parser): at most this many tokens of thinking.
+    thinking_budget: int | None = None
+    thinking_token_budget: int | None = None  # alias of thinking_budget
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -178,7 +181,7 @@ def sampling_params(request: _GenerationRequest, max_tokens: int | None, logprob
         raise bad_request(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters", param="stop")
     if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
-    for name in ("seed", "top_k", "min_tokens", "priority"):
+    for name in ("seed", "top_k", "min_tokens", "priority", "thinking_budget", "thinking_token_budget"):
         value = getattr(request, name)
         if value is not None and not -INT64_MAX - 1 <= value <= INT64_MAX:
             raise bad_request(f"{name} must fit in a signed 64-bit integer", param=name)
@@ -210,6 +213,8 @@ def sampling_params(request: _GenerationRequest, max_tokens: int | None, logprob
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            thinking_budget=request.thinking_budget,
+            thinking_token_budget=request.thinking_token_budget,
         )
     except ValueError as exc:
         message = str(exc)
@@ -279,11 +284,18 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    """`completion_tokens_details` only from a server with a reasoning parser."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -311,8 +323,13 @@ class CompletionLogprobs(msgspec.Struct):
 
 
 class AssistantMessage(msgspec.Struct):
+    """With a reasoning parser, the thinking (markers excluded) is `reasoning_content`, and
+    `reasoning` too (the newer name); both are left out without one."""
+
     role: str
     content: str
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -335,6 +352,8 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from spillway.gateway import openai as api
 from spillway.gateway.client import WorkerLost
-from spillway.gateway.serving import Generation
+from spillway.gateway.serving import Generation, Sample
 from spillway.protocol.messages import TokenLogprobs
 
 logger = logging.getLogger("spillway.gateway")
@@ -123,7 +123,14 @@ async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[b
     async for updates in gen.updates():
         for update in updates:
             logprobs = chat_logprobs(update.logprobs, strings) if want_logprobs and update.logprobs else None
-            if update.text or logprobs is not None:
+            if update.reasoning_text:
+                thought = update.reasoning_text
+                yield chunk(api.ChatChunkChoice(update.sample.index,
+                                                api.ChatDelta(reasoning_content=thought, reasoning=thought), logprobs))
+                logprobs = None  # sent with the reasoning
+                if update.text:
+                    yield chunk(api.ChatChunkChoice(update.sample.index, api.ChatDelta(content=update.text)))
+            elif update.text or logprobs is not None:
                 yield chunk(api.ChatChunkChoice(update.sample.index, api.ChatDelta(content=update.text), logprobs))
             if update.finished:
                 sample = update.sample
@@ -168,7 +175,7 @@ async def whole_response(gen: Generation, strings: TokenStrings):
             for update in updates:
                 entries[update.sample.index].extend(update.logprobs)
     if job.chat:
-        choices = [api.ChatChoice(s.index, api.AssistantMessage("assistant", s.output.text),
+        choices = [api.ChatChoice(s.index, _assistant_message(s),
                                   chat_logprobs(entries[s.index], strings) if want_logprobs else None,
                                   s.finish_reason, s.stop_reason) for s in gen.samples]
         return api.ChatCompletion(job.request_id, job.created, job.model, choices, gen.usage())
@@ -177,6 +184,13 @@ async def whole_response(gen: Generation, strings: TokenStrings):
                                     s.finish_reason, s.stop_reason) for s in gen.samples]
     return api.Completion(id=job.request_id, object="text_completion", created=job.created, model=job.model,
                           choices=choices, usage=gen.usage())
+
+
+def _assistant_message(sample: Sample) -> api.AssistantMessage:
+    if sample.reasoning is None:
+        return api.AssistantMessage("assistant", sample.output.text)
+    thought = sample.reasoning.text or None
+    return api.AssistantMessage("assistant", sample.output.text, reasoning_content=thought, reasoning=thought)
 
 
 class GenerationResponse:

@@ -4,6 +4,10 @@
             ─▶ Generation.start(): one Generate per (prompt, sample), sent together
             ─▶ Generation.updates(): deltas → detokenized, stop-string-checked text per choice
 
+With a reasoning parser every sample's token ids also run through a ReasoningSplitter; a chat
+choice detokenizes its reasoning and its content as two streams (stop strings apply to the
+content), and the markers belong to neither.
+
 Choice i of a request with n samples per prompt is sample i % n of prompt i // n.
 """
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, RequestStream
 from spillway.gateway.detok import OutputText
+from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, thinking_policy
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, TokenLogprobs
@@ -58,7 +63,9 @@ class Sample:
     index: int
     prompt_index: int
     request_id: str
-    output: OutputText
+    output: OutputText  # the content with a reasoning parser (chat), else the whole text
+    splitter: ReasoningSplitter | None = None  # with a reasoning parser
+    reasoning: OutputText | None = None  # the reasoning text (chat with a reasoning parser)
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -72,6 +79,7 @@ class Update:
     sample: Sample
     text: str
     logprobs: list[TokenLogprobs]
+    reasoning_text: str = ""
 
     @property
     def finished(self) -> bool:
@@ -81,9 +89,11 @@ class Update:
 class JobBuilder:
     """Checks requests against the model (names, lengths, vocabulary) and tokenizes them."""
 
-    def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn) -> None:
+    def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
+                 reasoning: bool = False) -> None:
         self.tokenizer = tokenizer
         self.served_names = served_names
+        self.reasoning = reasoning  # the server has a reasoning parser
         self._ready = ready_fn  # the current worker's Ready (it may have been restarted)
 
     @property
@@ -154,6 +164,10 @@ class JobBuilder:
 
     def _job(self, prefix: str, chat: bool, model: str, prompts: list[Prompt], params: SamplingParams,
              request) -> Job:
+        if params.thinking_budget is not None and not self.reasoning:
+            raise api.bad_request("thinking_budget needs a reasoning parser: start the server with "
+                                  "--enable-reasoning (or --reasoning-parser / --reasoning-config)",
+                                  param="thinking_budget")
         max_tokens = [self._check_prompt(p.token_ids, params.max_tokens, "messages" if chat else "prompt")
                       for p in prompts]
         options = request.stream_options
@@ -195,8 +209,9 @@ class Generation:
     """Runs one Job on the worker and turns its deltas into per-choice text updates."""
 
     def __init__(self, job: Job, client: EngineClient, tokenizer: PromptTokenizer | None,
-                 block_hashes) -> None:
+                 block_hashes, markers: ReasoningMarkers | None = None) -> None:
         self.job = job
+        self.markers = markers
         self.client = client
         self.tokenizer = tokenizer
         self._block_hashes = block_hashes
@@ -212,6 +227,8 @@ class Generation:
         hf_tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
         for prompt_index, prompt in enumerate(job.prompts):
             hashes = self._block_hashes(prompt.token_ids, job.cache_salt)
+            policy = (thinking_policy(self.markers, prompt.token_ids, params.thinking_budget)
+                      if self.markers is not None else None)
             for sample_index in range(params.n):
                 request_id = f"{job.request_id}-{prompt_index}-{sample_index}"
                 seed = None if params.seed is None else (params.seed + sample_index) & UINT64_MASK
@@ -219,12 +236,18 @@ class Generation:
                                     include_stop_str_in_output=params.include_stop_str_in_output,
                                     skip_special_tokens=params.skip_special_tokens, min_tokens=params.min_tokens)
                 sample = Sample(len(self.samples), prompt_index, request_id, output)
+                if policy is not None:
+                    sample.splitter = ReasoningSplitter(policy)
+                    if job.chat:
+                        sample.reasoning = OutputText(hf_tokenizer, prompt.token_ids,
+                                                      skip_special_tokens=params.skip_special_tokens)
                 self.samples.append(sample)
                 self._by_id[request_id] = sample
                 generates.append(Generate(
                     request_id=request_id, prompt_token_ids=prompt.token_ids, block_hashes=hashes,
                     params=params.to_wire(job.max_tokens[prompt_index], seed), priority=job.priority,
-                    arrival_time=time.time(), cache_salt=job.cache_salt))
+                    arrival_time=time.time(), cache_salt=job.cache_salt,
+                    thinking=policy if params.thinking_budget is not None else None))
         self._unfinished = len(self.samples)
         self._stream = self.client.submit(generates)
 
@@ -260,14 +283,28 @@ class Generation:
                                   code="engine_refused")
         if delta.num_cached_tokens >= 0:
             sample.num_cached_tokens = delta.num_cached_tokens
-        sample.num_tokens += len(delta.new_token_ids)
-        update.text += sample.output.push(delta.new_token_ids)
+        new_ids = delta.new_token_ids
+        sample.num_tokens += len(new_ids)
+        content_ids = new_ids
+        if sample.splitter is not None:
+            reasoning_ids, split_content = sample.splitter.feed(new_ids)
+            if delta.finish_reason is not None:
+                held_reasoning, held_content = sample.splitter.flush()
+                reasoning_ids, split_content = reasoning_ids + held_reasoning, split_content + held_content
+            if sample.reasoning is not None:
+                update.reasoning_text += sample.reasoning.push(reasoning_ids)
+                # min_tokens counts every output token, thinking included.
+                sample.output.num_tokens += len(new_ids) - len(split_content)
+                content_ids = split_content
+        update.text += sample.output.push(content_ids)
         if delta.logprobs:
             update.logprobs.extend(delta.logprobs)
         if sample.output.stop is not None:
             self._finish(sample, FinishReason.STOP.value, sample.output.stop)
             self._stream.finish(sample.request_id, FinishReason.STOP.value)
         elif delta.finish_reason is not None:
+            if sample.reasoning is not None:
+                update.reasoning_text += sample.reasoning.finish()
             update.text += sample.output.finish()
             stop_reason = None
             if delta.finish_reason is FinishReason.STOP and delta.new_token_ids:
@@ -285,5 +322,8 @@ class Generation:
         num_completion = sum(s.num_tokens for s in self.samples)
         # Each prompt's cached tokens as its first sample saw them.
         num_cached = sum(s.num_cached_tokens for s in self.samples if s.index % job.params.n == 0)
+        details = None
+        if self.markers is not None:
+            details = api.CompletionTokensDetails(sum(s.splitter.num_reasoning_tokens for s in self.samples))
         return api.Usage(num_prompt, num_completion, num_prompt + num_completion,
-                         api.PromptTokensDetails(num_cached))
+                         api.PromptTokensDetails(num_cached), details)

@@ -16,8 +16,6 @@ REFUSED = [
     (["--num-speculative-tokens", "3"], "--num-speculative-tokens"),
     (["--speculative-draft-tensor-parallel-size", "1"], "--speculative-draft-tensor-parallel-size"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
-    (["--enable-reasoning"], "--enable-reasoning"),
-    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["-tp", "4"], "--tensor-parallel-size"),
 ]
@@ -39,10 +37,22 @@ def test_flags_that_ask_for_nothing_are_accepted(capsys):
 
 
 def test_refusal_is_a_nonzero_exit_of_the_command():
-    result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-reasoning"],
+    result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--speculative-model" in result.stderr and "--enable-reasoning" in result.stderr
+    assert "--speculative-model" in result.stderr and "--enable-lora" in result.stderr
+
+
+@pytest.mark.parametrize("flags", [["--reasoning-config", "{not json"],
+                                   ["--reasoning-config", '{"start": "<think>"}'],
+                                   ["--reasoning-parser", "nonesuch"]])
+def test_bad_reasoning_flags_are_refused(capsys, flags):
+    try:
+        code = main(["serve", *flags])
+    except SystemExit as exc:  # argparse: not one of the parsers
+        code = exc.code
+    assert code in (1, 2)
+    assert "reasoning" in capsys.readouterr().err
 
 
 def test_bad_worker_address_is_refused(capsys):
