@@ -52,7 +52,8 @@ def server_url():
     spillway = Path(sys.executable).parent / "spillway"
     command = [str(spillway)] if spillway.exists() else [sys.executable, "-m", "spillway.gateway.cli"]
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen([*command, "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+        # --enable-reasoning: the reasoning workload sends thinking_budget, refused without a parser.
+        process = subprocess.Popen([*command, "serve", "--port", str(port), "--enable-reasoning"], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
             _wait_healthy(process, url, log)
