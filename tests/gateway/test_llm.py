@@ -73,7 +73,7 @@ def test_greedy_batch_equals_hf_token_for_token(llm, prompts, hf_greedy):
 
 
 def test_repeat_hits_the_prefix_cache_and_gives_the_same_tokens(llm, prompts, hf_greedy):
-    llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)  # fills the cache
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out, theirs in zip(prompts, again, hf_greedy):
         # Full blocks are reused, but the last prompt token is always recomputed.
