@@ -12,6 +12,7 @@ import argparse
 import os
 import platform
 import random
+import statistics
 import time
 from datetime import date
 
@@ -48,21 +49,24 @@ def bench_thinking_budget(args, prompts) -> None:
     start_ids = llm.get_tokenizer().encode("<think>", add_special_tokens=False)
     opened = [p + start_ids for p in prompts]
     llm.generate(opened[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    rates = {}
-    for label, budget in (("no budget", None), (f"budget {args.thinking_budget}", args.thinking_budget)):
-        llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, thinking_budget=budget)
-        start = time.perf_counter()
-        outputs = llm.generate(opened, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        reasoning = sum(o.outputs[0].num_reasoning_tokens for o in outputs) / len(outputs)
-        rates[label] = tokens / elapsed
-        print(f"{label:>11}: {tokens} tokens in {elapsed:7.2f} s = {rates[label]:8.1f} output tokens/s "
-              f"(mean reasoning tokens {reasoning:.1f})")
+    rates: dict[str, list[float]] = {}
+    # Alternate the two settings, so drift on a shared machine hits both alike; report medians.
+    for _ in range(args.rounds):
+        for label, budget in (("no budget", None), (f"budget {args.thinking_budget}", args.thinking_budget)):
+            llm.reset_prefix_cache()
+            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                                    thinking_budget=budget)
+            start = time.perf_counter()
+            outputs = llm.generate(opened, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            reasoning = sum(o.outputs[0].num_reasoning_tokens for o in outputs) / len(outputs)
+            rates.setdefault(label, []).append(tokens / elapsed)
+            print(f"{label:>11}: {tokens} tokens in {elapsed:7.2f} s = {tokens / elapsed:8.1f} output tokens/s "
+                  f"(mean reasoning tokens {reasoning:.1f})")
     llm.shutdown()
-    first, second = rates.values()
-    print(f"ratio with budget / without = {second / first:.3f}x")
+    first, second = (statistics.median(values) for values in rates.values())
+    print(f"median tokens/s: no budget {first:.1f}, budget {second:.1f}; ratio with / without = {second / first:.3f}x")
 
 
 def bench_hf(args, prompts) -> tuple[float, int]:
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--thinking-budget", type=int, default=None,
                         help="instead: compare reasoning runs without and with this thinking budget")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds for --thinking-budget")
     args = parser.parse_args()
 
     from spillway.worker.models import loader
