@@ -23,4 +23,5 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     hash_seed: bytes = DEFAULT_HASH_SEED
