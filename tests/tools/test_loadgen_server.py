@@ -30,11 +30,11 @@ STARTUP_TIMEOUT_S = 600
 COMMON = ["--no-progress", "--concurrency", "2", "--metrics-interval", "0.2", "--output-len", "4"]
 RUNS = {
     "random": ["--num-requests", "4", "--input-len", "32", "--seed", "101"],
-    "shared-prefix": ["--num-requests", "6", "--num-prefixes", "1", "--prefix-len", "128", "--input-len", "16",
+    "shared-prefix": ["--num-requests", "8", "--num-prefixes", "1", "--prefix-len", "128", "--input-len", "16",
                       "--seed", "102"],
     "multi-turn": ["--num-requests", "6", "--num-turns", "3", "--num-users", "2", "--input-len", "16",
                    "--seed", "103"],
-    "document-qa": ["--num-requests", "4", "--document-len", "256", "--input-len", "16", "--seed", "104"],
+    "document-qa": ["--num-requests", "8", "--document-len", "256", "--input-len", "16", "--seed", "104"],
     "reasoning": ["--num-requests", "3", "--thinking-budget", "4", "--input-len", "24", "--seed", "105"],
 }
 
@@ -134,7 +134,8 @@ def test_shared_prefix_hits_the_prefix_cache_and_random_does_not(run):
     shared_rate = run("shared-prefix")["summary"]["server"]["prefix_cache_hit_rate"]
     document_rate = run("document-qa")["summary"]["server"]["prefix_cache_hit_rate"]
     assert random_rate < 0.1
-    assert shared_rate > random_rate + 0.5 and document_rate > random_rate + 0.5
+    # The first two requests (two in flight) compute the shared text; the other six hit it.
+    assert shared_rate > random_rate + 0.4 and document_rate > random_rate + 0.4
 
 
 def test_multi_turn_history_grows_and_is_found_in_the_cache(run):
