@@ -64,7 +64,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-gpu-blocks-override", type=_positive_int)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="accepted: decode runs eagerly (no CUDA graphs) in this version")
+                        help="no CUDA graphs: every decode step runs eagerly")
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
@@ -149,7 +149,7 @@ def worker_config(args: argparse.Namespace):
         device=args.device, seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
     ), names
 
 

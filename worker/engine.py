@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import torch
@@ -66,6 +68,26 @@ def eos_token_ids(files: loader.ModelFiles, hf_config) -> list[int]:
     return ids
 
 
+class OutputTokens(Sequence[int]):
+    """A request's output token ids as a view of its token list: each step hands every
+    request's outputs to the sampler, which mostly needs only their number."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        return self._tokens[self._start:][index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
+
+
 class Engine:
     """Owns the scheduler, the model runner and the sampler of one worker."""
 
@@ -88,13 +110,18 @@ class Engine:
                                  f"window ({window}), which Spillway does not implement yet")
             self.max_model_len = window
         self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks=None, block_size=self.block_size, device=self.device,
+                                  dtype=self.dtype, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=self.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len)
         num_blocks = self._num_blocks(hf_config)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=self.block_size,
-                                  device=self.device, dtype=self.dtype)
+        self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs(config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.eos_token_ids = eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -123,8 +150,7 @@ class Engine:
                 raise ValueError("num_gpu_blocks_override must be at least 1")
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - self.config.gpu_memory_utilization)
+            budget = self._gpu_kv_budget()
         else:
             budget = CPU_KV_CACHE_BYTES
         num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.dtype, int(budget))
@@ -137,6 +163,17 @@ class Engine:
                 f"max_model_len={self.max_model_len}; lower max_model_len or give it more memory"
             )
         return num_blocks
+
+    def _gpu_kv_budget(self) -> int:
+        """Bytes for KV: the utilisation's share of the GPU, less what is in use (weights, CUDA
+        context, other processes) and the peak a step of max_num_batched_tokens adds."""
+        activation_peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, self.max_model_len)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations, "
+                    "%.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
+                    activation_peak / 2**30, max(budget, 0) / 2**30)
+        return int(budget)
 
     def ready(self) -> Ready:
         return Ready(
@@ -237,7 +274,8 @@ class Engine:
             return {}, {}
         requests = [plan.chunks[i].request for i in rows]
         inputs = [
-            SamplingInput(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids,
+            SamplingInput(r.request_id, r.params, r.prompt_token_ids,
+                          OutputTokens(r.all_token_ids, r.num_prompt_tokens),
                           None if r.thinking_state is None else forced_token(r.thinking_state))
             for r in requests
         ]

@@ -1,14 +1,32 @@
-"""Turns a step's chunks into one forward pass over the paged KV cache."""
+"""Turns a step's chunks into one forward pass over the paged KV cache.
+
+A step, on any device:
+
+    chunks ──► StepInputs: numpy writes into one persistent int32 host buffer (pinned on
+               CUDA), then one host→device copy
+           ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
+               (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
+               anything else (prefill, mixed, enforce_eager, CPU): run the model eagerly
+           ──► float32 logits of each chunk's last token
+
+Nothing on this path reads device memory back; the sampler's copy of the sampled tokens is
+the step's only synchronisation.
+
+On CUDA the engine builds the runner without a KV cache, measures the peak of one
+max_num_batched_tokens step (`profile_peak_memory`), sizes the pool from what is left
+(`allocate_kv_cache`), then captures the decode graphs (`capture_graphs`).
+"""
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from spillway.worker.attention import AttentionBackend, TorchAttentionBackend
+from spillway.worker.step_inputs import StepInputs, StepLayout
 
 
 @dataclass(slots=True)
@@ -42,77 +60,154 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, memory_by
     return max(0, int(memory_bytes) // kv_block_bytes(config, block_size, dtype))
 
 
+def default_backend(device: torch.device, block_size: int) -> AttentionBackend:
+    """The Triton kernels on CUDA, plain torch elsewhere."""
+    if device.type == "cuda":
+        from spillway.worker.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend(block_size)
+    return TorchAttentionBackend(block_size)
+
+
 class ModelRunner:
     """Owns the KV cache and runs the model over a batch of chunks, one step at a time.
 
     `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed
-    so that masked-out slots never hold NaN.
+    so that masked-out slots never hold NaN. Without `num_blocks` it is allocated later by
+    `allocate_kv_cache`, after `profile_peak_memory` has measured what the model needs.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        num_blocks: int,
+        num_blocks: int | None,
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
         backend: AttentionBackend | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.backend = backend or TorchAttentionBackend(block_size)
+        self.dtype = dtype
+        self.backend = backend or default_backend(self.device, block_size)
         self.max_context_len = model.sliding_window
-        shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.max_num_seqs = max_num_seqs
+        max_model_len = max_model_len or max_num_batched_tokens
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        model.rotary.reserve_positions(self.max_blocks_per_seq * block_size)
+        self.inputs = StepInputs(
+            max_num_tokens=max(max_num_batched_tokens, max_num_seqs),
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            block_size=block_size,
+            device=self.device,
+        )
+        self.graphs = None  # DecodeGraphs once captured
+        self.kv_cache: torch.Tensor | None = None
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
+
+    @property
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        model = self.model
+        return (model.num_layers, 2, self.block_size, model.num_kv_heads, model.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput]) -> torch.Tensor:
-        """float32 logits `[len(chunks), vocab]` for the last token of each chunk."""
+        """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
+
+        The result may be a view of a buffer that the next step overwrites.
+        """
         assert chunks, "a step needs at least one chunk"
-        query_lens = [len(chunk.token_ids) for chunk in chunks]
-        starts = [chunk.start for chunk in chunks]
-        device = self.device
-        input_ids = torch.tensor(
-            list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks)), device=device
+        self._check_contexts(chunks)
+        graphs = self.graphs
+        if graphs is not None and len(chunks) <= graphs.max_batch_size and all(
+            len(chunk.token_ids) == 1 for chunk in chunks
+        ):
+            bucket = graphs.bucket_for(len(chunks))
+            self.inputs.stage_decode(chunks, bucket)
+            return graphs.replay(bucket)[: len(chunks)]
+        layout = self.inputs.stage(chunks)
+        return self._forward(layout)
+
+    def _forward(self, layout: StepLayout) -> torch.Tensor:
+        metadata = self.backend.build_metadata(
+            layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping
         )
-        block_tables = self._block_tables(chunks, query_lens)
-        positions, slot_mapping = self._positions_and_slots(query_lens, starts, block_tables)
-        metadata = self.backend.build_metadata(query_lens, starts, block_tables, slot_mapping)
+        hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
+        return self.model.compute_logits(hidden[layout.last_rows])
 
-        hidden = self.model(input_ids, positions, self.kv_cache, self.backend, metadata)
-        last_rows = torch.tensor(list(itertools.accumulate(query_lens)), device=device) - 1
-        return self.model.compute_logits(hidden[last_rows])
-
-    def _block_tables(self, chunks: list[ChunkInput], query_lens: list[int]) -> torch.Tensor:
-        """`[num_chunks, max_blocks]` int64: each table cut to the blocks its context needs, 0-padded."""
-        context_lens = [chunk.start + n for chunk, n in zip(chunks, query_lens)]
-        if self.max_context_len is not None and max(context_lens) > self.max_context_len:
+    def _check_contexts(self, chunks: list[ChunkInput]) -> None:
+        if self.max_context_len is None:
+            return
+        longest = max(chunk.start + len(chunk.token_ids) for chunk in chunks)
+        if longest > self.max_context_len:
             raise ValueError(
-                f"a context of {max(context_lens)} tokens exceeds the model's sliding window of "
+                f"a context of {longest} tokens exceeds the model's sliding window of "
                 f"{self.max_context_len}, which is not implemented"
             )
-        needed = [-(-context_len // self.block_size) for context_len in context_lens]
-        width = max(needed)
-        rows = []
-        for chunk, context_len, num_blocks in zip(chunks, context_lens, needed):
-            if len(chunk.block_table) < num_blocks:
-                raise ValueError(
-                    f"a block table of {len(chunk.block_table)} blocks cannot hold {context_len} tokens"
-                )
-            rows.append(chunk.block_table[:num_blocks] + [0] * (width - num_blocks))
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
-    def _positions_and_slots(
-        self, query_lens: list[int], starts: list[int], block_tables: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = self.device
-        lens = torch.tensor(query_lens, device=device)
-        first_rows = itertools.accumulate([0] + query_lens)
-        row_offsets = [start - first_row for start, first_row in zip(starts, first_rows)]
-        seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens)
-        positions = torch.arange(int(sum(query_lens)), device=device)
-        positions += torch.repeat_interleave(torch.tensor(row_offsets, device=device), lens)
-        blocks = block_tables[seq_of_row, torch.div(positions, self.block_size, rounding_mode="floor")]
-        return positions, blocks * self.block_size + positions % self.block_size
+    # ---- start-up on CUDA ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
+        """Peak bytes a step of `num_tokens` prefill tokens allocates beyond the weights.
+
+        Runs one forward of that many tokens (sequences of at most `max_model_len - 1`
+        tokens) into a throwaway KV cache, then logits and a sort for `max_num_seqs` rows as
+        the sampler would. The throwaway cache itself is not counted.
+        """
+        assert self.device.type == "cuda" and self.kv_cache is None
+        seq_len = max(1, min(num_tokens, max_model_len - 1))
+        lengths = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        lengths = lengths[: self.max_num_seqs]
+        blocks = [math.ceil(n / self.block_size) for n in lengths]
+        self.allocate_kv_cache(sum(blocks))
+        tables, first = [], 0
+        for count in blocks:
+            tables.append(list(range(first, first + count)))
+            first += count
+        chunks = [ChunkInput([0] * n, 0, table) for n, table in zip(lengths, tables)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._forward(self.inputs.stage(chunks))
+        hidden = torch.zeros(self.max_num_seqs, self.model.spec.hidden_size, device=self.device, dtype=self.dtype)
+        self.model.compute_logits(hidden).softmax(dim=-1).sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_graphs(self, max_batch_size: int) -> None:
+        """Capture the decode step for every batch-size bucket up to `max_batch_size`."""
+        from spillway.worker.cuda_graphs import DecodeGraphs, decode_buckets
+
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        graphs = DecodeGraphs(decode_buckets(min(max_batch_size, self.max_num_seqs)), self.device)
+        graphs.capture(self._decode_step_for, self.inputs.pad_decode)
+        self.graphs = graphs
+
+    def _decode_step_for(self, bucket: int):
+        """A function running the decode step of `bucket` rows on the static input views."""
+        from spillway.worker.attention_triton import DecodeMetadata
+
+        layout = self.inputs.decode_layout(bucket)
+        metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
+        model, kv_cache, backend = self.model, self.kv_cache, self.backend
+
+        def step() -> torch.Tensor:
+            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+            return model.compute_logits(hidden)
+
+        return step

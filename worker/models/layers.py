@@ -1,12 +1,16 @@
-"""Decoder building blocks in plain torch.
+"""Decoder building blocks: plain-torch references and the switch to the Triton kernels.
 
-These are the references that the Triton kernels in `kernels/` are checked against, so
-they follow Hugging Face's arithmetic exactly (RMSNorm in float32, rotary angles in float32).
+The plain-torch functions are the references that the Triton kernels in `kernels/` are
+checked against, so they follow Hugging Face's arithmetic exactly (RMSNorm in float32,
+rotary angles in float32). A model calls them through a `DecoderOps`: `TORCH_OPS` on the
+CPU, `kernel_ops()` on CUDA (fused residual add + norm, in-place rotary from tabulated
+cos/sin), so no CUDA path runs, and triton is not imported, on the CPU.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,20 +25,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x_float * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)`: the decoder's residual add, then its norm."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` where the last dim of `gate_up` is `[gate | up]`."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope_angles(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A step's rotary inputs for `rotate_q_k`: `(cos, sin)`, once per step, not per layer."""
+    return rotary.cos_sin(positions, dtype)
+
+
+def rotate_q_k(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[tokens, heads, head_dim]` and k `[tokens, kv_heads, head_dim]` rotated per token."""
+    cos, sin = rope
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderOps:
+    """The decoder's operations other than matrix products and attention.
+
+    `TORCH_OPS` are the plain-torch references (the CPU path, exact to Hugging Face);
+    `kernel_ops()` puts the Triton kernels of `spillway.kernels` in their place on CUDA.
+    `rope_for_step` prepares, once per step, what every layer's `rotate_q_k` reads.
+    """
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    rope_for_step: Callable[[RotaryEmbedding, torch.Tensor, torch.dtype], tuple[torch.Tensor, ...]]
+    rotate_q_k: Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, ops: DecoderOps | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops or TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)`; the kernel may reuse x and residual's storage."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +123,21 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> None:
         self.head_dim = head_dim
         self.inv_freq = rotary_inv_freq(head_dim, theta, scaling)
+        self.cos_cache: torch.Tensor | None = None  # float32 [positions, head_dim // 2], for the kernel
+        self.sin_cache: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> RotaryEmbedding:
+        """Keep the frequencies on `device`, so a step never copies them (nor a CUDA graph)."""
+        self.inv_freq = self.inv_freq.to(device)
+        return self
+
+    def reserve_positions(self, num_positions: int) -> None:
+        """Tabulate cos/sin for positions `0 .. num_positions - 1` (kept if already as large)."""
+        if self.cos_cache is not None and self.cos_cache.shape[0] >= num_positions:
+            return
+        positions = torch.arange(num_positions, device=self.inv_freq.device)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        self.cos_cache, self.sin_cache = angles.cos(), angles.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos, sin` of shape `[num_tokens, head_dim // 2]` for int positions `[num_tokens]`."""
@@ -92,3 +153,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos[:, None, :]
     sin = sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+TORCH_OPS = DecoderOps(rms_norm, add_rms_norm, rope_angles, rotate_q_k, silu_and_mul)
+
+
+def kernel_ops() -> DecoderOps:
+    """The Triton kernels: residual add fused into the norm (in place), rotary in place from
+    tabulated cos/sin (`RotaryEmbedding.reserve_positions` first)."""
+    from spillway.kernels import activation, rmsnorm, rotary
+
+    def add_rms_norm_in_place(x, residual, weight, eps):
+        return rmsnorm.fused_add_rms_norm(x, residual, weight, eps, inplace=True)
+
+    def rope_positions(rotary_embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        return positions, rotary_embedding.cos_cache, rotary_embedding.sin_cache
+
+    def rotate_in_place(q, k, rope):
+        return rotary.apply_rotary(q, k, *rope)
+
+    return DecoderOps(rmsnorm.rms_norm, add_rms_norm_in_place, rope_positions, rotate_in_place,
+                      activation.silu_and_mul)
+
+
+def ops_for(device: torch.device) -> DecoderOps:
+    """The Triton kernels on a CUDA device, the plain-torch references anywhere else."""
+    if torch.device(device).type != "cuda":
+        return TORCH_OPS
+    return kernel_ops()

@@ -14,7 +14,7 @@ Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +22,12 @@ from torch import nn
 
 from spillway.worker.attention import AttentionBackend, AttentionMetadata
 from spillway.worker.models.layers import (
+    TORCH_OPS,
+    DecoderOps,
     Llama3RopeScaling,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
-    silu_and_mul,
+    ops_for,
 )
 
 ARCHITECTURE_MODEL_TYPES = {
@@ -124,58 +125,69 @@ def _active_sliding_window(config, model_type: str) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, ops: DecoderOps) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
 
-    def forward(self, hidden, cos, sin, kv_cache, backend: AttentionBackend, metadata: AttentionMetadata):
+    def forward(self, hidden, rope, kv_cache, backend: AttentionBackend, metadata: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotate_q_k(q, k, rope)
         out = backend.forward(self.layer_idx, q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, ops: DecoderOps) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+    """One block over the residual stream, which travels beside the hidden states so that
+    the residual add and the next norm are one operation (one kernel on CUDA)."""
 
-    def forward(self, hidden, cos, sin, kv_cache, backend, metadata):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, backend, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, spec: DecoderSpec, layer_idx: int, ops: DecoderOps) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx, ops)
+        self.mlp = MLP(spec, ops)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+
+    def forward(self, hidden, residual, rope, kv_cache, backend, metadata):
+        """`(mlp output, residual stream)`; `residual` None marks the first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, backend, metadata)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, ops: DecoderOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
 
 # Our fused projection → the checkpoint's projections, stacked along the output rows in order.
@@ -188,24 +200,30 @@ _FUSED_SHARDS = {
 class LlamaForCausalLM(nn.Module):
     """A Llama-shaped decoder over the paged KV cache; see the module docstring for families."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, ops: DecoderOps = TORCH_OPS) -> None:
         super().__init__()
         self.spec = spec = DecoderSpec.from_config(config)
-        self.model = DecoderModel(spec)
+        self.ops = ops
+        self.model = DecoderModel(spec, ops)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.tie_weights()
 
     @classmethod
-    def build(cls, config, *, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    def build(
+        cls, config, *, device: torch.device, dtype: torch.dtype, ops: DecoderOps | None = None
+    ) -> LlamaForCausalLM:
         """The model on `device` in `dtype`, its weights uninitialised (the loader fills them).
 
         Built on the meta device and then given storage, so no time goes into random init.
+        `ops` defaults to the Triton kernels on CUDA and plain torch elsewhere.
         """
+        device = torch.device(device)
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, ops or ops_for(device))
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_weights()  # to_empty gives each module its own storage
+        model.rotary.to(device)
         return model.eval()
 
     @property
@@ -240,10 +258,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states `[rows, hidden_size]` for packed tokens `[rows]`."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        rope = self.ops.rope_for_step(self.rotary, positions, hidden.dtype)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, backend, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, backend, metadata)
+        hidden, _ = self.model.norm.add_forward(hidden, residual)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -277,6 +297,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}"
             )
+
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(Hugging Face name, view of our parameter)` for every checkpoint weight: the
+        inverse of `load_weights`, for handing the same weights to a reference model."""
+        for name, (param, offset, rows) in self._checkpoint_targets().items():
+            yield name, param.detach().narrow(0, offset, rows)
 
     def _checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """Checkpoint name → (parameter, first row, number of rows) it fills."""

@@ -1,0 +1,421 @@
+"""GPU benchmarks of the engine, each figure beside a baseline measured in the same run.
+
+    python tools/bench_engine.py --decode qwen3-8b,smollm2-135m [--hf]   # batch-1 decode
+    python tools/bench_engine.py --prefill --attention                  # one 4096 prompt; the kernel
+    python tools/bench_engine.py --throughput [--quick] [--hf]          # 1000 x (1000 in, 1000 out)
+    python tools/bench_engine.py --report results.jsonl                 # the table of earlier runs
+
+    decode      ms/token of Engine.step() for one request (dummy weights of a built-in config),
+                against the floor (weights read once per token at the read bandwidth measured
+                here) and against HF `generate` with a static cache and torch.compile
+                (reduce-overhead) on the same weights; also the decode graph's GPU time alone
+    prefill     one 4096-token prompt through the runner (Qwen3-8B shape), FLOP/s against the
+                bf16 matrix-product rate measured here (FLOPs = 2 * params * tokens + attention)
+    attention   paged_decode_attention alone, batch 64 x 4096 context, bytes/s against the
+                read bandwidth measured here
+    throughput  offline `LLM.generate`, random prompts, greedy, EOS ignored, output tokens/s;
+                --hf adds HF `generate_batch` on a smaller slice (it is far slower)
+
+Every row is printed as it is measured and again in the table at the end; --results FILE
+also appends each row (with command, machine and date) as a JSON line. Record figures in
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from datetime import date
+
+import torch
+
+DEFAULT_DECODE_MODELS = "qwen3-8b,smollm2-135m"
+TARGETS = {
+    "decode qwen3-8b vs floor": 0.80,
+    "decode qwen3-8b vs hf": 1.5,
+    "decode smollm2-135m ms/token": 1.5,
+    "prefill 4096 vs matmul": 0.55,
+    "decode attention vs bandwidth": 0.75,
+    "throughput tok/s": 10_000,
+}
+
+
+def machine() -> str:
+    import transformers
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{gpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, triton {triton.__version__}, "
+            f"transformers {transformers.__version__}")
+
+
+def bench_ms(fn, warmup: int = 50, rep: int = 300) -> float:
+    """Median milliseconds of `fn` on the device (events; warm-up and repeat in milliseconds)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+# ---- ceilings -------------------------------------------------------------------------------
+
+def read_bandwidth() -> float:
+    """Bytes/s reading 4 GiB once (a sum)."""
+    x = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
+    seconds = bench_ms(lambda: x.sum()) / 1e3
+    del x
+    return (4 << 30) / seconds
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, bytes read plus written."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    seconds = bench_ms(lambda: dst.copy_(src)) / 1e3
+    return (4 << 30) / seconds
+
+
+def matmul_rate() -> float:
+    """FLOP/s of a bf16 8192^3 matrix product on random data."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / (bench_ms(lambda: a @ b) / 1e3)
+
+
+# ---- engine helpers -------------------------------------------------------------------------
+
+def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
+    """An engine for one request at a time, its KV pool fixed (no profiling run)."""
+    from spillway.worker.config import WorkerConfig
+    from spillway.worker.engine import Engine
+
+    return Engine(WorkerConfig(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
+                               max_model_len=max_model_len, max_num_seqs=1, num_gpu_blocks_override=num_blocks,
+                               enforce_eager=enforce_eager))
+
+
+def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:
+    """Wall ms per Engine.step() over the decode steps of one greedy request."""
+    from spillway.protocol.messages import Generate, SamplingParams
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(256, engine.vocab_size) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[], params=params))
+    engine.step()  # the prefill and the first token
+    torch.cuda.synchronize()
+    started, steps = time.perf_counter(), 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: all but the embedding table (unless it is lm_head)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embedding
+    return total if tied else total - embedding.numel() * embedding.element_size()
+
+
+def kernel_profile(runner, steps: int) -> str:
+    """Device time by kernel over `steps` eager batch-1 decode forwards (what a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from spillway.worker.model_runner import ChunkInput
+
+    chunk = ChunkInput([1000], 300, list(range(-(-301 // runner.block_size))))
+
+    def eager_step() -> None:
+        runner._forward(runner.inputs.stage([chunk]))
+
+    with torch.inference_mode():
+        eager_step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eager_step()
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_us = sum(e.device_time_total for e in events) / steps
+    table = events.table(sort_by="device_time_total", row_limit=14, max_name_column_width=60)
+    return f"{table}\nkernel time per step: {total_us / 1e3:.3f} ms ({sum(e.count for e in events) // steps} kernels)"
+
+
+def hf_static_compile_ms_per_token(model, hf_config, new_tokens: int) -> float:
+    """HF `generate`, static cache, forward compiled (reduce-overhead), same weights as `model`.
+
+    The prompt is one token, so prefill and decode share the compiled shape; the time is
+    the whole generate call over `new_tokens`. Each call starts a new CUDA-graph step, since
+    generate keeps nothing of a step's outputs but a copy of its logits.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, tensor in model.checkpoint_weights():
+            state[name].copy_(tensor)
+    compiled = torch.compile(hf.forward, mode="reduce-overhead")
+
+    def forward(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    hf.forward = forward
+    input_ids = torch.tensor([[min(1000, hf_config.vocab_size - 1)]], device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, cache_implementation="static", disable_compile=True,
+                  pad_token_id=0)
+    with torch.inference_mode():
+        for _ in range(3):  # compile, record the graphs, then one clean run
+            hf.generate(input_ids, **kwargs)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = hf.generate(input_ids, **kwargs)
+        torch.cuda.synchronize()
+    assert out.shape[1] == 1 + new_tokens
+    return (time.perf_counter() - started) / new_tokens * 1e3
+
+
+# ---- sub-benchmarks -------------------------------------------------------------------------
+
+def run_decode(args, rows: Rows) -> None:
+    """Ours for every model first, then the HF baselines, so a slow compile loses none of ours."""
+    bandwidth = read_bandwidth()
+    rows.add(row("read bandwidth (sum over 4 GiB)", bandwidth / 1e9, "GB/s"))
+    rows.add(row("copy bandwidth (2 GiB, read + write)", copy_bandwidth() / 1e9, "GB/s"))
+    engines, our_ms = {}, {}
+    for name in args.decode.split(","):
+        engine = engines[name] = make_engine(name, max_model_len=4608, num_blocks=320)
+        weights = weight_bytes_per_token(engine.runner.model)
+        floor_ms = weights / bandwidth * 1e3
+        decode_ms_per_token(engine, 16, 32, f"warm-{name}")
+        ms = decode_ms_per_token(engine, args.prompt_len, args.new_tokens, f"bench-{name}")
+        our_ms[name] = ms
+        graph_ms = bench_ms(lambda: engine.runner.graphs.replay(1)) if engine.runner.graphs else float("nan")
+        rows.add(row(f"decode {name} batch 1", ms, "ms/token", "floor", floor_ms, floor_ms / ms,
+                     target=TARGETS.get(f"decode {name} vs floor"),
+                     note=f"prompt {args.prompt_len}, {args.new_tokens} steps; decode graph replay alone "
+                          f"{graph_ms:.3f} ms; weights read per token {weights / 1e9:.3f} GB"))
+        if f"decode {name} ms/token" in TARGETS:
+            rows.add(row(f"decode {name} batch 1 (absolute)", ms, "ms/token",
+                         target=TARGETS[f"decode {name} ms/token"], lower_is_better=True))
+    if args.hf:
+        run_hf_decode(args, rows, engines, our_ms)
+    if args.profile:  # last: the profiler's hooks would slow what runs after it
+        for name, engine in engines.items():
+            print(f"kernels of one eager decode step of {name} (batch 1, context 300):")
+            print(kernel_profile(engine.runner, steps=5))
+
+
+def run_hf_decode(args, rows: Rows, engines: dict, our_ms: dict[str, float]) -> None:
+    from spillway.worker.models import loader
+
+    smallest_first = sorted(engines.items(), key=lambda item: weight_bytes_per_token(item[1].runner.model))
+    for name, engine in smallest_first:
+        hf_config = loader.load_config(loader.resolve_model(name, "dummy"))
+        ms = our_ms[name]
+        try:
+            hf_ms = hf_static_compile_ms_per_token(engine.runner.model, hf_config, args.new_tokens)
+        except Exception as exc:  # the baseline failing must not hide our figures
+            rows.add(row(f"decode {name} batch 1 vs HF", ms, "ms/token", note=f"HF failed: {exc!r:.300}"))
+            continue
+        rows.add(row(f"decode {name} batch 1 vs HF", ms, "ms/token", "HF static+compile", hf_ms, hf_ms / ms,
+                     target=TARGETS.get(f"decode {name} vs hf"),
+                     note=f"HF: 1-token prompt, whole generate over {args.new_tokens} new tokens"))
+        torch.cuda.empty_cache()
+
+
+def run_prefill(args, rows: Rows) -> None:
+    from spillway.worker.model_runner import ChunkInput
+
+    rate = matmul_rate()
+    rows.add(row("bf16 matmul 8192^3", rate / 1e12, "TFLOP/s"))
+    engine = make_engine("qwen3-8b", max_model_len=4608, num_blocks=320, enforce_eager=True)
+    runner, spec = engine.runner, engine.runner.model.spec
+    tokens = args.prefill_len
+    rng = random.Random(1)
+    chunk = ChunkInput([rng.randrange(256, spec.vocab_size) for _ in range(tokens)], 0,
+                       list(range(-(-tokens // engine.block_size))))
+    ms = bench_ms(lambda: runner.execute([chunk]), warmup=200, rep=1000)
+    params = sum(p.numel() for p in runner.model.parameters())
+    matmul_params = params - spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    flops = (2 * matmul_params * tokens + 2 * spec.vocab_size * spec.hidden_size
+             + 2 * spec.num_layers * spec.num_heads * spec.head_dim * tokens * tokens)
+    achieved = flops / (ms / 1e3)
+    rows.add(row(f"prefill qwen3-8b {tokens} tokens", achieved / 1e12, "TFLOP/s", "bf16 matmul",
+                    rate / 1e12, achieved / rate, target=TARGETS["prefill 4096 vs matmul"],
+                    note=f"{ms:.1f} ms, {flops / 1e12:.1f} TFLOP"))
+
+
+def run_attention(args, rows: Rows) -> None:
+    from spillway.kernels.paged_attention_decode import paged_decode_attention
+
+    bandwidth = read_bandwidth()
+    batch, context, heads, kv_heads, head_dim, block_size = 64, 4096, 32, 8, 128, 16
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(num_blocks, 1, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    scale = head_dim**-0.5
+    ms = bench_ms(lambda: paged_decode_attention(q, kv_cache, 0, tables, context_lens, scale))
+    kv_bytes = kv_cache.numel() * kv_cache.element_size()
+    achieved = kv_bytes / (ms / 1e3)
+    rows.add(row("decode attention batch 64 x 4096", achieved / 1e9, "GB/s", "read bandwidth",
+                    bandwidth / 1e9, achieved / bandwidth, target=TARGETS["decode attention vs bandwidth"],
+                    note=f"{ms * 1e3:.1f} us per layer; 32 q / 8 kv heads, head_dim 128, block 16, bf16"))
+
+
+def run_throughput(args, rows: Rows) -> None:
+    num_requests = args.num_requests or (200 if args.quick else 1000)
+    rng = random.Random(2)
+    vocab = 151936
+    prompts = [[rng.randrange(256, vocab) for _ in range(args.input_len)] for _ in range(num_requests)]
+    if not args.hf_only:
+        ours, note = spillway_generate(args, prompts)
+        rows.add(row("throughput qwen3-8b", ours, "output tok/s", target=TARGETS["throughput tok/s"], note=note,
+                     target_is_value=True))
+    if args.hf or args.hf_only:
+        hf, note = hf_generate_batch(prompts[: args.hf_requests], args.hf_output_len)
+        rows.add(row("throughput qwen3-8b, HF generate_batch", hf, "output tok/s", note=note))
+
+
+def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
+    """Output tokens/s of `LLM.generate` over `prompts`, greedy, EOS ignored."""
+    from spillway.gateway import LLM, SamplingParams
+
+    llm = LLM("qwen3-8b", load_format="dummy", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+              max_model_len=args.input_len + args.output_len + 16, gpu_memory_utilization=0.9)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    stats = llm.stats()
+    num_blocks = llm.ready.num_gpu_blocks
+    llm.shutdown()
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    note = (f"{len(prompts)} x ({args.input_len} in, {args.output_len} out), {elapsed:.1f} s, max_num_seqs "
+            f"{args.max_num_seqs}, {num_blocks} KV blocks, {stats.num_preemptions} preemptions")
+    return generated / elapsed, note
+
+
+def hf_generate_batch(prompts: list[list[int]], output_len: int) -> tuple[float | None, str]:
+    """Output tokens/s of HF continuous batching on `prompts` (random weights, same shape)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from spillway.worker.models import loader
+
+    hf_config = loader.load_config(loader.resolve_model("qwen3-8b", "dummy"))
+    try:
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+        config = GenerationConfig(max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        hf.generate_batch(inputs=prompts[:2], generation_config=config)
+        started = time.perf_counter()
+        results = hf.generate_batch(inputs=prompts, generation_config=config)
+        elapsed = time.perf_counter() - started
+    except Exception as exc:
+        return None, f"failed: {exc!r:.200}"
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return generated / elapsed, f"{len(prompts)} x ({len(prompts[0])} in, {output_len} out), {elapsed:.1f} s"
+
+
+# ---- rows and the table ---------------------------------------------------------------------
+
+class Rows:
+    """Result rows, each appended to the results file and printed as soon as it is measured."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.rows: list[dict] = []
+
+    def add(self, result: dict) -> None:
+        self.rows.append(result)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        print_table([result])
+
+
+def row(name, value, unit, baseline_name="", baseline=None, ratio=None, target=None, note="",
+        lower_is_better=False, target_is_value=False) -> dict:
+    if target is None:
+        met = None
+    elif target_is_value or lower_is_better:
+        met = value <= target if lower_is_better else value >= target
+    else:
+        met = ratio is not None and ratio >= target
+    return dict(name=name, value=value, unit=unit, baseline_name=baseline_name, baseline=baseline,
+                ratio=ratio, target=target, met=met, note=note, command=" ".join(sys.argv),
+                machine=MACHINE, date=str(date.today()))
+
+
+def print_table(rows: list[dict]) -> None:
+    def fmt(x):
+        return "" if x is None else f"{x:,.3f}" if abs(x) < 10 else f"{x:,.1f}"
+
+    print(f"{'benchmark':42} {'spillway':>12} {'unit':13} {'baseline':>12} {'(what)':20} {'ratio':>7} "
+          f"{'target':>8} met")
+    for r in rows:
+        met = "" if r["met"] is None else "yes" if r["met"] else "NO"
+        print(f"{r['name']:42} {fmt(r['value']):>12} {r['unit']:13} {fmt(r['baseline']):>12} "
+              f"{r['baseline_name'][:20]:20} {fmt(r['ratio']):>7} {fmt(r['target']):>8} {met}")
+        if r["note"]:
+            print(f"{'':42}   {r['note']}")
+    sys.stdout.flush()
+
+
+MACHINE = ""
+
+
+def main() -> None:
+    global MACHINE
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", nargs="?", const=DEFAULT_DECODE_MODELS, help="built-in configs, comma-separated")
+    parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--attention", action="store_true")
+    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--hf", action="store_true", help="measure the Hugging Face baselines too")
+    parser.add_argument("--hf-only", action="store_true", help="throughput: the HF baseline alone")
+    parser.add_argument("--profile", action="store_true", help="decode: device time by kernel")
+    parser.add_argument("--quick", action="store_true", help="throughput on 200 requests instead of 1000")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prefill-len", type=int, default=4096)
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--input-len", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=1000)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-requests", type=int, default=64)
+    parser.add_argument("--hf-output-len", type=int, default=128)
+    parser.add_argument("--results", help="append every row here as a JSON line")
+    parser.add_argument("--report", metavar="FILE", help="print the table of FILE's rows and exit")
+    args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            print_table([json.loads(line) for line in f if line.strip()])
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_engine needs a CUDA GPU")
+    MACHINE = machine()
+    print(f"{MACHINE}, {date.today()}")
+    rows = Rows(args.results)
+    for enabled, bench in ((args.decode, run_decode), (args.prefill, run_prefill),
+                           (args.attention, run_attention), (args.throughput or args.hf_only, run_throughput)):
+        if enabled:
+            bench(args, rows)
+    print()
+    print_table(rows.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""One step's input tensors, staged through one persistent host buffer.
+
+Every input of a step is int32 and packed from offset 0 of one host buffer (pinned on CUDA),
+which reaches the device in a single copy; the tensors the model reads are views of the
+device side:
+
+    | input_ids [R] | positions [R] | slot_mapping [R] | last_rows [S] |
+    | context_lens [S] | query_start_loc [S + 1] | block_tables [S, width] |
+
+R rows (the step's tokens), S sequences. A padded row has token 0, position 0 and slot -1;
+a padded sequence has context length 0, so the kernels skip both.
+
+A decode graph of bucket b reads the views of R = S = b and width = max_blocks_per_seq, which
+sit at the same addresses every step. Its block-table rows are written only as far as each
+table goes: entries past a context are never read.
+
+On the CPU the host buffer is the device buffer, and grows when a step needs more room.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """Device views of one step's inputs (see the module docstring), all int32."""
+
+    query_lens: list[int]
+    starts: list[int]
+    input_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    slot_mapping: torch.Tensor  # [rows], -1 for a padded row
+    last_rows: torch.Tensor  # [seqs]: each sequence's last row
+    context_lens: torch.Tensor  # [seqs]: cached + new tokens, 0 for a padded sequence
+    query_start_loc: torch.Tensor  # [seqs + 1]
+    block_tables: torch.Tensor  # [seqs, width]
+
+
+def _offsets(num_rows: int, num_seqs: int) -> tuple[int, ...]:
+    """Start of each field in the packed buffer, then the start of the block tables."""
+    starts = [0, num_rows, 2 * num_rows, 3 * num_rows, 3 * num_rows + num_seqs, 3 * num_rows + 2 * num_seqs]
+    return (*starts, starts[-1] + num_seqs + 1)
+
+
+class StepInputs:
+    """The persistent staging buffer; `stage` for any batch, `stage_decode` for a graph's bucket."""
+
+    def __init__(
+        self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.on_cpu = device.type != "cuda"
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._arange = np.arange(max_num_seqs + 1)
+        self._allocate(max(max_num_tokens, max_num_seqs), max_num_seqs, max_blocks_per_seq)
+        # The host buffer may be rewritten only once the last copy out of it has run.
+        self._copied = None if self.on_cpu else torch.cuda.Event()
+
+    def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
+        self.capacity = (num_tokens, num_seqs, width)
+        self.host = torch.zeros(_offsets(num_tokens, num_seqs)[-1] + num_seqs * width, dtype=torch.int32,
+                                pin_memory=not self.on_cpu)
+        self.host_np = self.host.numpy()
+        self.dev = self.host if self.on_cpu else torch.zeros_like(self.host, device=self.device)
+
+    def _reserve(self, num_rows: int, num_seqs: int, width: int) -> None:
+        if num_rows <= self.capacity[0] and num_seqs <= self.capacity[1] and width <= self.capacity[2]:
+            return
+        if not self.on_cpu:
+            raise ValueError(
+                f"a step of {num_rows} tokens, {num_seqs} sequences and {width} blocks per sequence "
+                f"exceeds the runner's limits {self.capacity}"
+            )
+        self._allocate(*(max(a, b) for a, b in zip(self.capacity, (num_rows, num_seqs, width))))
+
+    def _host_fields(self, num_rows: int, num_seqs: int, width: int) -> list[np.ndarray]:
+        self._wait_for_last_copy()
+        return self._fields(self.host_np, num_rows, num_seqs, width)
+
+    @staticmethod
+    def _fields(buffer, num_rows: int, num_seqs: int, width: int) -> list:
+        """Views of the packed fields of `buffer` (a numpy array or a tensor), in layout order."""
+        offsets = _offsets(num_rows, num_seqs)
+        fields = [buffer[a:b] for a, b in zip(offsets, offsets[1:])]
+        tables = buffer[offsets[-1]: offsets[-1] + num_seqs * width]
+        return [*fields, tables.reshape(num_seqs, width)]  # contiguous: a view, never a copy
+
+    def _wait_for_last_copy(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def _copy(self, num_rows: int, num_seqs: int, width: int) -> None:
+        if self.on_cpu:
+            return
+        size = _offsets(num_rows, num_seqs)[-1] + num_seqs * width
+        self.dev[:size].copy_(self.host[:size], non_blocking=True)
+        self._copied.record()
+
+    def _layout(self, query_lens, starts, num_rows: int, num_seqs: int, width: int) -> StepLayout:
+        return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width))
+
+    def stage(self, chunks) -> StepLayout:
+        """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context."""
+        block_size = self.block_size
+        query_lens = [len(chunk.token_ids) for chunk in chunks]
+        starts = [chunk.start for chunk in chunks]
+        ends = [start + n for start, n in zip(starts, query_lens)]
+        needed = [-(-end // block_size) for end in ends]
+        num_rows, num_seqs, width = sum(query_lens), len(chunks), max(needed)
+        self._reserve(num_rows, num_seqs, width)
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, tables = self._host_fields(
+            num_rows, num_seqs, width)
+
+        input_ids[:] = list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
+        for seq, (chunk, count) in enumerate(zip(chunks, needed)):
+            if len(chunk.block_table) < count:
+                raise ValueError(
+                    f"a block table of {len(chunk.block_table)} blocks cannot hold {ends[seq]} tokens"
+                )
+            tables[seq, :count] = chunk.block_table[:count]
+            tables[seq, count:] = 0
+        lens = np.asarray(query_lens)
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1:])
+        last_rows[:] = query_start_loc[1:] - 1
+        context_lens[:] = ends
+        row_positions = np.arange(num_rows) + np.repeat(np.asarray(starts) - query_start_loc[:-1], lens)
+        positions[:] = row_positions
+        row_blocks = tables[np.repeat(np.arange(num_seqs), lens), row_positions // block_size]
+        slots[:] = row_blocks * block_size + row_positions % block_size
+
+        self._copy(num_rows, num_seqs, width)
+        return self._layout(query_lens, starts, num_rows, num_seqs, width)
+
+    def decode_layout(self, bucket: int) -> StepLayout:
+        """The fixed views a decode graph of `bucket` rows reads (one new token per row)."""
+        return self._layout([1] * bucket, [0] * bucket, bucket, bucket, self.max_blocks_per_seq)
+
+    def pad_decode(self, bucket: int) -> None:
+        """Every row of `bucket` padded: what a graph is captured over."""
+        self._stage_decode_rows([], bucket)
+
+    def stage_decode(self, chunks, bucket: int) -> None:
+        """Write one-token chunks into `decode_layout(bucket)`, rows past len(chunks) padded."""
+        longest = max(len(chunk.block_table) for chunk in chunks)
+        if longest > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {longest} blocks exceeds the limit of {self.max_blocks_per_seq}")
+        self._stage_decode_rows(chunks, bucket)
+
+    def _stage_decode_rows(self, chunks, bucket: int) -> None:
+        block_size = self.block_size
+        num_seqs = len(chunks)
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, tables = self._host_fields(
+            bucket, bucket, self.max_blocks_per_seq)
+        for seq, chunk in enumerate(chunks):
+            start = chunk.start
+            table = chunk.block_table
+            if len(table) <= start // block_size:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {start + 1} tokens")
+            input_ids[seq] = chunk.token_ids[0]
+            positions[seq] = start
+            slots[seq] = table[start // block_size] * block_size + start % block_size
+            context_lens[seq] = start + 1
+            tables[seq, : len(table)] = table  # entries past the context are never read
+        if num_seqs < bucket:
+            input_ids[num_seqs:] = 0
+            positions[num_seqs:] = 0
+            slots[num_seqs:] = -1
+            context_lens[num_seqs:] = 0
+        last_rows[:] = self._arange[:bucket]
+        query_start_loc[:] = self._arange[: bucket + 1]
+        self._copy(bucket, bucket, self.max_blocks_per_seq)
