@@ -26,6 +26,7 @@ from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
 from spillway.worker.models import model_class_for
+from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.request import Request
 from spillway.worker.sampler import Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler, StepPlan
@@ -142,6 +143,9 @@ class Engine:
             loader.init_dummy_weights(model, seed=self.config.seed)
         else:
             model.load_weights(loader.iter_weights(files))
+        if self.device.type == "cpu":
+            packed = pack_linear_layers(model)
+            logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
         return model.eval()
 
     def _num_blocks(self, hf_config) -> int:

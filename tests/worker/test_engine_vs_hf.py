@@ -9,6 +9,7 @@ import torch
 from spillway.gateway import LLM, SamplingParams
 from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, loader
+from spillway.worker.models.cpu_linear import pack_linear_layers
 
 BLOCK = 16
 
@@ -47,11 +48,14 @@ def test_default_model_logits_match_hf():
     ids = tok("The quick brown fox jumps over the lazy dog. " * 80, add_special_tokens=False)["input_ids"]
     prompts = [ids[i: i + n] for i, n in enumerate([1, 7, 16, 33, 100, 257, 600, 31])]
     decode_tokens = [42, 7, 1000, 3, 9, 77, 5, 11]
-    ours_prefill, ours_decode = engine_logits(model, prompts, decode_tokens)
+    plain = engine_logits(model, prompts, decode_tokens)
+    assert pack_linear_layers(model) == 4 * config.num_hidden_layers + 1  # as the engine does on the CPU
+    packed = engine_logits(model, prompts, decode_tokens)
     hf = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
     ref_prefill, ref_decode = hf_logits(hf, prompts, decode_tokens)
-    assert (ours_prefill - ref_prefill).abs().max().item() < 1e-3
-    assert (ours_decode - ref_decode).abs().max().item() < 1e-3
+    for ours_prefill, ours_decode in (plain, packed):
+        assert (ours_prefill - ref_prefill).abs().max().item() < 1e-3
+        assert (ours_decode - ref_decode).abs().max().item() < 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,84 @@
+"""Linear layers on the CPU through oneDNN with weights packed once at load time.
+
+`torch.nn.functional.linear` on the CPU calls the BLAS sgemm, which is slow for the short,
+wide products of decoding (16 rows against a 576 x 49152 lm_head): on the CPU machines
+measured in docs/performance.md it reaches a third of memory bandwidth. oneDNN's
+inner-product primitive with the weight reordered into its blocked layout once does the
+same products two to three times faster. Results differ from sgemm only in summation
+order (relative 1e-6 in float32).
+
+`pack_linear_layers(model)` swaps every `nn.Linear` of a loaded model for a `PackedLinear`
+holding the reordered weight. The dense weight is released, except where another module
+shares it (a tied lm_head keeps the embedding table). Where this torch build has no oneDNN
+linear, or its result disagrees with `F.linear`, the model is left as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """`y = x W^T + b` with W in oneDNN's reordered layout (an opaque tensor: no views)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Not a parameter: the opaque tensor has no storage to save, view or copy into.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def onednn_linear_works(dtype: torch.dtype) -> bool:
+    """Whether the packed oneDNN linear exists here and agrees with `F.linear` in `dtype`."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 80, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(80, 96, generator=generator))
+        linear.bias.copy_(torch.randn(80, generator=generator))
+    x = torch.randn(5, 96, generator=generator).to(dtype)
+    try:
+        with torch.no_grad():
+            got = PackedLinear(linear)(x).float()
+    except (RuntimeError, AttributeError, NotImplementedError) as error:
+        logger.info("oneDNN linear unavailable (%s); using torch.nn.functional.linear", error)
+        return False
+    expected = F.linear(x, linear.weight, linear.bias).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.25
+    return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=0, atol=tolerance))
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of a CPU model with a `PackedLinear`; returns how many.
+
+    Call after the weights are loaded. Returns 0, changing nothing, where the model is not on
+    the CPU, not float32/bfloat16, or oneDNN's linear is unavailable or wrong here.
+    """
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+    if not linears:
+        return 0
+    weight = linears[0][1].weight
+    if weight.device.type != "cpu" or not onednn_linear_works(weight.dtype):
+        return 0
+    with torch.no_grad():
+        for name, module in linears:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, PackedLinear(module))
+    return len(linears)
