@@ -146,32 +146,31 @@ def kernel_profile(runner, steps: int) -> str:
     return f"{table}\nkernel time per step: {total_us / 1e3:.3f} ms ({sum(e.count for e in events) // steps} kernels)"
 
 
-def hf_static_compile_ms_per_token(model, hf_config, new_tokens: int) -> float:
-    """HF `generate`, static cache, forward compiled (reduce-overhead), same weights as `model`.
+def hf_static_compile_ms_per_token(name: str, new_tokens: int, seed: int = 0) -> dict:
+    """HF `generate` with a static cache, which HF compiles itself (torch.compile, CUDA graphs).
 
-    The prompt is one token, so prefill and decode share the compiled shape; the time is
-    the whole generate call over `new_tokens`. Each call starts a new CUDA-graph step, since
-    generate keeps nothing of a step's outputs but a copy of its logits.
+    Runs in this (child) process: the weights are the engine's dummy weights for `name`
+    (same initialiser, same seed) copied into the HF model. The prompt is one token; the
+    time is the whole generate call over `new_tokens`, after warm-up calls that compile.
     """
     from transformers import AutoModelForCausalLM
 
+    from spillway.worker.models import build_model, loader
+
+    hf_config = loader.load_config(loader.resolve_model(name, "dummy"))
+    ours = build_model(hf_config, device=torch.device("cuda"), dtype=torch.bfloat16)
+    loader.init_dummy_weights(ours, seed=seed)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     state = hf.state_dict()
     with torch.no_grad():
-        for name, tensor in model.checkpoint_weights():
-            state[name].copy_(tensor)
-    compiled = torch.compile(hf.forward, mode="reduce-overhead")
-
-    def forward(*args, **kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args, **kwargs)
-
-    hf.forward = forward
+        for weight_name, tensor in ours.checkpoint_weights():
+            state[weight_name].copy_(tensor)
+    del ours
+    torch.cuda.empty_cache()
     input_ids = torch.tensor([[min(1000, hf_config.vocab_size - 1)]], device="cuda")
     kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, cache_implementation="static", disable_compile=True,
-                  pad_token_id=0)
+                  min_new_tokens=new_tokens, cache_implementation="static", pad_token_id=0)
     with torch.inference_mode():
         for _ in range(3):  # compile, record the graphs, then one clean run
             hf.generate(input_ids, **kwargs)
@@ -179,8 +178,37 @@ def hf_static_compile_ms_per_token(model, hf_config, new_tokens: int) -> float:
         started = time.perf_counter()
         out = hf.generate(input_ids, **kwargs)
         torch.cuda.synchronize()
-    assert out.shape[1] == 1 + new_tokens
-    return (time.perf_counter() - started) / new_tokens * 1e3
+    elapsed = time.perf_counter() - started
+    assert out.shape[1] == 1 + new_tokens, out.shape
+    return {"ms_per_token": elapsed / new_tokens * 1e3}
+
+
+def run_child(args) -> None:
+    """`--child KIND`: one HF baseline in its own process, its result as the last stdout line."""
+    if args.child == "hf-decode":
+        result = hf_static_compile_ms_per_token(args.child_model, args.new_tokens)
+    else:
+        rng = random.Random(2)
+        prompts = [[rng.randrange(256, 151936) for _ in range(args.input_len)] for _ in range(args.hf_requests)]
+        tok_s, note = hf_generate_batch(prompts, args.hf_output_len)
+        result = {"tok_s": tok_s, "note": note}
+    print(json.dumps(result))
+
+
+def in_child(extra: list[str], timeout_s: float) -> tuple[dict | None, str]:
+    """Run this script with `extra` in a child process (an HF crash cannot take our figures
+    with it); `(last line as JSON, "")` or `(None, why it failed)`."""
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), *extra]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"did not finish within {timeout_s:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1]), ""
+    return None, f"exit {done.returncode}: {done.stderr.strip()[-400:]}"
 
 
 # ---- sub-benchmarks -------------------------------------------------------------------------
@@ -215,17 +243,16 @@ def run_decode(args, rows: Rows) -> None:
 
 
 def run_hf_decode(args, rows: Rows, engines: dict, our_ms: dict[str, float]) -> None:
-    from spillway.worker.models import loader
-
-    smallest_first = sorted(engines.items(), key=lambda item: weight_bytes_per_token(item[1].runner.model))
-    for name, engine in smallest_first:
-        hf_config = loader.load_config(loader.resolve_model(name, "dummy"))
+    """Each HF baseline in a child process, the smallest model first."""
+    smallest_first = sorted(engines, key=lambda name: weight_bytes_per_token(engines[name].runner.model))
+    for name in smallest_first:
         ms = our_ms[name]
-        try:
-            hf_ms = hf_static_compile_ms_per_token(engine.runner.model, hf_config, args.new_tokens)
-        except Exception as exc:  # the baseline failing must not hide our figures
-            rows.add(row(f"decode {name} batch 1 vs HF", ms, "ms/token", note=f"HF failed: {exc!r:.300}"))
+        result, why = in_child(["--child", "hf-decode", "--child-model", name, "--new-tokens", str(args.new_tokens)],
+                               args.hf_timeout)
+        if result is None:  # the baseline failing must not hide our figures
+            rows.add(row(f"decode {name} batch 1 vs HF", ms, "ms/token", note=f"HF failed: {why}"))
             continue
+        hf_ms = result["ms_per_token"]
         rows.add(row(f"decode {name} batch 1 vs HF", ms, "ms/token", "HF static+compile", hf_ms, hf_ms / ms,
                      target=TARGETS.get(f"decode {name} vs hf"),
                      note=f"HF: 1-token prompt, whole generate over {args.new_tokens} new tokens"))
@@ -284,8 +311,15 @@ def run_throughput(args, rows: Rows) -> None:
         rows.add(row("throughput qwen3-8b", ours, "output tok/s", target=TARGETS["throughput tok/s"], note=note,
                      target_is_value=True))
     if args.hf or args.hf_only:
-        hf, note = hf_generate_batch(prompts[: args.hf_requests], args.hf_output_len)
-        rows.add(row("throughput qwen3-8b, HF generate_batch", hf, "output tok/s", note=note))
+        extra = ["--child", "hf-batch", "--hf-requests", str(args.hf_requests), "--input-len", str(args.input_len),
+                 "--hf-output-len", str(args.hf_output_len)]
+        result, why = in_child(extra, args.hf_timeout)
+        if result is None:
+            rows.add(row("throughput qwen3-8b, HF generate_batch", None, "output tok/s", note=f"HF failed: {why}"))
+            return
+        ratio = ours / result["tok_s"] if not args.hf_only and result["tok_s"] else None
+        rows.add(row("throughput qwen3-8b, HF generate_batch", result["tok_s"], "output tok/s",
+                     note=f"{result['note']}; Spillway / HF = {ratio:.1f}x" if ratio else result["note"]))
 
 
 def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
@@ -319,7 +353,8 @@ def hf_generate_batch(prompts: list[list[int]], output_len: int) -> tuple[float 
         with torch.device("cuda"):
             hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
         config = GenerationConfig(max_new_tokens=output_len, do_sample=False, pad_token_id=0)
-        hf.generate_batch(inputs=prompts[:2], generation_config=config)
+        warm_up = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        hf.generate_batch(inputs=prompts[:2], generation_config=warm_up)
         started = time.perf_counter()
         results = hf.generate_batch(inputs=prompts, generation_config=config)
         elapsed = time.perf_counter() - started
@@ -397,7 +432,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=64)
     parser.add_argument("--hf-output-len", type=int, default=128)
+    parser.add_argument("--hf-timeout", type=float, default=300, help="seconds for each HF baseline")
     parser.add_argument("--results", help="append every row here as a JSON line")
+    parser.add_argument("--child", choices=["hf-decode", "hf-batch"], help=argparse.SUPPRESS)
+    parser.add_argument("--child-model", help=argparse.SUPPRESS)
     parser.add_argument("--report", metavar="FILE", help="print the table of FILE's rows and exit")
     args = parser.parse_args()
     if args.report:
@@ -406,6 +444,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_engine needs a CUDA GPU")
+    if args.child:
+        run_child(args)
+        return
     MACHINE = machine()
     print(f"{MACHINE}, {date.today()}")
     rows = Rows(args.results)

@@ -6,7 +6,7 @@ the graph of the smallest bucket >= n, its rows past n padded (token 0, slot -1,
 length 0): the KV write skips them and attention gives them zeros, so they never touch a
 real sequence, and their logits are dropped.
 
-    buckets 1, 2, 4, 8, 16, ... up to max_num_seqs (and max_num_seqs itself)
+    buckets 1, 2, 4, 8, 16, 24, ... below max_num_seqs, and max_num_seqs itself
 
 Graphs are captured largest first and share one memory pool: only one replays at a time,
 and its logits are consumed (sampled) before the next replay.
@@ -25,15 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two below `max_batch_size`, then `max_batch_size` itself."""
+    """1, 2, 4, then every multiple of 8 below `max_batch_size`, then `max_batch_size` itself.
+
+    Steps of 8 keep the padding small where it costs: at large batches the matrix products
+    are compute-bound, so a batch of 200 in a bucket of 256 would do 28% more work.
+    """
     assert max_batch_size >= 1
-    buckets = []
-    size = 1
-    while size < max_batch_size:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_batch_size)
-    return buckets
+    sizes = [1, 2, 4, *range(8, max_batch_size, 8)]
+    return [size for size in sizes if size < max_batch_size] + [max_batch_size]
 
 
 class DecodeGraphs:

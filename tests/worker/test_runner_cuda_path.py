@@ -38,12 +38,16 @@ needs_interpreter = pytest.mark.skipif(not _interpreter_runs_kernels(),
                                        reason="Triton's interpreter cannot run the kernels here")
 
 
-def test_decode_buckets_are_powers_of_two_then_the_maximum():
+def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the_maximum():
     assert decode_buckets(1) == [1]
+    assert decode_buckets(3) == [1, 2, 3]
     assert decode_buckets(8) == [1, 2, 4, 8]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
+    assert decode_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
     graphs = DecodeGraphs(decode_buckets(12), CPU)
     assert [graphs.bucket_for(n) for n in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
+    graphs = DecodeGraphs(decode_buckets(256), CPU)
+    assert [graphs.bucket_for(n) for n in (5, 17, 200, 249)] == [8, 24, 200, 256]
 
 
 class EagerGraphs(DecodeGraphs):
