@@ -11,7 +11,8 @@ A step packs the new tokens of every sequence into rows of q/k/v:
 
 `start` tokens of each sequence are already in the cache. Each layer calls
 `backend.forward`, which first stores the new k/v in their slots, then lets every new query
-attend causally to its sequence's `[cached prefix + new tokens]`.
+attend causally to its sequence's `[cached prefix + new tokens]`; or, on CUDA, where one kernel
+before attention has stored them already, `backend.attend`, which only attends.
 """
 
 from __future__ import annotations
@@ -70,6 +71,15 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Store k/v `[rows, kv_heads, head_dim]`, return attention of q `[rows, heads, head_dim]`."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """`forward` for a layer whose k/v an earlier kernel already stored (kernels/qkv_prepare.py).
+
+        Only a backend that reads every key and value from the cache can offer it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads the new k/v directly; call forward")
 
 
 @dataclass(slots=True)

@@ -2,7 +2,9 @@
 
 Same interface as `TorchAttentionBackend` (worker/attention.py): `build_metadata` once per
 step, then `forward(layer_idx, q, k, v, kv_cache, metadata)` in every layer, which stores the
-new k/v with `write_kv` and returns attention of q. Which kernel runs:
+new k/v with `write_kv` and returns attention of q. `attend(layer_idx, q, kv_cache, metadata)`
+is the same without the store, for a layer whose k/v an earlier kernel already wrote
+(kernels/qkv_prepare.py). Which kernel runs:
 
     every sequence has the same query length Q <= max_decode_query_len
         -> paged_decode_attention   (decode Q = 1; speculative verification Q = k + 1)
@@ -126,13 +128,20 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata | DecodeMetadata,
     ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, layer_idx, metadata.slot_mapping)
+        return self.attend(layer_idx, q, kv_cache, metadata)
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata | DecodeMetadata
+    ) -> torch.Tensor:
+        """Attention of q over the cache, this step's k/v already stored in it: the kernels
+        read every key and value from the cache, never from k/v."""
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         if isinstance(metadata, DecodeMetadata):
-            decode, prefill, slot_mapping = metadata, None, metadata.slot_mapping
+            decode, prefill = metadata, None
         else:
             assert isinstance(metadata, TritonAttentionMetadata)
-            decode, prefill, slot_mapping = metadata.decode, metadata.prefill, metadata.slot_mapping
-        write_kv(k, v, kv_cache, layer_idx, slot_mapping)
+            decode, prefill = metadata.decode, metadata.prefill
         if decode is not None:
             return self._decode(layer_idx, q, kv_cache, decode, scale)
         out = paged_prefill_attention(

@@ -116,3 +116,83 @@ def test_kernel_path_prefill_then_padded_decode_buckets_match_hf():
     single = runner.execute([ChunkInput([sequences[0][-1]], len(sequences[0]) - 1, tables[0])])
     assert (single[0] - hf_last_logits(hf, sequences[0])).abs().max().item() < 1e-4
     assert runner.graphs.replayed == [4, 4, 4, 1]
+
+
+TINY_CONFIGS = {
+    # Qwen3: q/k RMSNorm per head, fused with rotary and the KV store in one kernel.
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=3, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+    ),
+    # Llama: rotary and the KV store only; three query heads share one KV head of 16.
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5,
+    ),
+}
+
+
+def counted(function, calls: list[int]):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def runner_pair(family: str, seed: int = 0):
+    """The same random weights behind the CPU path (plain torch) and the CUDA path (kernels),
+    and a list that grows by one each time a layer runs the fused qkv kernel."""
+    from dataclasses import replace
+
+    from spillway.worker.attention import TorchAttentionBackend
+    from spillway.worker.attention_triton import TritonAttentionBackend
+    from spillway.worker.models.layers import TORCH_OPS, kernel_ops
+
+    config = TINY_CONFIGS[family]()
+    fused_calls: list[int] = []
+    ops = kernel_ops()
+    ops = replace(ops, prepare_qkv=counted(ops.prepare_qkv, fused_calls))
+    torch_model = LlamaForCausalLM.build(config, device=CPU, dtype=torch.float32, ops=TORCH_OPS)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in torch_model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    kernel_model = LlamaForCausalLM.build(config, device=CPU, dtype=torch.float32, ops=ops)
+    kernel_model.load_weights(torch_model.checkpoint_weights())
+    runners = []
+    for model, backend in ((torch_model, TorchAttentionBackend(BLOCK)), (kernel_model, TritonAttentionBackend(BLOCK))):
+        runners.append(ModelRunner(model, num_blocks=24, block_size=BLOCK, device=CPU, dtype=torch.float32,
+                                   backend=backend, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128))
+    return runners[0], runners[1], fused_calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_qkv_path_matches_the_torch_path(family):
+    torch_runner, kernel_runner, fused_calls = runner_pair(family)
+    num_layers = kernel_runner.model.num_layers
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 16, 33)]
+    # Block 0 belongs to a real sequence: a padded row writing to slot 0 would corrupt it.
+    tables = [[0, 9], [3, 17, 4], [11, 2, 7, 20]]
+    chunks = [ChunkInput(p, 0, t) for p, t in zip(prompts, tables)]
+    expected, logits = torch_runner.execute(chunks), kernel_runner.execute(chunks)
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert len(fused_calls) == num_layers
+
+    kernel_runner.graphs = EagerGraphs(kernel_runner, max_batch_size=4)
+    sequences = [p + [token] for p, token in zip(prompts, expected.argmax(-1).tolist())]
+    for step in range(3):
+        chunks = [ChunkInput([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables)]
+        expected, logits = torch_runner.execute(chunks), kernel_runner.execute(chunks)
+        assert (logits - expected).abs().max().item() < 1e-4
+        for s, token in zip(sequences, expected.argmax(-1).tolist()):
+            s.append(token)
+    # Three sequences ran the bucket of four: its padded row must have stored nothing.
+    assert kernel_runner.graphs.replayed == [4, 4, 4]
+    assert len(fused_calls) == 4 * num_layers
+    torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)

@@ -3,8 +3,8 @@
 The plain-torch functions are the references that the Triton kernels in `kernels/` are
 checked against, so they follow Hugging Face's arithmetic exactly (RMSNorm in float32,
 rotary angles in float32). A model calls them through a `DecoderOps`: `TORCH_OPS` on the
-CPU, `kernel_ops()` on CUDA (fused residual add + norm, in-place rotary from tabulated
-cos/sin), so no CUDA path runs, and triton is not imported, on the CPU.
+CPU, `kernel_ops()` on CUDA (fused residual add + norm; q/k norm, rotary and the KV store
+in one kernel), so no CUDA path runs, and triton is not imported, on the CPU.
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ class DecoderOps:
     `TORCH_OPS` are the plain-torch references (the CPU path, exact to Hugging Face);
     `kernel_ops()` puts the Triton kernels of `spillway.kernels` in their place on CUDA.
     `rope_for_step` prepares, once per step, what every layer's `rotate_q_k` reads.
+
+    `prepare_qkv`, when set, replaces q/k norm, `rotate_q_k` and the backend's KV store
+    with one kernel over the fused qkv rows; the layer then calls `backend.attend`:
+
+        prepare_qkv(qkv, rope, kv_cache, layer, slot_mapping,
+                    num_heads, num_kv_heads, head_dim, q_norm, k_norm) -> q [rows, heads, head_dim]
+
+    q_norm/k_norm are the layer's `RMSNorm`s, or None. The plain-torch path leaves it None,
+    so it stays step for step the Hugging Face computation.
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -66,6 +75,7 @@ class DecoderOps:
     rope_for_step: Callable[[RotaryEmbedding, torch.Tensor, torch.dtype], tuple[torch.Tensor, ...]]
     rotate_q_k: Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    prepare_qkv: Callable[..., torch.Tensor] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -159,9 +169,9 @@ TORCH_OPS = DecoderOps(rms_norm, add_rms_norm, rope_angles, rotate_q_k, silu_and
 
 
 def kernel_ops() -> DecoderOps:
-    """The Triton kernels: residual add fused into the norm (in place), rotary in place from
-    tabulated cos/sin (`RotaryEmbedding.reserve_positions` first)."""
-    from spillway.kernels import activation, rmsnorm, rotary
+    """The Triton kernels: residual add fused into the norm (in place); q/k norm, rotary from
+    tabulated cos/sin (`RotaryEmbedding.reserve_positions` first) and the KV store fused."""
+    from spillway.kernels import activation, qkv_prepare, rmsnorm, rotary
 
     def add_rms_norm_in_place(x, residual, weight, eps):
         return rmsnorm.fused_add_rms_norm(x, residual, weight, eps, inplace=True)
@@ -172,8 +182,13 @@ def kernel_ops() -> DecoderOps:
     def rotate_in_place(q, k, rope):
         return rotary.apply_rotary(q, k, *rope)
 
+    def prepare_qkv(qkv, rope, kv_cache, layer, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm, k_norm):
+        norms = {} if q_norm is None else dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=q_norm.eps)
+        return qkv_prepare.prepare_qkv(qkv, kv_cache, layer, slot_mapping, *rope, num_heads, num_kv_heads, head_dim,
+                                       **norms)
+
     return DecoderOps(rmsnorm.rms_norm, add_rms_norm_in_place, rope_positions, rotate_in_place,
-                      activation.silu_and_mul)
+                      activation.silu_and_mul, prepare_qkv)
 
 
 def ops_for(device: torch.device) -> DecoderOps:

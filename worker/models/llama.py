@@ -138,7 +138,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, ops) if spec.qk_norm else None
 
     def forward(self, hidden, rope, kv_cache, backend: AttentionBackend, metadata: AttentionMetadata):
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.ops.prepare_qkv is not None:
+            # One launch instead of up to four small ones (q norm, k norm, rotary, KV store).
+            q = self.ops.prepare_qkv(qkv, rope, kv_cache, self.layer_idx, metadata.slot_mapping,
+                                     self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm, self.k_norm)
+            out = backend.attend(self.layer_idx, q, kv_cache, metadata)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
