@@ -310,6 +310,8 @@ def run_throughput(args, rows: Rows) -> None:
         ours, note = spillway_generate(args, prompts)
         rows.add(row("throughput qwen3-8b", ours, "output tok/s", target=TARGETS["throughput tok/s"], note=note,
                      target_is_value=True))
+        if args.profile:
+            run_step_profile(args, prompts)
     if args.hf or args.hf_only:
         extra = ["--child", "hf-batch", "--hf-requests", str(args.hf_requests), "--input-len", str(args.input_len),
                  "--hf-output-len", str(args.hf_output_len)]
@@ -320,6 +322,55 @@ def run_throughput(args, rows: Rows) -> None:
         ratio = ours / result["tok_s"] if not args.hf_only and result["tok_s"] else None
         rows.add(row("throughput qwen3-8b, HF generate_batch", result["tok_s"], "output tok/s",
                      note=f"{result['note']}; Spillway / HF = {ratio:.1f}x" if ratio else result["note"]))
+
+
+def run_step_profile(args, prompts: list[list[int]]) -> None:
+    """Where a full-batch decode step's time goes: Engine.step() wall time against its decode
+    graph's replay alone (the rest is host work the GPU waits for), the host's functions, and
+    the kernels of the replay."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from spillway.protocol.messages import Generate, SamplingParams
+    from spillway.worker.config import WorkerConfig
+    from spillway.worker.engine import Engine
+
+    engine = Engine(WorkerConfig(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                                 max_model_len=args.input_len + args.output_len + 16,
+                                 max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    batch = prompts[: args.max_num_seqs]
+    for i, prompt in enumerate(batch):
+        engine.add_request(Generate(request_id=f"p{i}", prompt_token_ids=prompt, block_hashes=[], params=params))
+    while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 30
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - started) / steps * 1e3
+    bucket = engine.runner.graphs.bucket_for(len(batch))
+    replay_ms = bench_ms(lambda: engine.runner.graphs.replay(bucket), warmup=20, rep=200)
+    print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}): "
+          f"Engine.step {step_ms:.2f} ms, graph replay alone {replay_ms:.2f} ms, "
+          f"host work the GPU waits for {step_ms - replay_ms:.2f} ms")
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(10):
+        engine.step()
+    host.disable()
+    pstats.Stats(host).sort_stats("tottime").print_stats(15)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.runner.graphs.replay(bucket)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
 
 
 def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
@@ -421,7 +472,7 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--hf", action="store_true", help="measure the Hugging Face baselines too")
     parser.add_argument("--hf-only", action="store_true", help="throughput: the HF baseline alone")
-    parser.add_argument("--profile", action="store_true", help="decode: device time by kernel")
+    parser.add_argument("--profile", action="store_true", help="decode: device time by kernel; throughput: one full-batch step taken apart")
     parser.add_argument("--quick", action="store_true", help="throughput on 200 requests instead of 1000")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -8,6 +8,7 @@ needs the gateway's address.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -59,6 +60,10 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
         out.send(enc.encode(WorkerError(message=str(exc), fatal=True, traceback=traceback.format_exc())))
         ctx.destroy(linger=2000)
         return 1
+    # What start-up built (model, tensors, modules) lives as long as the process: move it out
+    # of the collector's reach, so a collection mid-run scans only what steps allocate.
+    gc.collect()
+    gc.freeze()
     out.send(enc.encode(engine.ready()))
     try:
         _busy_loop(engine, inp, out, parent_pid)
