@@ -65,6 +65,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: every decode step runs eagerly")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the next decode step while the GPU runs this one (default: on with CUDA)")
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
@@ -150,6 +152,7 @@ def worker_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     ), names
 
 

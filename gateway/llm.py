@@ -123,6 +123,7 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         chat_template: str | None = None,
         enable_reasoning: bool = False,
@@ -159,6 +160,7 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self._worker = WorkerProcess(self.config)
         self._finalizer = weakref.finalize(self, self._worker.close)

@@ -24,4 +24,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # Plan the next decode step while the device runs this one; None: on for CUDA.
+    async_scheduling: bool | None = None
     hash_seed: bytes = DEFAULT_HASH_SEED

@@ -27,7 +27,8 @@ from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for
 from spillway.worker.models import loader
 from spillway.worker.models import model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
-from spillway.worker.request import Request
+from spillway.worker.overlap import InFlightStep, TokenReadback, can_overlap, chunk_inputs
+from spillway.worker.request import Request, RequestStatus
 from spillway.worker.sampler import Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler, StepPlan
 
@@ -134,6 +135,11 @@ class Engine:
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.debug_invariants = envs.debug_invariants()
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._readback = TokenReadback(config.max_num_seqs, self.device)
+        self._in_flight: InFlightStep | None = None
+        self.num_async_steps = 0  # steps launched before the one before was read
         self.num_steps = 0
         self._arrivals = 0
 
@@ -239,15 +245,36 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return []
-        sampled, logprobs = self._run(plan)
+        """Schedule and run one step; returns the tokens of the steps completed meanwhile.
+
+        With async scheduling a decode step is launched before the step in flight is read
+        (worker/overlap.py), so a step's tokens come back from the next call.
+        """
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self.scheduler.mark_in_flight(previous.plan)
+        plan = self.scheduler.schedule(ahead=previous is not None)
+        if self.async_scheduling and can_overlap(plan):
+            chunks, feed = chunk_inputs(plan, previous)
+            logits = self.runner.execute(chunks, feed)
+            token_ids = self.sampler.sample_ids(logits, [self._sampling_input(c.request) for c in plan.chunks])
+            self._in_flight = self._readback.start(plan, token_ids)
+            self.num_async_steps += 1
+            return [] if previous is None else self._settle(previous.plan, previous.read(), {})
+        deltas = [] if previous is None else self._settle(previous.plan, previous.read(), {})
+        # Requests that the step in flight finished are dropped from the plan made ahead of it.
+        plan.chunks = [c for c in plan.chunks if c.request.status == RequestStatus.RUNNING]
+        if plan.chunks:
+            deltas += self._settle(plan, *self._run(plan))
+        return deltas
+
+    def _settle(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict) -> list[RequestDelta]:
+        """Apply a computed plan's tokens; the deltas for the gateway."""
         results = self.scheduler.update(plan, sampled)
         self.num_steps += 1
         deltas = []
@@ -277,12 +304,7 @@ class Engine:
         if not rows:
             return {}, {}
         requests = [plan.chunks[i].request for i in rows]
-        inputs = [
-            SamplingInput(r.request_id, r.params, r.prompt_token_ids,
-                          OutputTokens(r.all_token_ids, r.num_prompt_tokens),
-                          None if r.thinking_state is None else forced_token(r.thinking_state))
-            for r in requests
-        ]
+        inputs = [self._sampling_input(r) for r in requests]
         sampled = self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, inputs)
         for request, token in zip(requests, sampled):
             if request.thinking_state is not None:
@@ -290,6 +312,12 @@ class Engine:
         tokens = {inp.request_id: s.token_id for inp, s in zip(inputs, sampled)}
         logprobs = {inp.request_id: s.logprobs for inp, s in zip(inputs, sampled) if s.logprobs is not None}
         return tokens, logprobs
+
+    @staticmethod
+    def _sampling_input(request: Request) -> SamplingInput:
+        forced = None if request.thinking_state is None else forced_token(request.thinking_state)
+        return SamplingInput(request.request_id, request.params, request.prompt_token_ids,
+                             OutputTokens(request.all_token_ids, request.num_prompt_tokens), forced)
 
     def stats(self) -> Stats:
         bm, sched = self.block_manager, self.scheduler

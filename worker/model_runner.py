@@ -42,6 +42,17 @@ class ChunkInput:
     block_table: list[int]
 
 
+@dataclass(slots=True)
+class TokenFeed:
+    """Input tokens that are still on the device: chunk `rows[i]`'s token is
+    `tokens[sources[i]]` (the sampled ids of the step before, not yet read by the host).
+    Those chunks carry a placeholder in `token_ids`."""
+
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor
+
+
 def _kv_dims(config) -> tuple[int, int, int]:
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -121,10 +132,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ChunkInput]) -> torch.Tensor:
+    def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None) -> torch.Tensor:
         """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
 
-        The result may be a view of a buffer that the next step overwrites.
+        `feed` takes some chunks' one token from the device (see `TokenFeed`). The result
+        may be a view of a buffer that the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
@@ -134,9 +146,28 @@ class ModelRunner:
         ):
             bucket = graphs.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
+            if feed is not None:
+                self._feed(self.inputs.decode_layout(bucket).input_ids, feed)
             return graphs.replay(bucket)[: len(chunks)]
         layout = self.inputs.stage(chunks)
+        if feed is not None:
+            assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
+            self._feed(layout.input_ids, feed, layout.last_rows)
         return self._forward(layout)
+
+    @staticmethod
+    def _feed(input_ids: torch.Tensor, feed: TokenFeed, last_rows: torch.Tensor | None = None) -> None:
+        """Overwrite the fed chunks' input rows with their tokens, on the device, in stream order."""
+        rows, sources = feed.rows, feed.sources
+        if rows == sources and rows[-1] == len(rows) - 1 and last_rows is None:
+            input_ids[: len(rows)].copy_(feed.tokens[: len(rows)])  # chunks 0..n-1 in order: the usual case
+            return
+        device = input_ids.device
+        index = torch.tensor(rows, device=device)
+        if last_rows is not None:  # a chunk's (only) row is its last row
+            index = last_rows.index_select(0, index.to(last_rows.device)).long()
+        tokens = feed.tokens.index_select(0, torch.tensor(sources, device=feed.tokens.device))
+        input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:
         metadata = self.backend.build_metadata(

@@ -64,6 +64,8 @@ class Request:
     num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # 1 while a step that samples this request's next token is still on the device.
+    num_pending_tokens: int = 0
     thinking_policy: ThinkingPolicy | None = None
     # Advanced with every committed output token; decides tokens forced by the budget.
     thinking_state: ThinkingState | None = field(init=False, default=None)

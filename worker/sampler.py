@@ -195,23 +195,31 @@ class Sampler:
             token_list = logits.argmax(dim=-1).tolist()
             return [SampledToken(token_id if i.forced_token_id is None else i.forced_token_id)
                     for token_id, i in zip(token_list, inputs)]
-
-        adjusted = adjusted_logits(logits, inputs, self.eos_token_ids)
-        sampled_rows = [row for row, i in enumerate(inputs) if not i.params.greedy]
-        if len(sampled_rows) == len(inputs):
-            token_ids = self._draw(adjusted, inputs)
-        else:
-            token_ids = adjusted.argmax(dim=-1)
-            if sampled_rows:
-                rows = torch.tensor(sampled_rows, device=logits.device)
-                token_ids[rows] = self._draw(adjusted[rows], [inputs[r] for r in sampled_rows])
-        for row, sampling_input in enumerate(inputs):
-            if sampling_input.forced_token_id is not None:
-                token_ids[row] = sampling_input.forced_token_id
-
+        token_ids = self.sample_ids(logits, inputs)
         logprobs = self._logprobs(logits, inputs, token_ids)
         return [SampledToken(token_id, logprobs.get(row))
                 for row, token_id in enumerate(token_ids.tolist())]
+
+    def sample_ids(self, logits: Tensor, inputs: list[SamplingInput]) -> Tensor:
+        """The chosen token of every row, int64 on the logits' device, read by no host code:
+        the tokens of `sample` without logprobs, in the same generator order."""
+        assert logits.dim() == 2 and logits.shape[0] == len(inputs), (logits.shape, len(inputs))
+        if all(is_plain_greedy(i) for i in inputs):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            adjusted = adjusted_logits(logits, inputs, self.eos_token_ids)
+            sampled_rows = [row for row, i in enumerate(inputs) if not i.params.greedy]
+            if len(sampled_rows) == len(inputs):
+                token_ids = self._draw(adjusted, inputs)
+            else:
+                token_ids = adjusted.argmax(dim=-1)
+                if sampled_rows:
+                    rows = torch.tensor(sampled_rows, device=logits.device)
+                    token_ids[rows] = self._draw(adjusted[rows], [inputs[r] for r in sampled_rows])
+        for row, sampling_input in enumerate(inputs):
+            if sampling_input.forced_token_id is not None:
+                token_ids[row] = sampling_input.forced_token_id
+        return token_ids
 
     def _draw(self, logits: Tensor, inputs: list[SamplingInput]) -> Tensor:
         probs = filtered_logits(logits, [i.params for i in inputs]).softmax(dim=-1)

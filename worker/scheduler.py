@@ -136,19 +136,28 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan:
+        """The next step. `ahead`: the step before is still running (`mark_in_flight`), so its
+        tokens are counted but unknown: requests whose pending token is surely their last are
+        left out, and nothing is preempted (a step that runs short of blocks just stops
+        adding requests; the next step, scheduled with every token known, preempts)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_tokens, preempted):
+            index += 1
+            if ahead and request.num_pending_tokens and self._last_token_is_pending(request):
+                continue
+            num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            if ahead:
+                if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
+                    break
+            elif not self._allocate_or_preempt(request, num_tokens, preempted):
                 break  # the request was the newest and preempted itself
             chunks.append(self._chunk(request, num_tokens))
             budget -= num_tokens
-            index += 1
         # After running out of blocks, admitting new work would only be preempted again.
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
             chunk = self._admit(self.waiting[0], budget)
@@ -157,6 +166,21 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
         return StepPlan(chunks, preempted, self.max_num_batched_tokens - budget)
+
+    def mark_in_flight(self, plan: StepPlan) -> None:
+        """`plan` runs on the device and its tokens are not read yet: count its computed
+        tokens and one pending token per sampling chunk, so `schedule(ahead=True)` can plan the
+        step after it. `update(plan, ...)` with the tokens then settles them."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens = chunk.start + chunk.num_tokens
+                request.num_pending_tokens = int(chunk.sample)
+
+    def _last_token_is_pending(self, request: Request) -> bool:
+        """Whether the pending token ends the request by length, whatever it is."""
+        return (request.num_output_tokens + 1 >= request.params.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[StepResult]:
         """Apply a computed plan: `sampled` maps request id -> token for chunks with `sample`."""
@@ -168,6 +192,7 @@ class Scheduler:
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if chunk.sample:
                 request.append_token(sampled[request.request_id])
+                request.num_pending_tokens = 0
             self._commit_full_blocks(request, chunk.start)
             if chunk.sample:
                 results.append(self._check_stop(request))
@@ -237,7 +262,7 @@ class Scheduler:
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         block_table = self.block_manager.block_table(request.request_id)
-        sample = start + num_tokens == request.num_tokens
+        sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
         return ScheduledChunk(request, start, num_tokens, block_table, sample)
 
     def _hash_full_blocks(self, request: Request) -> None:

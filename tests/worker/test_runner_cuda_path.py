@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from spillway.worker.cuda_graphs import DecodeGraphs, decode_buckets
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
@@ -196,3 +196,29 @@ def test_fused_qkv_path_matches_the_torch_path(family):
     assert kernel_runner.graphs.replayed == [4, 4, 4]
     assert len(fused_calls) == 4 * num_layers
     torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+def test_decode_tokens_fed_from_the_device_give_the_same_logits():
+    """Async scheduling feeds a decode step's tokens from the step before, on the device: in
+    order (one copy) or some rows from permuted sources (an indexed copy); graph and eager."""
+    _, runner = qwen3_pair()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 16, 33)]
+    tables = [[0, 9], [3, 17, 4], [11, 2, 7, 20]]
+    runner.execute([ChunkInput(p, 0, t) for p, t in zip(prompts, tables)])
+    next_tokens = [7, VOCAB - 1, 42]
+    real = [ChunkInput([tok], len(p), t) for p, tok, t in zip(prompts, next_tokens, tables)]
+    sampled = torch.tensor([VOCAB - 1, 7, 42, 5])  # the step before's rows: 1, 0, 2 hold the tokens
+    in_order = TokenFeed([0, 1, 2], [0, 1, 2], torch.tensor(next_tokens))
+    permuted = TokenFeed([0, 1], [1, 0], sampled)
+    for graphs in (None, EagerGraphs(runner, max_batch_size=4)):
+        runner.graphs = graphs
+        expected = runner.execute(real).clone()
+        for feed in (in_order, permuted):
+            placeholders = [ChunkInput([0] if row in feed.rows else c.token_ids, c.start, c.block_table)
+                            for row, c in enumerate(real)]
+            got = runner.execute(placeholders, feed)
+            assert (got - expected).abs().max().item() < 1e-5
+        unfed = runner.execute([ChunkInput([0], c.start, c.block_table) for c in real])
+        assert (unfed - expected).abs().max().item() > 1e-3  # the placeholder alone would not do

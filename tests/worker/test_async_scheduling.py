@@ -1,0 +1,186 @@
+"""Async scheduling (worker/overlap.py) gives the same outputs as stepping synchronously.
+
+Both engines run in this process on the CPU over the same tiny random Qwen3; the async one
+launches each decode step before reading the step before, feeding the pending tokens on
+the device. Requests arrive mid-run, stop on tokens while a step is in flight, end by
+length, get aborted, ask for logprobs (which forces synchronous steps), and get preempted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spillway.protocol.hashing import block_hashes
+from spillway.protocol.messages import FinishReason, Generate, SamplingParams
+from spillway.worker.config import WorkerConfig
+from spillway.worker.engine import Engine
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=1)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)  # large weights: outputs that do not loop on one token
+    path = tmp_path_factory.mktemp("tiny-qwen3-async")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def make_engine(path: str, async_scheduling: bool, **overrides) -> Engine:
+    config = dict(model=path, dtype="float32", device="cpu", max_num_seqs=8, async_scheduling=async_scheduling)
+    config.update(overrides)
+    return Engine(WorkerConfig(**config))
+
+
+def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+          aborts: dict[int, list[str]] | None = None) -> dict[str, tuple[list[int], FinishReason]]:
+    """Add requests / abort them before the given step numbers; step until idle."""
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    aborts = aborts or {}
+    step = 0
+    while engine.has_work or any(s >= step for s in arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            hashes = block_hashes(prompt, engine.block_size, engine.root_hash)
+            assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt,
+                                               block_hashes=hashes, params=params)) is None
+            tokens[request_id] = []
+        deltas = engine.abort(aborts[step]) if step in aborts else []
+        deltas += engine.step()
+        for delta in deltas:
+            assert delta.request_id not in finished, f"{delta.request_id} got tokens after it finished"
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finish_reason is not None:
+                finished[delta.request_id] = delta.finish_reason
+        step += 1
+        assert step < 2000
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_gpu_blocks - sum(
+        1 for b in engine.block_manager.blocks if b.ref_count > 0)
+    return {request_id: (tokens[request_id], finished[request_id]) for request_id in tokens}
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
+
+
+def both(path, arrivals, aborts=None, **overrides):
+    sync = make_engine(path, False, **overrides)
+    ahead = make_engine(path, True, **overrides)
+    expected, got = drive(sync, arrivals, aborts), drive(ahead, arrivals, aborts)
+    assert sync.num_async_steps == 0
+    assert ahead.num_async_steps > 0
+    return expected, got, ahead
+
+
+def test_greedy_outputs_and_finish_reasons_equal_synchronous_stepping(tiny_model):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batch = prompts(10, seed=1)
+    arrivals = {0: [(f"a{i}", p, greedy) for i, p in enumerate(batch[:6])],
+                7: [(f"b{i}", p, SamplingParams(temperature=0.0, max_tokens=5 + i, ignore_eos=True))
+                    for i, p in enumerate(batch[6:])]}
+    expected, got, _ = both(tiny_model, arrivals)
+    assert got == expected
+    assert all(reason == FinishReason.LENGTH for _, reason in got.values())
+    assert [len(tokens) for tokens, _ in got.values()] == [24] * 6 + [5, 6, 7, 8]
+
+
+def test_stop_tokens_seen_while_the_next_step_is_in_flight(tiny_model):
+    """Each request stops on a token it produces mid-run: the step launched ahead of that
+    token wasted a row, which must not leak a token or a block."""
+    batch = prompts(6, seed=2)
+    free_run = drive(make_engine(tiny_model, False),
+                     {0: [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+                          for i, p in enumerate(batch)]})
+    arrivals = {0: []}
+    for i, prompt in enumerate(batch):
+        tokens = free_run[f"r{i}"][0]
+        stop = tokens[3 + i]  # a token it will produce; its first occurrence ends the request
+        params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop], ignore_eos=True)
+        arrivals[0].append((f"r{i}", prompt, params))
+    expected, got, _ = both(tiny_model, arrivals)
+    assert got == expected
+    assert all(reason == FinishReason.STOP for _, reason in got.values())
+    assert all(len(tokens) <= 4 + i for i, (tokens, _) in enumerate(got.values()))
+
+
+def test_seeded_sampling_equals_synchronous_stepping(tiny_model):
+    batch = prompts(6, seed=3)
+    arrivals = {0: [(f"s{i}", p, SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i,
+                                                 max_tokens=20, ignore_eos=True))
+                    for i, p in enumerate(batch[:4])],
+                3: [(f"t{i}", p, SamplingParams(temperature=1.2, seed=7 + i, max_tokens=12))
+                    for i, p in enumerate(batch[4:])]}
+    expected, got, _ = both(tiny_model, arrivals)
+    assert got == expected
+
+
+def test_logprobs_penalties_and_min_tokens_fall_back_to_synchronous_steps(tiny_model):
+    batch = prompts(4, seed=4)
+    arrivals = {0: [("plain", batch[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))],
+                4: [("logprobs", batch[1], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3,
+                                                          ignore_eos=True)),
+                    ("penalty", batch[2], SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.3,
+                                                         ignore_eos=True)),
+                    ("min", batch[3], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5))]}
+    expected, got, ahead = both(tiny_model, arrivals)
+    assert got == expected
+
+
+def test_abort_while_a_step_is_in_flight(tiny_model):
+    batch = prompts(4, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(batch)]}
+    expected, got, ahead = both(tiny_model, arrivals, aborts={6: ["r1"], 9: ["r3", "unknown"]})
+    for request_id in ("r0", "r2"):
+        assert got[request_id] == expected[request_id]
+    for request_id in ("r1", "r3"):
+        # Tokens come back one call later, so fewer had arrived when the abort came; the
+        # token of the step in flight is dropped with the request.
+        tokens, reason = got[request_id]
+        assert reason == expected[request_id][1] == FinishReason.ABORT
+        assert 0 < len(tokens) < len(expected[request_id][0])
+        assert tokens == expected[request_id][0][: len(tokens)]
+    assert not ahead.has_work
+
+
+def test_preemption_in_a_small_pool(tiny_model):
+    """18 blocks of 16 tokens for 6 requests growing to ~70 tokens: steps run out of blocks,
+    the ahead steps stop short, the synchronous ones preempt."""
+    batch = prompts(6, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(batch)]}
+    expected, got, ahead = both(tiny_model, arrivals, num_gpu_blocks_override=18, max_model_len=128)
+    assert ahead.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_with_graphs_greedy_and_stop_tokens_equal_synchronous_stepping(tiny_model):
+    batch = prompts(12, seed=7)
+    cuda = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.2)
+    free_run = drive(make_engine(tiny_model, False, **cuda),
+                     {0: [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+                          for i, p in enumerate(batch)]})
+    arrivals = {0: [], 5: []}
+    for i, prompt in enumerate(batch):
+        stop = free_run[f"r{i}"][0][2 * i + 1]
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop] if i % 2 else [],
+                                ignore_eos=True)
+        arrivals[0 if i < 8 else 5].append((f"r{i}", prompt, params))
+    expected, got, ahead = both(tiny_model, arrivals, **cuda)
+    assert ahead.runner.graphs is not None
+    assert got == expected
