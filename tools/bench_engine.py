@@ -98,20 +98,23 @@ def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: b
 
 
 def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:
-    """Wall ms per Engine.step() over the decode steps of one greedy request."""
+    """Wall ms per decoded token of one greedy request, driving Engine.step() (the prefill
+    step and its first token excluded; with async scheduling a step's token comes back from
+    the next call, so tokens are counted, not calls)."""
     from spillway.protocol.messages import Generate, SamplingParams
 
     rng = random.Random(0)
     prompt = [rng.randrange(256, engine.vocab_size) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[], params=params))
-    engine.step()  # the prefill and the first token
+    first = sum(len(d.new_token_ids) for d in engine.step())  # the prefill and the first token
+    assert first == 1, first
     torch.cuda.synchronize()
-    started, steps = time.perf_counter(), 0
+    started, tokens = time.perf_counter(), 0
     while engine.has_work:
-        engine.step()
-        steps += 1
-    return (time.perf_counter() - started) / steps * 1e3
+        tokens += sum(len(d.new_token_ids) for d in engine.step())
+    assert tokens == new_tokens - 1, tokens
+    return (time.perf_counter() - started) / tokens * 1e3
 
 
 def weight_bytes_per_token(model) -> int:
