@@ -22,22 +22,6 @@ BLOCK = 16
 VOCAB = 300
 
 
-def _interpreter_runs_kernels() -> bool:
-    try:
-        from spillway.kernels.paged_attention_decode import paged_decode_attention
-
-        cache = torch.zeros(1, 1, 2, 8, 1, 16)
-        paged_decode_attention(torch.zeros(1, 1, 16), cache, 0, torch.zeros(1, 1, dtype=torch.int32),
-                               torch.ones(1, dtype=torch.int32), 1.0, num_splits=1)
-    except Exception:
-        return False
-    return True
-
-
-needs_interpreter = pytest.mark.skipif(not _interpreter_runs_kernels(),
-                                       reason="Triton's interpreter cannot run the kernels here")
-
-
 def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the_maximum():
     assert decode_buckets(1) == [1]
     assert decode_buckets(3) == [1, 2, 3]
@@ -92,7 +76,6 @@ def hf_last_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0, -1]
 
 
-@needs_interpreter
 def test_kernel_path_prefill_then_padded_decode_buckets_match_hf():
     hf, runner = qwen3_pair()
     rng = random.Random(0)
@@ -170,7 +153,6 @@ def runner_pair(family: str, seed: int = 0):
     return runners[0], runners[1], fused_calls
 
 
-@needs_interpreter
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_fused_qkv_path_matches_the_torch_path(family):
     torch_runner, kernel_runner, fused_calls = runner_pair(family)
@@ -198,7 +180,6 @@ def test_fused_qkv_path_matches_the_torch_path(family):
     torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)
 
 
-@needs_interpreter
 def test_decode_tokens_fed_from_the_device_give_the_same_logits():
     """Async scheduling feeds a decode step's tokens from the step before, on the device: in
     order (one copy) or some rows from permuted sources (an indexed copy); graph and eager."""
