@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spillway.worker.models import loader
+from spillway.worker.models import loader, model_cache
 from spillway.worker.models.loader import (
     ModelFiles,
     TokenizerNotFoundError,
@@ -133,8 +133,8 @@ def test_second_resolve_uses_the_cache_and_is_fast(default_files, monkeypatch):
     def fail(*args):
         raise AssertionError("the cache should have answered")
 
-    monkeypatch.setattr(loader, "_convert_gguf", fail)
-    monkeypatch.setattr(loader, "_hash_file", fail)  # the index knows the file
+    monkeypatch.setattr(model_cache, "convert_gguf", fail)
+    monkeypatch.setattr(model_cache, "_hash_file", fail)  # the index knows the file
     started = time.monotonic()
     again = resolve_model(None)
     assert time.monotonic() - started < 3.0
@@ -158,17 +158,17 @@ def test_content_hash_is_remembered_until_the_file_changes(own_cache_dir, tmp_pa
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF one")
     hashed: list[Path] = []
-    real_hash = loader._hash_file
-    monkeypatch.setattr(loader, "_hash_file", lambda path: hashed.append(path) or real_hash(path))
+    real_hash = model_cache._hash_file
+    monkeypatch.setattr(model_cache, "_hash_file", lambda path: hashed.append(path) or real_hash(path))
 
-    first = loader.gguf_content_hash(gguf)
-    assert loader.gguf_content_hash(gguf) == first
+    first = model_cache.gguf_content_hash(gguf)
+    assert model_cache.gguf_content_hash(gguf) == first
     assert len(hashed) == 1
     os.utime(gguf, ns=(0, gguf.stat().st_mtime_ns + 1))
-    assert loader.gguf_content_hash(gguf) == first
+    assert model_cache.gguf_content_hash(gguf) == first
     assert len(hashed) == 2
     gguf.write_bytes(b"GGUF two!")
-    assert loader.gguf_content_hash(gguf) != first
+    assert model_cache.gguf_content_hash(gguf) != first
     assert len(hashed) == 3
 
 
@@ -176,7 +176,7 @@ def test_gguf_is_converted_once_and_named_as_given(own_cache_dir, tmp_path, monk
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     calls: list[Path] = []
-    monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
+    monkeypatch.setattr(model_cache, "convert_gguf", fake_converter(calls))
     first = resolve_model(str(gguf))
     second = resolve_model(str(gguf), load_format="gguf")
     assert first == second == ModelFiles(str(gguf), first.path, "safetensors")
@@ -187,7 +187,7 @@ def test_gguf_is_converted_once_and_named_as_given(own_cache_dir, tmp_path, monk
 def test_interrupted_conversion_leaves_no_cache_folder(own_cache_dir, tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    digest = loader.gguf_content_hash(gguf)
+    digest = model_cache.gguf_content_hash(gguf)
     stale = own_cache_dir / "gguf" / f".{digest}.999999999-x.partial"  # a pid that cannot exist
     stale.mkdir()
 
@@ -195,13 +195,13 @@ def test_interrupted_conversion_leaves_no_cache_folder(own_cache_dir, tmp_path, 
         (dest / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_convert_gguf", interrupted)
+    monkeypatch.setattr(model_cache, "convert_gguf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf))
     assert sorted(p.name for p in (own_cache_dir / "gguf").iterdir()) == ["index.json"]
 
     calls: list[Path] = []
-    monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
+    monkeypatch.setattr(model_cache, "convert_gguf", fake_converter(calls))
     files = resolve_model(str(gguf))
     assert files.path == own_cache_dir / "gguf" / digest
     assert calls == [gguf]
