@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -196,9 +197,9 @@ async def completions(request: Request):
 async def models(request: Request) -> Response:
     gateway = _gateway(request)
     ready = gateway.client.ready
-    cards = [api.ModelCard(id=name, created=gateway.created, root=gateway.settings.worker.model or ready.model,
+    cards = [answers.ModelCard(id=name, created=gateway.created, root=gateway.settings.worker.model or ready.model,
                            max_model_len=ready.max_model_len) for name in gateway.served_names]
-    return json_response(api.ModelList(cards))
+    return json_response(answers.ModelList(cards))
 
 
 async def health(request: Request) -> Response:
@@ -225,7 +226,7 @@ async def tokenize(request: Request) -> Response:
         token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)
     else:
         raise api.bad_request("give `prompt` or `messages`", param="prompt")
-    return json_response(api.TokenizeResponse(len(token_ids), gateway.client.ready.max_model_len, token_ids))
+    return json_response(answers.TokenizeResponse(len(token_ids), gateway.client.ready.max_model_len, token_ids))
 
 
 async def detokenize(request: Request) -> Response:
@@ -236,7 +237,7 @@ async def detokenize(request: Request) -> Response:
     vocab_size = gateway.client.ready.vocab_size
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
-    return json_response(api.DetokenizeResponse(tokenizer.decode(body.tokens)))
+    return json_response(answers.DetokenizeResponse(tokenizer.decode(body.tokens)))
 
 
 async def version_endpoint(request: Request) -> Response:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.responses import Response
 
+from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import WorkerLost
 from spillway.gateway.serving import Generation, Sample
@@ -83,20 +84,20 @@ def _byte_level_table() -> dict[str, int]:
     return table
 
 
-def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> api.ChatLogprobs:
+def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> answers.ChatLogprobs:
     content = []
     for entry in entries:
         text, raw = strings(entry.token_id)
         top = []
         for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
             top_text, top_raw = strings(token_id)
-            top.append(api.TopLogprob(top_text, logprob, top_raw))
-        content.append(api.ChatTokenLogprob(text, entry.logprob, raw, top))
-    return api.ChatLogprobs(content)
+            top.append(answers.TopLogprob(top_text, logprob, top_raw))
+        content.append(answers.ChatTokenLogprob(text, entry.logprob, raw, top))
+    return answers.ChatLogprobs(content)
 
 
-def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, offset: int) -> api.CompletionLogprobs:
-    result = api.CompletionLogprobs([], [], [], [])
+def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, offset: int) -> answers.CompletionLogprobs:
+    result = answers.CompletionLogprobs([], [], [], [])
     for entry in entries:
         text = strings(entry.token_id)[0]
         top = {strings(tid)[0]: lp for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)}
@@ -113,28 +114,28 @@ async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[b
     job = gen.job
     want_logprobs = job.params.logprobs is not None
 
-    def chunk(choice: api.ChatChunkChoice | None) -> bytes:
+    def chunk(choice: answers.ChatChunkChoice | None) -> bytes:
         usage = gen.usage() if job.continuous_usage or choice is None else None
-        return sse(api.ChatCompletionChunk(id=job.request_id, object="chat.completion.chunk", created=job.created,
+        return sse(answers.ChatCompletionChunk(id=job.request_id, object="chat.completion.chunk", created=job.created,
                                            model=job.model, choices=[choice] if choice else [], usage=usage))
 
     for sample in gen.samples:
-        yield chunk(api.ChatChunkChoice(sample.index, api.ChatDelta(role="assistant", content="")))
+        yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")))
     async for updates in gen.updates():
         for update in updates:
             logprobs = chat_logprobs(update.logprobs, strings) if want_logprobs and update.logprobs else None
             if update.reasoning_text:
                 thought = update.reasoning_text
-                yield chunk(api.ChatChunkChoice(update.sample.index,
-                                                api.ChatDelta(reasoning_content=thought, reasoning=thought), logprobs))
+                yield chunk(answers.ChatChunkChoice(update.sample.index,
+                                                answers.ChatDelta(reasoning_content=thought, reasoning=thought), logprobs))
                 logprobs = None  # sent with the reasoning
                 if update.text:
-                    yield chunk(api.ChatChunkChoice(update.sample.index, api.ChatDelta(content=update.text)))
+                    yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text)))
             elif update.text or logprobs is not None:
-                yield chunk(api.ChatChunkChoice(update.sample.index, api.ChatDelta(content=update.text), logprobs))
+                yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text), logprobs))
             if update.finished:
                 sample = update.sample
-                yield chunk(api.ChatChunkChoice(sample.index, api.ChatDelta(), None, sample.finish_reason,
+                yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(), None, sample.finish_reason,
                                                 sample.stop_reason))
     if job.include_usage:
         yield chunk(None)
@@ -145,9 +146,9 @@ async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIter
     want_logprobs = job.params.logprobs is not None
     offsets = [0] * len(gen.samples)
 
-    def chunk(choice: api.CompletionChoice | None) -> bytes:
+    def chunk(choice: answers.CompletionChoice | None) -> bytes:
         usage = gen.usage() if job.continuous_usage or choice is None else None
-        return sse(api.Completion(id=job.request_id, object="text_completion", created=job.created,
+        return sse(answers.Completion(id=job.request_id, object="text_completion", created=job.created,
                                   model=job.model, choices=[choice] if choice else [], usage=usage))
 
     async for updates in gen.updates():
@@ -158,9 +159,9 @@ async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIter
                 logprobs = completion_logprobs(update.logprobs, strings, offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs.tokens)
             if update.text or logprobs is not None:
-                yield chunk(api.CompletionChoice(index, update.text, logprobs))
+                yield chunk(answers.CompletionChoice(index, update.text, logprobs))
             if update.finished:
-                yield chunk(api.CompletionChoice(index, "", None, update.sample.finish_reason,
+                yield chunk(answers.CompletionChoice(index, "", None, update.sample.finish_reason,
                                                  update.sample.stop_reason))
     if job.include_usage:
         yield chunk(None)
@@ -175,22 +176,22 @@ async def whole_response(gen: Generation, strings: TokenStrings):
             for update in updates:
                 entries[update.sample.index].extend(update.logprobs)
     if job.chat:
-        choices = [api.ChatChoice(s.index, _assistant_message(s),
+        choices = [answers.ChatChoice(s.index, _assistant_message(s),
                                   chat_logprobs(entries[s.index], strings) if want_logprobs else None,
                                   s.finish_reason, s.stop_reason) for s in gen.samples]
-        return api.ChatCompletion(job.request_id, job.created, job.model, choices, gen.usage())
-    choices = [api.CompletionChoice(s.index, s.output.text,
+        return answers.ChatCompletion(job.request_id, job.created, job.model, choices, gen.usage())
+    choices = [answers.CompletionChoice(s.index, s.output.text,
                                     completion_logprobs(entries[s.index], strings, 0) if want_logprobs else None,
                                     s.finish_reason, s.stop_reason) for s in gen.samples]
-    return api.Completion(id=job.request_id, object="text_completion", created=job.created, model=job.model,
+    return answers.Completion(id=job.request_id, object="text_completion", created=job.created, model=job.model,
                           choices=choices, usage=gen.usage())
 
 
-def _assistant_message(sample: Sample) -> api.AssistantMessage:
+def _assistant_message(sample: Sample) -> answers.AssistantMessage:
     if sample.reasoning is None:
-        return api.AssistantMessage("assistant", sample.output.text)
+        return answers.AssistantMessage("assistant", sample.output.text)
     thought = sample.reasoning.text or None
-    return api.AssistantMessage("assistant", sample.output.text, reasoning_content=thought, reasoning=thought)
+    return answers.AssistantMessage("assistant", sample.output.text, reasoning_content=thought, reasoning=thought)
 
 
 class GenerationResponse:

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, RequestStream
 from spillway.gateway.detok import OutputText
@@ -316,7 +317,7 @@ class Generation:
         sample.finish_reason, sample.stop_reason = reason, stop_reason
         self._unfinished -= 1
 
-    def usage(self) -> api.Usage:
+    def usage(self) -> answers.Usage:
         job = self.job
         num_prompt = sum(len(p.token_ids) for p in job.prompts)
         num_completion = sum(s.num_tokens for s in self.samples)
@@ -324,6 +325,6 @@ class Generation:
         num_cached = sum(s.num_cached_tokens for s in self.samples if s.index % job.params.n == 0)
         details = None
         if self.markers is not None:
-            details = api.CompletionTokensDetails(sum(s.splitter.num_reasoning_tokens for s in self.samples))
-        return api.Usage(num_prompt, num_completion, num_prompt + num_completion,
-                         api.PromptTokensDetails(num_cached), details)
+            details = answers.CompletionTokensDetails(sum(s.splitter.num_reasoning_tokens for s in self.samples))
+        return answers.Usage(num_prompt, num_completion, num_prompt + num_completion,
+                         answers.PromptTokensDetails(num_cached), details)
