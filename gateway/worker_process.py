@@ -101,7 +101,9 @@ class WorkerProcess:
     def close(self) -> None:
         if self.process.is_alive():
             try:
-                self.send(Control(ControlCommand.SHUTDOWN))
+                # Not blocking: a worker that is exiting (after a start-up error) has left no
+                # peer, and a PUSH send with no peer would wait forever.
+                self.to_worker.send(self._encoder.encode(Control(ControlCommand.SHUTDOWN)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.process.join(5)
