@@ -385,7 +385,7 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     from spillway.gateway import LLM, SamplingParams
 
     llm = LLM("qwen3-8b", load_format="dummy", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
+              async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
               gpu_memory_utilization=0.9)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     started = time.perf_counter()
@@ -398,7 +398,7 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     note = (f"{len(prompts)} x ({args.input_len} in, {args.output_len} out), {elapsed:.1f} s, max_num_seqs "
             f"{args.max_num_seqs}, {num_blocks} KV blocks ({args.kv_cache_dtype} KV cache), "
-            f"{stats.num_preemptions} preemptions")
+            f"{stats.num_preemptions} preemptions, async scheduling {'off' if args.async_scheduling is False else 'on'}")
     return generated / elapsed, note
 
 
@@ -492,6 +492,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="throughput and its --profile: the KV cache's dtype")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="throughput: overlap the next step's scheduling with this one (default on)")
     parser.add_argument("--hf-requests", type=int, default=64)
     parser.add_argument("--hf-output-len", type=int, default=128)
     parser.add_argument("--hf-timeout", type=float, default=300, help="seconds for each HF baseline")
