@@ -14,9 +14,6 @@ query of the request, `Q * group` rows, so each KV tile is read once for all of 
 The grid depends only on B, the KV head count and num_splits (chosen from B and the block
 table's width, never from context_lens), so a launch can be captured in a CUDA graph and
 replayed with new context lengths. A request with context_len 0 (a padded row) gets zeros.
-
-The cache holds q's dtype, or float8 e4m3: its keys and values are then converted to q's
-dtype (exactly) as they are loaded, and the math is the same (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from spillway.kernels.utils import (
     check,
     check_cache,
     check_tensor,
-    dtypes_for_cache,
     for_device,
     next_power_of_2,
 )
@@ -81,8 +77,8 @@ def _decode_kernel(
         blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
         token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
         k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
-        k = tl.load(k_ptrs, mask=in_context[:, None], other=0.0).to(q.dtype)
-        v = tl.load(k_ptrs + stride_c_kv, mask=in_context[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_ptrs, mask=in_context[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=in_context[:, None], other=0.0)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = tokens[None, :] <= query_pos[:, None]
@@ -164,7 +160,7 @@ def _check_decode_args(q, kv_cache, layer, block_tables, context_lens) -> None:
     device = kv_cache.device
     check_cache(kv_cache, layer)
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
-    check_tensor("q", q, ndim=(3, 4), dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
+    check_tensor("q", q, ndim=(3, 4), dtypes=(kv_cache.dtype,), device=device)
     check(q.shape[-1] == head_dim, f"q's head_dim is {q.shape[-1]}, the cache's {head_dim}")
     num_heads = q.shape[-2]
     check(num_heads % num_kv_heads == 0,
@@ -249,8 +245,7 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`paged_decode_attention` in plain torch (float32 math, one request at a time; a float8
-    cache's keys and values are upcast, exactly, like any other)."""
+    """`paged_decode_attention` in plain torch (float32 math, one request at a time)."""
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]

@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from spillway.kernels.fp8 import FP8_E4M3
-
 _interpreted: dict[int, object] = {}
 
 
@@ -135,7 +133,7 @@ def is_power_of_two(value: int) -> bool:
 def check_cache(kv_cache: torch.Tensor, layer: int) -> None:
     """The paged KV cache `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]` the
     attention kernels read: contiguous, block size 8..128 and head_dim 16..256, powers of two."""
-    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=KV_CACHE_DTYPES, device=kv_cache.device)
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=FLOAT_DTYPES, device=kv_cache.device)
     check(kv_cache.is_contiguous(), "kv_cache must be contiguous")
     _, num_layers, two, block_size, _, head_dim = kv_cache.shape
     check(two == 2, f"kv_cache dim 2 must be 2 (k, v), got shape {tuple(kv_cache.shape)}")
@@ -146,14 +144,7 @@ def check_cache(kv_cache: torch.Tensor, layer: int) -> None:
           f"head_dim must be a power of two in 16..256, got {head_dim}")
 
 
-def dtypes_for_cache(cache_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The q/k/v dtypes that work with a KV cache of `cache_dtype`: its own, or any float
-    dtype for a float8 e4m3 cache (kernels/fp8.py)."""
-    return FLOAT_DTYPES if cache_dtype == FP8_E4M3 else (cache_dtype,)
-
-
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KV_CACHE_DTYPES = (*FLOAT_DTYPES, FP8_E4M3)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 next_power_of_2 = triton.next_power_of_2

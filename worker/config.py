@@ -6,9 +6,6 @@ import msgspec
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED
 
-# "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker needs to start. Built by the gateway, sent to the worker process."""
@@ -17,7 +14,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     device: str = "auto"
     seed: int = 0
     block_size: int = 16

@@ -21,7 +21,7 @@ from spillway.protocol.messages import (
     PROTOCOL_VERSION,
 )
 from spillway.worker import envs
-from spillway.worker.config import KV_CACHE_DTYPES, WorkerConfig
+from spillway.worker.config import WorkerConfig
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -54,18 +54,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
     return table[name]
-
-
-def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's `dtype` for "auto", float8 e4m3 (unscaled) for "fp8"
-    and "fp8_e4m3". Only on CUDA: the CPU's plain-torch attention stays exact to Hugging Face."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    if name == "auto":
-        return dtype
-    if device.type != "cuda":
-        raise ValueError(f"kv_cache_dtype={name!r}: an fp8 KV cache needs CUDA, and the device is {device}")
-    return torch.float8_e4m3fn
 
 
 def eos_token_ids(files: loader.ModelFiles, hf_config) -> list[int]:
@@ -109,7 +97,6 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         torch.manual_seed(config.seed)
         files = loader.resolve_model(config.model, config.load_format)
         self.model_name = config.served_model_name or files.name
@@ -127,14 +114,11 @@ class Engine:
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks=None, block_size=self.block_size, device=self.device,
-                                  dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                                  max_num_seqs=config.max_num_seqs,
+                                  dtype=self.dtype, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len)
         num_blocks = self._num_blocks(hf_config)
         self.runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -179,7 +163,7 @@ class Engine:
             budget = self._gpu_kv_budget()
         else:
             budget = CPU_KV_CACHE_BYTES
-        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype, int(budget))
+        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.dtype, int(budget))
         # No point in more blocks than max_num_seqs full-length requests can use.
         needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         num_blocks = min(num_blocks, needed)
