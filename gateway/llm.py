@@ -9,16 +9,15 @@ import itertools
 import sys
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, resolve_markers, thinking_policy
+from spillway.gateway.outputs import RequestOutput, SampleState, completion_output
+from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers, thinking_policy
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.hashing import block_hashes, root_hash
-from spillway.protocol.reasoning import ThinkingPolicy
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -43,57 +42,6 @@ _NOT_YET = {
     "quantization": "quantised execution",
     "enable_lora": "LoRA adapters",
 }
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # With a reasoning parser: the text split at the thinking markers (markers excluded).
-    reasoning_content: str | None = None
-    content: str | None = None
-    num_reasoning_tokens: int = 0
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    num_cached_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One sample (one of a prompt's n) in flight."""
-
-    prompt_index: int
-    sample_index: int
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None
-    thinking: ThinkingPolicy | None = None
 
 
 class LLM:
@@ -308,7 +256,7 @@ class LLM:
 
     def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         batch = next(self._ids)
-        pending: dict[str, _Pending] = {}
+        pending: dict[str, SampleState] = {}
         if self._markers is None and any(p.thinking_budget is not None for p in params):
             raise ValueError("thinking_budget needs a reasoning parser: LLM(..., enable_reasoning=True)")
         for index, ((_, token_ids), p) in enumerate(zip(items, params)):
@@ -320,7 +268,7 @@ class LLM:
             for sample in range(p.n):
                 request_id = f"offline-{batch}-{index}-{sample}"
                 seed = None if p.seed is None else p.seed + sample
-                pending[request_id] = _Pending(index, sample, p, logprobs=[] if p.logprobs is not None else None,
+                pending[request_id] = SampleState(index, sample, p, logprobs=[] if p.logprobs is not None else None,
                                                thinking=thinking)
                 self._worker.send(Generate(
                     request_id=request_id, prompt_token_ids=token_ids, block_hashes=hashes,
@@ -337,7 +285,7 @@ class LLM:
             bar.close()
         return self._outputs(items, params, pending, batch)
 
-    def _collect(self, pending: dict[str, _Pending], items, bar) -> None:
+    def _collect(self, pending: dict[str, SampleState], items, bar) -> None:
         open_samples = [0] * len(items)
         for state in pending.values():
             open_samples[state.prompt_index] += 1
@@ -360,7 +308,7 @@ class LLM:
                     if open_samples[state.prompt_index] == 0:
                         bar.update(1)
 
-    def _apply(self, request_id: str, state: _Pending, delta: RequestDelta) -> None:
+    def _apply(self, request_id: str, state: SampleState, delta: RequestDelta) -> None:
         if delta.num_cached_tokens >= 0:
             state.num_cached_tokens = delta.num_cached_tokens
         state.token_ids.extend(delta.new_token_ids)
@@ -374,7 +322,7 @@ class LLM:
         if state.params.stop_strings and self._tokenizer is not None:
             self._check_stop_strings(request_id, state)
 
-    def _check_stop_strings(self, request_id: str, state: _Pending) -> None:
+    def _check_stop_strings(self, request_id: str, state: SampleState) -> None:
         text = self._tokenizer.decode(state.token_ids, state.params.skip_special_tokens)
         hits = [(text.find(s), s) for s in state.params.stop_strings if s in text]
         if not hits:
@@ -395,11 +343,11 @@ class LLM:
                 case None if not self._worker.alive:
                     raise RuntimeError(f"the engine process died (exit code {self._worker.process.exitcode})")
 
-    def _outputs(self, items, params, pending: dict[str, _Pending], batch: int) -> list[RequestOutput]:
+    def _outputs(self, items, params, pending: dict[str, SampleState], batch: int) -> list[RequestOutput]:
         results = []
         for index, ((text, token_ids), p) in enumerate(zip(items, params)):
             samples = [pending[f"offline-{batch}-{index}-{s}"] for s in range(p.n)]
-            completions = [self._completion(state) for state in samples]
+            completions = [completion_output(state, self._tokenizer, self._markers) for state in samples]
             results.append(RequestOutput(
                 request_id=f"offline-{batch}-{index}",
                 prompt=text,
@@ -408,41 +356,6 @@ class LLM:
                 num_cached_tokens=samples[0].num_cached_tokens,
             ))
         return results
-
-    def _completion(self, state: _Pending) -> CompletionOutput:
-        text = state.text
-        if text is None:
-            text = self._tokenizer.decode(state.token_ids, state.params.skip_special_tokens) if self._tokenizer else ""
-        logprobs, cumulative = None, None
-        if state.logprobs is not None:
-            logprobs = [self._logprob_dict(entry) for entry in state.logprobs]
-            cumulative = sum(entry.logprob for entry in state.logprobs)
-        completion = CompletionOutput(index=state.sample_index, text=text, token_ids=list(state.token_ids),
-                                      cumulative_logprob=cumulative, logprobs=logprobs,
-                                      finish_reason=state.finish_reason, stop_reason=state.stop_reason)
-        if state.thinking is not None:
-            self._split_reasoning(completion, state)
-        return completion
-
-    def _split_reasoning(self, completion: CompletionOutput, state: _Pending) -> None:
-        splitter = ReasoningSplitter(state.thinking)
-        reasoning, content = splitter.feed(state.token_ids)
-        held_reasoning, held_content = splitter.flush()
-        skip = state.params.skip_special_tokens
-        completion.reasoning_content = self._tokenizer.decode(reasoning + held_reasoning, skip) or None
-        completion.content = self._tokenizer.decode(content + held_content, skip)
-        completion.num_reasoning_tokens = splitter.num_reasoning_tokens
-        if state.thinking.prompt_opened:
-            # The chat template wrote the start marker; the raw text shows it, as the model saw it.
-            completion.text = self._markers.start_text + completion.text
-
-    def _logprob_dict(self, entry) -> dict[int, Logprob]:
-        decode = (lambda t: self._tokenizer.decode([t], False)) if self._tokenizer else (lambda t: None)
-        result = {tid: Logprob(lp, rank + 1, decode(tid))
-                  for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs))}
-        if entry.token_id not in result:
-            result[entry.token_id] = Logprob(entry.logprob, entry.rank, decode(entry.token_id))
-        return result
 
 
 def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization):
