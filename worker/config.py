@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED
 
@@ -27,3 +28,22 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Plan the next decode step while the device runs this one; None: on for CUDA.
     async_scheduling: bool | None = None
     hash_seed: bytes = DEFAULT_HASH_SEED
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asked for, but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
+    return table[name]

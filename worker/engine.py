@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-from collections.abc import Iterator, Sequence
 
-import msgspec
 import torch
 
 from spillway.protocol.hashing import root_hash
@@ -21,7 +18,7 @@ from spillway.protocol.messages import (
     PROTOCOL_VERSION,
 )
 from spillway.worker import envs
-from spillway.worker.config import WorkerConfig
+from spillway.worker.config import WorkerConfig, resolve_device, resolve_dtype
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -29,65 +26,12 @@ from spillway.worker.models import model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.overlap import InFlightStep, TokenReadback, can_overlap, chunk_inputs
 from spillway.worker.request import Request, RequestStatus
-from spillway.worker.sampler import Sampler, SamplingInput
+from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler, StepPlan
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU device's KV pool: 1 GiB holds ~23k SmolLM2-135M tokens
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} asked for, but no CUDA GPU is available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
-    return table[name]
-
-
-def eos_token_ids(files: loader.ModelFiles, hf_config) -> list[int]:
-    """EOS ids from the config and, where the folder has one, generation_config.json."""
-    ids: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    gen_path = files.path / "generation_config.json"
-    if gen_path.is_file():
-        sources.append(msgspec.json.decode(gen_path.read_bytes()).get("eos_token_id"))
-    for value in sources:
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return ids
-
-
-class OutputTokens(Sequence[int]):
-    """A request's output token ids as a view of its token list: each step hands every
-    request's outputs to the sampler, which mostly needs only their number."""
-
-    __slots__ = ("_tokens", "_start")
-
-    def __init__(self, tokens: list[int], start: int) -> None:
-        self._tokens = tokens
-        self._start = start
-
-    def __len__(self) -> int:
-        return len(self._tokens) - self._start
-
-    def __getitem__(self, index):
-        return self._tokens[self._start:][index]
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._tokens, self._start, None)
 
 
 class Engine:
@@ -122,7 +66,7 @@ class Engine:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.eos_token_ids = eos_token_ids(files, hf_config)
+        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
             self.block_manager,

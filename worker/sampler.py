@@ -14,7 +14,8 @@ on its seed and its logits, never on its neighbours in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
+
+
+class OutputTokens(Sequence[int]):
+    """A request's output token ids as a view of its token list: each step hands every
+    request's outputs to the sampler, which mostly needs only their number."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens = tokens
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        return self._tokens[self._start:][index]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
 
 
 @dataclass(slots=True)

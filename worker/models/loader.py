@@ -248,3 +248,17 @@ def _default_gguf_or_none() -> Path | None:
         return default_model_path()
     except FileNotFoundError:
         return None
+
+
+def eos_token_ids(files: ModelFiles, hf_config) -> list[int]:
+    """EOS ids from the config and, where the folder has one, generation_config.json."""
+    ids: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = files.path / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
