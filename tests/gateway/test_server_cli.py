@@ -36,6 +36,15 @@ def test_flags_that_ask_for_nothing_are_accepted(capsys):
     assert refusals(args) == []
 
 
+@pytest.mark.parametrize("flags, expected", [([], None), (["--async-scheduling"], True),
+                                             (["--no-async-scheduling"], False)])
+def test_async_scheduling_flag_reaches_the_worker_config(flags, expected):
+    from spillway.gateway.cli import build_parser, worker_config
+
+    config, _ = worker_config(build_parser().parse_args(["serve", *flags, "--enforce-eager"]))
+    assert config.async_scheduling is expected and config.enforce_eager
+
+
 def test_refusal_is_a_nonzero_exit_of_the_command():
     result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)
