@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 CPU = torch.device("cpu")
-
-
-@functools.cache
-def interpreter_runs_loops() -> bool:
-    """Triton 3.6's interpreter cannot run a loop with run-time bounds under NumPy >= 2.4."""
-    from spillway.kernels.paged_attention_decode import paged_decode_attention
-
-    cache = torch.zeros(1, 1, 2, 8, 1, 16)
-    try:
-        paged_decode_attention(
-            torch.zeros(1, 1, 16), cache, 0, torch.zeros(1, 1, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32), 1.0, num_splits=1,
-        )
-    except Exception:
-        return False
-    return True
 
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

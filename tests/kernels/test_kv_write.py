@@ -58,8 +58,8 @@ def test_bad_arguments_are_refused():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@gpu[0]
+@gpu[1]
 def test_gpu_realistic(dtype):
     generator = torch.Generator().manual_seed(0)
     slots = torch.randperm(900 * 16, generator=generator)[:3000]
