@@ -210,9 +210,12 @@ class Engine:
             self._in_flight = self._readback.start(plan, token_ids)
             self.num_async_steps += 1
             return [] if previous is None else self._settle(previous.plan, previous.read(), {})
-        deltas = [] if previous is None else self._settle(previous.plan, previous.read(), {})
-        # Requests that the step in flight finished are dropped from the plan made ahead of it.
-        plan.chunks = [c for c in plan.chunks if c.request.status == RequestStatus.RUNNING]
+        if previous is None:
+            deltas = []
+        else:
+            deltas = self._settle(previous.plan, previous.read(), {})
+            # Requests that the step in flight finished are dropped from the plan made ahead of it.
+            plan.chunks = [c for c in plan.chunks if c.request.status == RequestStatus.RUNNING]
         if plan.chunks:
             deltas += self._settle(plan, *self._run(plan))
         return deltas
