@@ -13,6 +13,7 @@ import os
 import sys
 
 from spillway.gateway.reasoning import PARSERS
+from spillway.worker.config import KV_CACHE_DTYPES
 
 # vLLM flags for features Spillway lacks: (flag, attribute, the value that asks for nothing, feature).
 _NOT_YET = [
@@ -25,7 +26,6 @@ _NOT_YET = [
     ("--speculative-config", "speculative_config", None, "speculative decoding"),
     ("--quantization", "quantization", None, "quantised execution"),
     ("--enable-lora", "enable_lora", False, "LoRA adapters"),
-    ("--kv-cache-dtype", "kv_cache_dtype", "auto", "KV cache dtypes other than the model's"),
 ]
 _PARALLEL = [("--tensor-parallel-size", "tensor_parallel_size", "tensor parallelism"),
              ("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism")]
@@ -53,6 +53,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--model", help="same as the positional MODEL")
     engine.add_argument("--served-model-name", nargs="+", help="names the API answers to (first one reported)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3, unscaled, CUDA only")
     engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     engine.add_argument("--device", default="auto", help="auto (CUDA if present, else the CPU), cpu, cuda, cuda:N")
     engine.add_argument("--seed", type=int, default=0)
@@ -80,7 +82,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     refused.add_argument("--speculative-config")
     refused.add_argument("--quantization", "-q")
     refused.add_argument("--enable-lora", action="store_true")
-    refused.add_argument("--kv-cache-dtype", default="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,11 +149,11 @@ def worker_config(args: argparse.Namespace):
     names = args.served_model_name or [files.name]
     return WorkerConfig(
         model=str(files.path), served_model_name=names[0], load_format=files.load_format, dtype=args.dtype,
-        device=args.device, seed=args.seed, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
     ), names
 
 

@@ -29,7 +29,7 @@ from spillway.protocol.messages import (
     StepOutputs,
     WorkerError,
 )
-from spillway.worker.config import WorkerConfig
+from spillway.worker.config import KV_CACHE_DTYPES, WorkerConfig
 from spillway.worker.models import loader
 
 # vLLM arguments whose features Spillway does not have yet: refused, never silently ignored.
@@ -58,6 +58,7 @@ class LLM:
         *,
         tokenizer: str | None = None,
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -87,7 +88,8 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
-        _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization)
+        _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
+                           kv_cache_dtype)
         files = loader.resolve_model(model, load_format)  # ValueError for unknown models
         try:
             self._hf_tokenizer = loader.load_tokenizer(files)
@@ -98,6 +100,7 @@ class LLM:
             served_model_name=served_model_name or files.name,
             load_format=files.load_format,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             seed=seed,
             block_size=block_size,
@@ -358,7 +361,8 @@ class LLM:
         return results
 
 
-def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization):
+def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
+                       kv_cache_dtype):
     if block_size not in (8, 16, 32, 64, 128):
         raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {block_size!r}")
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -370,3 +374,5 @@ def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_
         raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")

@@ -10,14 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.utils import FLOAT_DTYPES, check, check_tensor, for_device
+from spillway.kernels.utils import FLOAT_DTYPES, check, check_tensor, for_device, wait_for_inputs
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, intermediate,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate

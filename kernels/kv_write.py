@@ -4,6 +4,9 @@ The cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; 
 goes to slot `slot_mapping[i] = block * block_size + offset`, i.e. to
 `kv_cache[block, layer, 0 (k) / 1 (v), offset]`. A negative slot marks a padded row, which
 is skipped, so a CUDA graph can run with a fixed number of rows.
+
+The cache holds k/v's dtype, or float8 e4m3 for k/v of any float dtype: clamped to +-448 and
+rounded, unscaled (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from spillway.kernels.fp8 import to_cache_dtype, to_cache_dtype_reference
 from spillway.kernels.utils import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
+    KV_CACHE_DTYPES,
     check,
     check_tensor,
+    dtypes_for_cache,
     for_device,
     next_power_of_2,
+    wait_for_inputs,
 )
 
 
@@ -29,8 +35,9 @@ def _write_kv_kernel(
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     layer_offset,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -43,8 +50,8 @@ def _write_kv_kernel(
     dst = dst + heads * stride_c_head + dims
     key = tl.load(k_ptr + row * stride_k_row + heads * stride_k_head + dims, mask=mask)
     value = tl.load(v_ptr + row * stride_v_row + heads * stride_v_head + dims, mask=mask)
-    tl.store(dst, key, mask=mask)
-    tl.store(dst + stride_c_kv, value, mask=mask)
+    tl.store(dst, to_cache_dtype(key, cache_ptr), mask=mask)
+    tl.store(dst + stride_c_kv, to_cache_dtype(value, cache_ptr), mask=mask)
 
 
 def write_kv(
@@ -53,21 +60,23 @@ def write_kv(
     """Store `k`, `v` `[rows, num_kv_heads, head_dim]` of `layer` at `slot_mapping` `[rows]`, in place.
 
     Rows whose slot is negative are skipped. k/v may be strided views (e.g. slices of a fused
-    qkv projection) as long as their last dim is contiguous.
+    qkv projection) as long as their last dim is contiguous. k/v have the cache's dtype, or
+    any float dtype when the cache is float8 e4m3.
     """
     device = kv_cache.device
-    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=KV_CACHE_DTYPES, device=device)
     num_blocks, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     check(two == 2, f"kv_cache dim 2 must be 2 (k, v), got shape {tuple(kv_cache.shape)}")
     check(kv_cache.is_contiguous(), "kv_cache must be contiguous")
     check(0 <= layer < num_layers, f"layer {layer} out of range for {num_layers} layers")
     for name, tensor in (("k", k), ("v", v)):
-        check_tensor(name, tensor, ndim=3, dtypes=(kv_cache.dtype,), device=device)
+        check_tensor(name, tensor, ndim=3, dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
         check(
             tuple(tensor.shape[1:]) == (num_kv_heads, head_dim),
             f"{name} must be [rows, {num_kv_heads}, {head_dim}], got {tuple(tensor.shape)}",
         )
     check(k.shape[0] == v.shape[0], f"k has {k.shape[0]} rows, v has {v.shape[0]}")
+    check(k.dtype == v.dtype, f"k is {k.dtype}, v is {v.dtype}")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_slots = slot_mapping.shape[0]
     check(num_slots == k.shape[0], f"slot_mapping has {num_slots} slots for {k.shape[0]} rows")
@@ -89,10 +98,10 @@ def write_kv(
 def write_kv_reference(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
 ) -> None:
-    """`write_kv` in plain torch."""
+    """`write_kv` in plain torch: a float8 cache gets k/v clamped to +-448, then cast."""
     block_size = kv_cache.shape[3]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    kv_cache[blocks, layer, 0, offsets] = k[keep]
-    kv_cache[blocks, layer, 1, offsets] = v[keep]
+    kv_cache[blocks, layer, 0, offsets] = to_cache_dtype_reference(k[keep], kv_cache.dtype)
+    kv_cache[blocks, layer, 1, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)

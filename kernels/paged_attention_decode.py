@@ -14,6 +14,9 @@ query of the request, `Q * group` rows, so each KV tile is read once for all of 
 The grid depends only on B, the KV head count and num_splits (chosen from B and the block
 table's width, never from context_lens), so a launch can be captured in a CUDA graph and
 replayed with new context lengths. A request with context_len 0 (a padded row) gets zeros.
+
+The cache holds q's dtype, or float8 e4m3: its keys and values are then converted to q's
+dtype (exactly) as they are loaded, and the math is the same (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
+from spillway.kernels.fp8 import FP8_E4M3, query_for_cache
 from spillway.kernels.utils import (
     check,
     check_cache,
     check_tensor,
+    dtypes_for_cache,
     for_device,
     next_power_of_2,
+    wait_for_inputs,
 )
 
 _LOG2E = 1.4426950408889634
@@ -45,8 +51,9 @@ def _decode_kernel(
     stride_bt, layer_offset, qk_scale,
     NUM_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,6 +68,7 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_offsets = seq.to(tl.int64) * stride_q_b + query * stride_q_q + head * stride_q_h
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q = query_for_cache(q, cache_ptr)
 
     split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -77,8 +85,8 @@ def _decode_kernel(
         blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
         token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
         k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
-        k = tl.load(k_ptrs, mask=in_context[:, None], other=0.0)
-        v = tl.load(k_ptrs + stride_c_kv, mask=in_context[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_context[:, None], other=0.0).to(q.dtype)
+        v = tl.load(k_ptrs + stride_c_kv, mask=in_context[:, None], other=0.0).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = tokens[None, :] <= query_pos[:, None]
@@ -109,8 +117,9 @@ def _decode_kernel(
 @triton.jit
 def _reduce_splits_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # one (request, query, head)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
@@ -160,7 +169,7 @@ def _check_decode_args(q, kv_cache, layer, block_tables, context_lens) -> None:
     device = kv_cache.device
     check_cache(kv_cache, layer)
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
-    check_tensor("q", q, ndim=(3, 4), dtypes=(kv_cache.dtype,), device=device)
+    check_tensor("q", q, ndim=(3, 4), dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
     check(q.shape[-1] == head_dim, f"q's head_dim is {q.shape[-1]}, the cache's {head_dim}")
     num_heads = q.shape[-2]
     check(num_heads % num_kv_heads == 0,
@@ -198,8 +207,8 @@ def paged_decode_attention(
 
 
 def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
-            block_n=None, num_warps=4, num_stages=2) -> torch.Tensor:
-    """The kernels on checked arguments; the tile size and warps are open for tuning runs."""
+            block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
+    """The kernels on checked arguments; the tile size, warps and stages are open for tuning runs."""
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     device = kv_cache.device
@@ -216,6 +225,12 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
     else:
         part_max = part_sum = part_acc = out  # unused
     group = num_heads // num_kv_heads
+    if kv_cache.dtype == FP8_E4M3:
+        # Half the bytes of a tile make latency, not bandwidth, the limit: two warps a program
+        # (more programs resident) and three stages in flight read fastest (H200, Qwen3-8B heads).
+        num_warps, num_stages = num_warps or 2, num_stages or 3
+    else:
+        num_warps, num_stages = num_warps or 4, num_stages or 2
     for_device(_decode_kernel, device)[(batch_size, num_kv_heads, num_splits)](
         q4, kv_cache, block_tables, context_lens,
         out, part_max, part_sum, part_acc,
@@ -245,7 +260,8 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`paged_decode_attention` in plain torch (float32 math, one request at a time)."""
+    """`paged_decode_attention` in plain torch (float32 math, one request at a time; a float8
+    cache's keys and values are upcast, exactly, like any other)."""
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]

@@ -14,6 +14,9 @@ per KV head). Online softmax, flash-attention style, over tiles of BLOCK_N keys:
     r -> token r // group, head kv_head * group + r % group
     keys 0 .. (last query of the tile) are visited; tiles wholly before the tile's first query
     position skip the mask, the rest (the diagonal, the end of the context) apply it.
+
+The cache holds q's dtype, or float8 e4m3: its keys and values are then converted to q's
+dtype (exactly) as they are loaded, and the math is the same (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from spillway.kernels.fp8 import query_for_cache
 from spillway.kernels.utils import (
     check,
     check_cache,
     check_tensor,
+    dtypes_for_cache,
     for_device,
     next_power_of_2,
+    wait_for_inputs,
 )
 
 _LOG2E = 1.4426950408889634
@@ -49,11 +55,11 @@ def _attend_tile(
     token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
     k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
-        v = tl.load(k_ptrs + stride_c_kv, mask=in_range[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0).to(q.dtype)
+        v = tl.load(k_ptrs + stride_c_kv, mask=in_range[:, None], other=0.0).to(q.dtype)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_c_kv)
+        k = tl.load(k_ptrs).to(q.dtype)
+        v = tl.load(k_ptrs + stride_c_kv).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (tokens[None, :] <= query_pos[:, None]) & in_range[None, :]
@@ -75,8 +81,9 @@ def _prefill_kernel(
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -97,6 +104,7 @@ def _prefill_kernel(
     q_rows = (query_start + token).to(tl.int64)
     q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
                 mask=row_valid[:, None], other=0.0)
+    q = query_for_cache(q, cache_ptr)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -153,7 +161,7 @@ def paged_prefill_attention(
     device = kv_cache.device
     check_cache(kv_cache, layer)
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
-    check_tensor("q", q, ndim=3, dtypes=(kv_cache.dtype,), device=device)
+    check_tensor("q", q, ndim=3, dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
     num_tokens, num_heads, _ = q.shape
     check(q.shape[2] == head_dim, f"q's head_dim is {q.shape[2]}, the cache's {head_dim}")
     check(num_heads % num_kv_heads == 0,
@@ -200,7 +208,8 @@ def paged_prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`paged_prefill_attention` in plain torch (float32 math, one sequence at a time); padded rows are 0."""
+    """`paged_prefill_attention` in plain torch (float32 math, one sequence at a time; a float8
+    cache's keys and values are upcast, exactly, like any other); padded rows are 0."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

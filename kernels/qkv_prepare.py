@@ -16,6 +16,9 @@ kv_write.py): normalise in float32 and round, scale by the weight and round, rot
 and round. The cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; row t
 goes to slot `slot_mapping[t]` as in kv_write.py, and a negative slot (a padded row) writes
 nothing there. The grid depends only on T, so the launch can be captured in a CUDA graph.
+
+The cache holds qkv's dtype, or float8 e4m3: then the rotated k, rounded to qkv's dtype as
+written back, and v are clamped to +-448 and rounded on their way in, unscaled (kernels/fp8.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spillway.kernels.fp8 import FP8_E4M3, to_cache_dtype, to_cache_dtype_reference
 from spillway.kernels.utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -32,6 +36,7 @@ from spillway.kernels.utils import (
     check_tensor,
     for_device,
     next_power_of_2,
+    wait_for_inputs,
 )
 
 
@@ -61,8 +66,9 @@ def _prepare_qkv_kernel(
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     layer_offset, num_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     row = tl.program_id(0).to(tl.int64)
     row_ptr = qkv_ptr + row * stride_qkv_row
@@ -94,11 +100,11 @@ def _prepare_qkv_kernel(
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     dst = cache_ptr + layer_offset + block * stride_c_block + offset * stride_c_token + k_heads * stride_c_head
-    tl.store(dst + cols, k1, mask=cache_mask)
-    tl.store(dst + HALF + cols, k2, mask=cache_mask)
+    tl.store(dst + cols, to_cache_dtype(k1, cache_ptr), mask=cache_mask)
+    tl.store(dst + HALF + cols, to_cache_dtype(k2, cache_ptr), mask=cache_mask)
     dims = tl.arange(0, HEAD_DIM)[None, :]
     value = tl.load(row_ptr + (num_heads + num_kv_heads + k_heads) * HEAD_DIM + dims, mask=cache_mask)
-    tl.store(dst + stride_c_kv + dims, value, mask=cache_mask)
+    tl.store(dst + stride_c_kv + dims, to_cache_dtype(value, cache_ptr), mask=cache_mask)
 
 
 def _check_args(qkv, kv_cache, layer, slot_mapping, positions, cos_cache, sin_cache,
@@ -109,7 +115,7 @@ def _check_args(qkv, kv_cache, layer, slot_mapping, positions, cos_cache, sin_ca
     check(qkv.shape[1] == width,
           f"qkv must be [rows, {width}] for {num_heads} q heads, {num_kv_heads} kv heads of {head_dim}, "
           f"got {tuple(qkv.shape)}")
-    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=(qkv.dtype,), device=device)
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=(qkv.dtype, FP8_E4M3), device=device)
     check_cache(kv_cache, layer)
     check(tuple(kv_cache.shape[4:]) == (num_kv_heads, head_dim),
           f"kv_cache must hold {num_kv_heads} kv heads of {head_dim}, got shape {tuple(kv_cache.shape)}")
@@ -148,6 +154,7 @@ def prepare_qkv(
 ) -> torch.Tensor:
     """Norm (when weights are given) and rotate q and k of `qkv` in place, store k and v of
     `layer` at `slot_mapping`; returns q as a `[rows, num_heads, head_dim]` view of qkv.
+    The cache has qkv's dtype, or float8 e4m3 (k and v are then clamped and rounded).
 
     Positions must be below `cos_cache.shape[0]` and slots inside the cache (neither is
     checked on the device). A padded row's q is processed too; only its cache write is skipped.
@@ -209,6 +216,6 @@ def prepare_qkv_reference(
     slots = slot_mapping[keep]
     block_size = kv_cache.shape[3]
     blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    kv_cache[blocks, layer, 0, offsets] = k[keep]
-    kv_cache[blocks, layer, 1, offsets] = v[keep]
+    kv_cache[blocks, layer, 0, offsets] = to_cache_dtype_reference(k[keep], kv_cache.dtype)
+    kv_cache[blocks, layer, 1, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)
     return q

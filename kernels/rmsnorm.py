@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.utils import FLOAT_DTYPES, check, check_tensor, for_device, next_power_of_2
+from spillway.kernels.utils import (
+    FLOAT_DTYPES,
+    check,
+    check_tensor,
+    for_device,
+    next_power_of_2,
+    wait_for_inputs,
+)
 
 
 @triton.jit
@@ -26,8 +33,9 @@ def _rms_norm_kernel(
     inner, stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     stride_o_outer, stride_o_inner, stride_n_outer, stride_n_inner,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     inner_idx = row % inner

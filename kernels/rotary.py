@@ -27,6 +27,7 @@ from spillway.kernels.utils import (
     check_tensor,
     for_device,
     next_power_of_2,
+    wait_for_inputs,
 )
 
 
@@ -35,8 +36,9 @@ def _rotary_kernel(
     q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cache,
     num_q_heads, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF)

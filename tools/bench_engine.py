@@ -33,6 +33,8 @@ from datetime import date
 
 import torch
 
+from spillway.worker.config import KV_CACHE_DTYPES
+
 DEFAULT_DECODE_MODELS = "qwen3-8b,smollm2-135m"
 TARGETS = {
     "decode qwen3-8b vs floor": 0.80,
@@ -341,6 +343,7 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     from spillway.worker.engine import Engine
 
     engine = Engine(WorkerConfig(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                                 kv_cache_dtype=args.kv_cache_dtype,
                                  max_model_len=args.input_len + args.output_len + 16,
                                  max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -360,7 +363,8 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     step_ms = (time.perf_counter() - started) / steps * 1e3
     bucket = engine.runner.graphs.bucket_for(len(batch))
     replay_ms = bench_ms(lambda: engine.runner.graphs.replay(bucket), warmup=20, rep=200)
-    print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}): "
+    print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}, "
+          f"{args.kv_cache_dtype} KV cache): "
           f"Engine.step {step_ms:.2f} ms, graph replay alone {replay_ms:.2f} ms, "
           f"host work the GPU waits for {step_ms - replay_ms:.2f} ms")
     host = cProfile.Profile()
@@ -380,8 +384,8 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     """Output tokens/s of `LLM.generate` over `prompts`, greedy, EOS ignored."""
     from spillway.gateway import LLM, SamplingParams
 
-    llm = LLM("qwen3-8b", load_format="dummy", dtype="bfloat16", async_scheduling=args.async_scheduling,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
+    llm = LLM("qwen3-8b", load_format="dummy", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
+              async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
               gpu_memory_utilization=0.9)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     started = time.perf_counter()
@@ -393,8 +397,8 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     llm.shutdown()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     note = (f"{len(prompts)} x ({args.input_len} in, {args.output_len} out), {elapsed:.1f} s, max_num_seqs "
-            f"{args.max_num_seqs}, {num_blocks} KV blocks, {stats.num_preemptions} preemptions, "
-            f"async scheduling {'off' if args.async_scheduling is False else 'on'}")
+            f"{args.max_num_seqs}, {num_blocks} KV blocks ({args.kv_cache_dtype} KV cache), "
+            f"{stats.num_preemptions} preemptions, async scheduling {'off' if args.async_scheduling is False else 'on'}")
     return generated / elapsed, note
 
 
@@ -486,6 +490,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="throughput and its --profile: the KV cache's dtype")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="throughput: overlap the next step's scheduling with this one (default on)")
     parser.add_argument("--hf-requests", type=int, default=64)

@@ -7,6 +7,9 @@ import torch
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED
 
+# "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker needs to start. Built by the gateway, sent to the worker process."""
@@ -15,6 +18,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -47,3 +51,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(table)}")
     return table[name]
+
+
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's `dtype` for "auto", float8 e4m3 (unscaled) for "fp8"
+    and "fp8_e4m3". Only on CUDA: the CPU's plain-torch attention stays exact to Hugging Face."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        return dtype
+    if device.type != "cuda":
+        raise ValueError(f"kv_cache_dtype={name!r}: an fp8 KV cache needs CUDA, and the device is {device}")
+    return torch.float8_e4m3fn

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
 from spillway.protocol.reasoning import advance, forced_token
 from spillway.protocol.messages import (
@@ -18,7 +19,7 @@ from spillway.protocol.messages import (
     PROTOCOL_VERSION,
 )
 from spillway.worker import envs
-from spillway.worker.config import WorkerConfig, resolve_device, resolve_dtype
+from spillway.worker.config import WorkerConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -41,7 +42,9 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         torch.manual_seed(config.seed)
+        use_programmatic_launch(envs.programmatic_launch())
         files = loader.resolve_model(config.model, config.load_format)
         self.model_name = config.served_model_name or files.name
         hf_config = loader.load_config(files)
@@ -58,11 +61,14 @@ class Engine:
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks=None, block_size=self.block_size, device=self.device,
-                                  dtype=self.dtype, max_num_seqs=config.max_num_seqs,
+                                  dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                                  max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=self.max_num_batched_tokens,
                                   max_model_len=self.max_model_len)
         num_blocks = self._num_blocks(hf_config)
         self.runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
@@ -107,7 +113,7 @@ class Engine:
             budget = self._gpu_kv_budget()
         else:
             budget = CPU_KV_CACHE_BYTES
-        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.dtype, int(budget))
+        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype, int(budget))
         # No point in more blocks than max_num_seqs full-length requests can use.
         needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         num_blocks = min(num_blocks, needed)
@@ -120,11 +126,14 @@ class Engine:
 
     def _gpu_kv_budget(self) -> int:
         """Bytes for KV: the utilisation's share of the GPU, less what is in use (weights, CUDA
-        context, other processes) and the peak a step of max_num_batched_tokens adds."""
+        context, other processes), the peak a step of max_num_batched_tokens adds and the
+        decode graphs' logits buffer."""
         activation_peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, self.max_model_len)
+        if not self.config.enforce_eager:
+            activation_peak += ModelRunner.graph_logits_bytes(self.config.max_num_seqs, self.vocab_size)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations, "
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph buffers, "
                     "%.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
                     activation_peak / 2**30, max(budget, 0) / 2**30)
         return int(budget)

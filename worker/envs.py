@@ -23,3 +23,9 @@ def cpu_kvcache_space_gb() -> float | None:
     """CPU KV tier size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, under Spillway's name)."""
     value = os.environ.get("SPILLWAY_CPU_KVCACHE_SPACE")
     return float(value) if value else None
+
+
+def programmatic_launch() -> bool:
+    """Launch the Triton kernels with programmatic dependent launch where the GPU supports it
+    (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves)."""
+    return os.environ.get("SPILLWAY_PDL", "1") not in ("", "0", "false")

@@ -61,13 +61,14 @@ def _kv_dims(config) -> tuple[int, int, int]:
 
 
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: `block_size` tokens' keys and values in every layer."""
+    """Bytes of one KV block: `block_size` tokens' keys and values in every layer, in the
+    cache's `dtype` (one byte each for float8)."""
     num_layers, num_kv_heads, head_dim = _kv_dims(config)
     return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, memory_bytes: int) -> int:
-    """How many KV blocks fit in `memory_bytes`."""
+    """How many KV blocks of the cache's `dtype` fit in `memory_bytes`."""
     return max(0, int(memory_bytes) // kv_block_bytes(config, block_size, dtype))
 
 
@@ -86,6 +87,8 @@ class ModelRunner:
     `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed
     so that masked-out slots never hold NaN. Without `num_blocks` it is allocated later by
     `allocate_kv_cache`, after `profile_peak_memory` has measured what the model needs.
+    Its dtype is `kv_cache_dtype`, by default the model's `dtype`; float8 e4m3 needs the
+    Triton kernels (kernels/fp8.py).
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_cache_dtype: torch.dtype | None = None,
         backend: AttentionBackend | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
@@ -105,7 +109,11 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.backend = backend or default_backend(self.device, block_size)
+        if self.kv_cache_dtype != dtype and isinstance(self.backend, TorchAttentionBackend):
+            raise ValueError(f"an fp8 KV cache needs CUDA (the Triton kernels): the plain-torch attention "
+                             f"stores the model's dtype, {dtype}")
         self.max_context_len = model.sliding_window
         self.max_num_seqs = max_num_seqs
         max_model_len = max_model_len or max_num_batched_tokens
@@ -129,7 +137,7 @@ class ModelRunner:
         return (model.num_layers, 2, self.block_size, model.num_kv_heads, model.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.dtype)
+        self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.kv_cache_dtype)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None) -> torch.Tensor:

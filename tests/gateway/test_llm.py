@@ -194,6 +194,10 @@ def test_unknown_model_and_arguments_raise_value_error():
         LLM(cpu_offload_gb=4)
     with pytest.raises(ValueError, match="unknown argument"):
         LLM(no_such_argument=1)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'fp16'"):
+        LLM(kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="fp8 KV cache needs CUDA"):
+        LLM(device="cpu", kv_cache_dtype="fp8")
     with pytest.raises(ValueError):
         LLM(block_size=7)
 

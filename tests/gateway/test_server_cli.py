@@ -45,6 +45,22 @@ def test_async_scheduling_flag_reaches_the_worker_config(flags, expected):
     assert config.async_scheduling is expected and config.enforce_eager
 
 
+def test_kv_cache_dtype_flag_reaches_the_worker_config(capsys):
+    from spillway.gateway.cli import build_parser, refusals, worker_config
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert refusals(args) == []
+    assert worker_config(args)[0].kv_cache_dtype == "fp8"
+    args = parser.parse_args(["worker", "--connect", "tcp://127.0.0.1:1", "--kv-cache-dtype", "fp8_e4m3"])
+    assert worker_config(args)[0].kv_cache_dtype == "fp8_e4m3"
+    assert worker_config(parser.parse_args(["serve"]))[0].kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--kv-cache-dtype", "fp16"])
+    assert exit_info.value.code == 2
+    assert "--kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+
+
 def test_refusal_is_a_nonzero_exit_of_the_command():
     result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)

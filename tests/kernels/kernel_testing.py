@@ -17,6 +17,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def same_bytes(out: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit-for-bit equality: stricter than torch.equal, which takes -0.0 for 0.0."""
+    return out.dtype == expected.dtype and torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
 def paged_kv(
     seq_lens: list[int],
     *,

@@ -1,10 +1,13 @@
-"""write_kv against its reference: strided k/v views, padded slots, every block size."""
+"""write_kv against its reference: strided k/v views, padded slots, every block size; a float8
+e4m3 cache holds exactly the reference's cast, out-of-range values saturated."""
 
 import pytest
 import torch
-from kernel_testing import gpu, random_tensor
+from kernel_testing import gpu, random_tensor, same_bytes
 
 from spillway.kernels.kv_write import write_kv, write_kv_reference
+
+FP8 = torch.float8_e4m3fn
 
 
 def _fused_kv(num_rows, num_heads, num_kv_heads, head_dim, dtype, device):
@@ -16,16 +19,19 @@ def _fused_kv(num_rows, num_heads, num_kv_heads, head_dim, dtype, device):
     return k, v
 
 
-def _check_write(slots, *, block_size, num_kv_heads, head_dim, layer, dtype=torch.float32, device="cpu"):
+def _check_write(slots, *, block_size, num_kv_heads, head_dim, layer, dtype=torch.float32, cache_dtype=None,
+                 device="cpu", kv_scale=1.0):
     device = torch.device(device)
     num_blocks = max(slots) // block_size + 2
-    cache = random_tensor(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device, seed=5)
+    cache = random_tensor(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
+                          device=device, seed=5)
     expected = cache.clone()
     k, v = _fused_kv(len(slots), 2 * num_kv_heads, num_kv_heads, head_dim, dtype, device)
+    k, v = (k * kv_scale).to(dtype), (v * kv_scale).to(dtype)
     slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
     write_kv(k, v, cache, layer, slot_mapping)
     write_kv_reference(k, v, expected, layer, slot_mapping)
-    assert torch.equal(cache, expected)
+    assert same_bytes(cache, expected)
     return cache, k, v
 
 
@@ -44,6 +50,25 @@ def test_other_layers_are_untouched():
     assert torch.equal(cache[:, :2], fresh[:, :2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_float8_cache_holds_the_clamped_cast_and_padding_is_skipped(dtype):
+    # Scaled by 2^-14 .. 2^9, k/v span e4m3's whole range: subnormals, rounding carries, beyond 448.
+    slots = [0, 15, 16, -1, 53, -1, 33]
+    spread = torch.exp2(torch.randint(-14, 10, (len(slots), 3, 32), generator=torch.Generator().manual_seed(2)))
+    cache, k, v = _check_write(slots, block_size=16, num_kv_heads=3, head_dim=32, layer=1, dtype=dtype,
+                               cache_dtype=FP8, kv_scale=spread)
+    assert (k.abs() > 448).any() and (v.abs() > 448).any()
+    assert not cache.float().isnan().any()
+    stored_k = cache[53 // 16, 1, 0, 53 % 16].float()
+    assert torch.equal(stored_k, k[4].float().clamp(-448, 448).to(FP8).float())
+    assert stored_k.abs().max() == 448
+    fresh = random_tensor(*cache.shape, seed=5).to(FP8)
+    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
+    for slot in (s for s in slots if s >= 0):
+        written[slot // 16, 1, :, slot % 16] = True
+    assert same_bytes(cache[~written], fresh[~written]), "wrote outside the slots (or for a padded row)"
+
+
 def test_bad_arguments_are_refused():
     cache = torch.zeros(4, 2, 2, 16, 2, 32)
     k = torch.zeros(3, 2, 32)
@@ -55,13 +80,22 @@ def test_bad_arguments_are_refused():
         write_kv(torch.zeros(3, 4, 32), k, cache, 0, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="k must be one of"):
         write_kv(k.double(), k, cache, 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k must be one of"):
+        write_kv(k.bfloat16(), k.bfloat16(), cache, 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k is torch.float32, v is torch.bfloat16"):
+        write_kv(k, k.bfloat16(), cache.to(FP8), 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        write_kv(k, k, cache.to(torch.float8_e5m2), 0, torch.zeros(3, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["same-cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @gpu[0]
 @gpu[1]
-def test_gpu_realistic(dtype):
+def test_gpu_realistic(dtype, cache_dtype):
     generator = torch.Generator().manual_seed(0)
     slots = torch.randperm(900 * 16, generator=generator)[:3000]
     slots[::7] = -1
-    _check_write(slots.tolist(), block_size=16, num_kv_heads=8, head_dim=128, layer=2, dtype=dtype, device="cuda")
+    spread = torch.exp2(torch.randint(-14, 10, (3000, 8, 128), generator=generator)).cuda()
+    _check_write(slots.tolist(), block_size=16, num_kv_heads=8, head_dim=128, layer=2, dtype=dtype,
+                 cache_dtype=cache_dtype, device="cuda", kv_scale=spread if cache_dtype else 1.0)

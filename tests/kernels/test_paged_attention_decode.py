@@ -1,5 +1,6 @@
 """paged_decode_attention against its reference: GQA groups, Q = 1 and Q = 4, block
-boundaries, zero-length padding rows, several splits, strided q; a CUDA graph replay on GPU."""
+boundaries, zero-length padding rows, several splits, strided q, a float8 e4m3 cache; a CUDA
+graph replay on GPU."""
 
 import pytest
 import torch
@@ -22,11 +23,15 @@ CPU_CASES = [
 ]
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def _check(num_heads, num_kv_heads, head_dim, block_size, query_len, context_lens, num_splits, *,
-           dtype=torch.float32, device="cpu", tolerance=1e-5, layer=1):
+           dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5, layer=1):
     device = torch.device(device)
     cache, tables = paged_kv(context_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device)
+    cache = cache.to(cache_dtype or dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     q = random_tensor(len(context_lens), query_len, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
@@ -42,6 +47,20 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_len, context_len
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda case: f"H{case[0]}-{case[1]}-D{case[2]}-bs{case[3]}-Q{case[4]}-s{case[6]}")
 def test_matches_reference(case):
     _check(*case)
+
+
+# float16, not bfloat16: Triton's interpreter does bf16 arithmetic on the raw bits.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[3]], ids=["Q1-s1", "Q4-s2"])
+def test_float8_cache_matches_reference_and_stays_near_full_precision(case, dtype):
+    out = _check(*case, dtype=dtype, cache_dtype=FP8, tolerance=1e-5 if dtype == torch.float32 else 1e-2)
+    num_heads, num_kv_heads, head_dim, block_size, query_len, context_lens, _ = case
+    cache, tables = paged_kv(context_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q = random_tensor(len(context_lens), query_len, num_heads, head_dim)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    full_precision = paged_decode_attention_reference(q, cache, 1, tables, lens, head_dim**-0.5)
+    error = relative_error(out, full_precision)
+    assert 2**-9 < error < 2**-4, f"relative error {error:.4f} against the float32 cache"
 
 
 def test_three_dim_q_and_strided_q():
@@ -86,6 +105,10 @@ def test_bad_arguments_are_refused():
         paged_decode_attention(torch.zeros(1, 3, 32), cache, 0, tables, lens, 1.0)
     with pytest.raises(ValueError, match="context_lens has 2 entries"):
         paged_decode_attention(q, cache, 0, tables, torch.tensor([5, 5], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="q must be one of"):
+        paged_decode_attention(q.bfloat16(), cache, 0, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        paged_decode_attention(q, cache.to(torch.float8_e5m2), 0, tables, lens, 1.0)
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         odd_cache, _ = paged_kv([5], block_size=16, num_kv_heads=2, head_dim=24)
         paged_decode_attention(torch.zeros(1, 4, 24), odd_cache, 0, tables, lens, 1.0)
@@ -102,10 +125,11 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @gpu[0]
 @gpu[1]
-def test_gpu_bf16(case):
+def test_gpu_bf16(case, cache_dtype):
     num_heads, num_kv_heads, head_dim, block_size, query_len, num_splits = case
     generator = torch.Generator().manual_seed(sum(case[:5]))
     lens = torch.randint(query_len, 3000, (37,), generator=generator)
@@ -113,7 +137,7 @@ def test_gpu_bf16(case):
     lens[5] = block_size
     lens[6] = block_size + 1
     _check(num_heads, num_kv_heads, head_dim, block_size, query_len, lens.tolist(), num_splits,
-           dtype=torch.bfloat16, device="cuda", tolerance=1e-2)
+           dtype=torch.bfloat16, cache_dtype=cache_dtype, device="cuda", tolerance=1e-2)
 
 
 @gpu[0]

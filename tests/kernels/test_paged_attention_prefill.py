@@ -1,5 +1,6 @@
 """paged_prefill_attention against its reference: ragged batches with cached prefixes,
-single-token sequences, block boundaries, GQA groups (odd, 1 and MHA), padded rows."""
+single-token sequences, block boundaries, GQA groups (odd, 1 and MHA), padded rows, a float8
+e4m3 cache."""
 
 import itertools
 
@@ -10,11 +11,15 @@ from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def _check(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, *, padded_rows=0,
-           dtype=torch.float32, device="cpu", tolerance=1e-5):
+           dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5):
     device = torch.device(device)
     cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device)
+    cache = cache.to(cache_dtype or dtype)
     starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     num_rows = sum(query_lens)
@@ -40,6 +45,22 @@ def test_matches_reference(case):
     _check(*case, padded_rows=2)
 
 
+# float16, not bfloat16: Triton's interpreter does bf16 arithmetic on the raw bits.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_float8_cache_matches_reference_and_stays_near_full_precision(dtype):
+    case = CPU_CASES[0]
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    out = _check(*case, padded_rows=2, dtype=dtype, cache_dtype=FP8, tolerance=tolerance)
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case
+    cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    q = random_tensor(sum(query_lens) + 2, num_heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    full_precision = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, head_dim**-0.5)
+    error = relative_error(out[: sum(query_lens)], full_precision[: sum(query_lens)])
+    assert 2**-9 < error < 2**-4, f"relative error {error:.4f} against the float32 cache"
+
+
 def test_cached_prefix_is_attended():
     """With a cached prefix, the new queries see the prefix's keys: changing one changes them."""
     cache, tables = paged_kv([24], block_size=8, num_kv_heads=1, head_dim=16, poison=False)
@@ -63,6 +84,8 @@ def test_bad_arguments_are_refused():
         paged_prefill_attention(q, cache, 0, starts, lens.long(), tables, 1.0, 5)
     with pytest.raises(ValueError, match="q must be one of"):
         paged_prefill_attention(q.half(), cache, 0, starts, lens, tables, 1.0, 5)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        paged_prefill_attention(q, cache.to(torch.float8_e5m2), 0, starts, lens, tables, 1.0, 5)
 
 
 GPU_CASES = [
@@ -74,10 +97,12 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @gpu[0]
 @gpu[1]
-def test_gpu_bf16(case):
+def test_gpu_bf16(case, cache_dtype):
     query_lens = [512, 1, 300, 77, 1, 16, 129]
     seq_lens = [512, 1500, 1000, 77, 17, 33, 2000]
-    _check(*case, query_lens, seq_lens, padded_rows=3, dtype=torch.bfloat16, device="cuda", tolerance=1e-2)
+    _check(*case, query_lens, seq_lens, padded_rows=3, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+           device="cuda", tolerance=1e-2)

@@ -1,6 +1,7 @@
 """prepare_qkv against its reference, and the reference against the separate kernels' references
 (rms_norm, then rotary, then write_kv): odd head counts, rows crossing block boundaries in a
-shuffled block table, padded rows, a layer past the first, positions unlike row indices."""
+shuffled block table, padded rows, a layer past the first, positions unlike row indices; a
+float8 e4m3 cache holding exactly the clamped cast of the rotated k and of v."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from kernel_testing import gpu, random_tensor, relative_error
+from kernel_testing import gpu, random_tensor, relative_error, same_bytes
 
 from spillway.kernels.kv_write import write_kv_reference
 from spillway.kernels.qkv_prepare import prepare_qkv, prepare_qkv_reference
@@ -109,14 +110,15 @@ SHAPES = [  # rows, q heads, kv heads, head_dim, padded rows
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
 def test_reference_equals_the_separate_references(shape, norm):
     num_rows, num_heads, num_kv_heads, head_dim, padded = shape
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cache_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float8_e4m3fn)):
         step = make_step(num_rows, num_heads, num_kv_heads, head_dim, norm=norm, padded_rows=padded, dtype=dtype)
+        step.kv_cache = step.kv_cache.to(cache_dtype or dtype)
         expected = step.clone()
         q = prepare_qkv_reference(*step.args())
         expected_q = composed_reference(expected)
         assert torch.equal(q, expected_q)
         assert torch.equal(step.qkv, expected.qkv)
-        assert torch.equal(step.kv_cache, expected.kv_cache)
+        assert same_bytes(step.kv_cache, expected.kv_cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -147,6 +149,36 @@ def test_kernel_matches_reference(shape, norm, dtype):
         assert relative_error(step.qkv, expected.qkv) < 2**-6
         assert relative_error(step.kv_cache[written], expected.kv_cache[written]) < 2**-6
     assert torch.equal(q, step.qkv[:, : num_heads * head_dim].view_as(expected_q))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no-norm"])
+def test_float8_cache_holds_the_clamped_cast_of_rotated_k_and_of_v(norm, dtype):
+    step = make_step(17, 6, 3, 32, norm=norm, padded_rows=(4, 9), dtype=dtype)
+    kv_size = 3 * 32
+    step.qkv[:, -kv_size:] *= 200  # v beyond 448 in places
+    if not norm:
+        step.qkv[:, -2 * kv_size:-kv_size] *= 200  # and k, which the norm would bring back
+    same_dtype = step.clone()
+    step.kv_cache = step.kv_cache.to(torch.float8_e4m3fn)
+    original_cache = step.kv_cache.clone()
+    original_v = step.qkv[:, -kv_size:].reshape(17, 3, 32).clone()
+    reference = step.clone()
+    prepare_qkv_reference(*reference.args())
+    q = prepare_qkv(*step.args())
+    prepare_qkv(*same_dtype.args())
+
+    assert torch.equal(step.qkv, same_dtype.qkv), "q and k in qkv must not depend on the cache's dtype"
+    assert q.data_ptr() == step.qkv.data_ptr()
+    k = step.qkv[:, -2 * kv_size:-kv_size].reshape(17, 3, 32)
+    expected = original_cache.clone()
+    write_kv_reference(k, original_v, expected, LAYER, step.slot_mapping)
+    assert same_bytes(step.kv_cache, expected)  # and slots of padded rows untouched
+    assert (original_v.abs() > 448).any() and not step.kv_cache.float().isnan().any()
+    assert step.kv_cache.float().abs().max() == 448
+    # The reference's k differs by an ulp of qkv's dtype here and there (see the test above).
+    assert same_bytes(step.kv_cache[:, :, 1], reference.kv_cache[:, :, 1])
+    assert relative_error(step.kv_cache.float(), reference.kv_cache.float()) < 2**-6
 
 
 def test_rotated_k_in_qkv_is_what_the_cache_holds():
@@ -207,3 +239,19 @@ def test_gpu_bf16_qwen3_8b_shape(num_rows):
     prepare_qkv(*step.args())
     torch.testing.assert_close(step.qkv, expected.qkv, rtol=2**-7, atol=2e-2)
     torch.testing.assert_close(step.kv_cache, expected.kv_cache, rtol=2**-7, atol=2e-2)
+
+
+@gpu[0]
+@gpu[1]
+def test_gpu_float8_cache_qwen3_8b_shape():
+    step = make_step(300, 32, 8, 128, padded_rows=range(1, 300, 7), block_size=16, dtype=torch.bfloat16,
+                     device="cuda")
+    step.qkv[:, -8 * 128:] *= 300  # v beyond 448 in places
+    step.kv_cache = step.kv_cache.to(torch.float8_e4m3fn)
+    original_cache = step.kv_cache.clone()
+    original_v = step.qkv[:, -8 * 128:].reshape(300, 8, 128).clone()
+    prepare_qkv(*step.args())
+    expected = original_cache.clone()
+    k = step.qkv[:, 32 * 128 : 40 * 128].reshape(300, 8, 128)
+    write_kv_reference(k, original_v, expected, LAYER, step.slot_mapping)
+    assert same_bytes(step.kv_cache, expected)
