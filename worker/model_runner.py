@@ -127,6 +127,7 @@ class ModelRunner:
             device=self.device,
         )
         self.graphs = None  # DecodeGraphs once captured
+        self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
         self.kv_cache: torch.Tensor | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
@@ -237,6 +238,23 @@ class ModelRunner:
         graphs.capture(self._decode_step_for, self.inputs.pad_decode)
         self.graphs = graphs
 
+    def _logits_rows(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the decode steps' shared float32 logits buffer.
+
+        Every graph writes its logits there: a buffer per graph, kept alive by its graph, would
+        hold sum(buckets) rows (10 GB for Qwen3-8B's vocabulary at max_num_seqs 512). One graph
+        replays at a time, and its logits are consumed on the same stream before the next
+        replay. Graphs are captured largest first, so the buffer is allocated once."""
+        if self._graph_logits is None or self._graph_logits.shape[0] < rows:
+            self._graph_logits = torch.empty(rows, self.model.spec.vocab_size, dtype=torch.float32,
+                                             device=self.device)
+        return self._graph_logits[:rows]
+
+    @staticmethod
+    def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
+        """What `capture_graphs` allocates for logits, beyond the activations' peak."""
+        return max_num_seqs * vocab_size * 4
+
     def _decode_step_for(self, bucket: int):
         """A function running the decode step of `bucket` rows on the static input views."""
         from spillway.worker.attention_triton import DecodeMetadata
@@ -244,9 +262,10 @@ class ModelRunner:
         layout = self.inputs.decode_layout(bucket)
         metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
         model, kv_cache, backend = self.model, self.kv_cache, self.backend
+        logits = self._logits_rows(bucket)
 
         def step() -> torch.Tensor:
             hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
-            return model.compute_logits(hidden)
+            return model.compute_logits(hidden, out=logits)
 
         return step

@@ -147,3 +147,25 @@ def test_kv_pool_takes_the_utilisation_share_left_after_weights_and_activations(
           f"GPU in use {used / 2**30:.2f} of {total / 2**30:.2f} GiB")
     assert utilisation * total - (3 << 30) <= used <= utilisation * total + (1 << 30)
     assert engine.runner.graphs is not None and engine.runner.graphs.buckets == decode_buckets(256)
+
+
+def test_decode_graphs_share_one_logits_buffer_inside_the_memory_budget():
+    """512 decode buckets' graphs (67 of them) write their logits into one buffer that the KV
+    budget sets aside: with a buffer of their own per graph they would hold 16,640 rows of
+    logits (3.3 GB for SmolLM2's vocabulary) past the utilisation share."""
+    from spillway.worker.config import WorkerConfig
+    from spillway.worker.engine import Engine
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilisation = (total - free) / total + 0.15
+    engine = Engine(WorkerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16", device="cuda",
+                                 gpu_memory_utilization=utilisation, max_num_seqs=512, max_model_len=4096))
+    free, total = torch.cuda.mem_get_info()
+    graphs = engine.runner.graphs
+    print(f"GPU in use {(total - free) / 2**30:.2f} GiB against a share of {utilisation * total / 2**30:.2f} GiB; "
+          f"{engine.block_manager.num_gpu_blocks} KV blocks")
+    assert graphs is not None and graphs.buckets == decode_buckets(512)
+    assert total - free <= utilisation * total + (1 << 30)
+    first, last = graphs.replay(8), graphs.replay(512)
+    assert first.data_ptr() == last.data_ptr() and last.shape == (512, engine.vocab_size)

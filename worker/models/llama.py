@@ -272,8 +272,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of `hidden`'s rows, in `out` when given (a float32 `[rows, vocab]`)."""
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a Hugging Face state dict (or safetensors stream) into the parameters.
