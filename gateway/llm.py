@@ -12,6 +12,13 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from spillway.gateway.offline_inputs import (
+    NOT_YET,
+    check_engine_args,
+    normalize_params,
+    normalize_prompts,
+    require_tokenizer,
+)
 from spillway.gateway.outputs import RequestOutput, SampleState, completion_output
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers, thinking_policy
 from spillway.gateway.sampling_params import SamplingParams
@@ -29,20 +36,8 @@ from spillway.protocol.messages import (
     StepOutputs,
     WorkerError,
 )
-from spillway.worker.config import KV_CACHE_DTYPES, WorkerConfig
+from spillway.worker.config import WorkerConfig
 from spillway.worker.models import loader
-
-# vLLM arguments whose features Spillway does not have yet: refused, never silently ignored.
-_NOT_YET = {
-    "cpu_offload_gb": "the CPU KV tier",
-    "swap_space": "the CPU KV tier",
-    "speculative_model": "speculative decoding",
-    "speculative_config": "speculative decoding",
-    "num_speculative_tokens": "speculative decoding",
-    "quantization": "quantised execution",
-    "enable_lora": "LoRA adapters",
-}
-
 
 class LLM:
     """An engine for offline batch generation.
@@ -81,14 +76,14 @@ class LLM:
         **unsupported,
     ) -> None:
         for name in unsupported:
-            if name in _NOT_YET:
-                raise ValueError(f"LLM({name}=...) needs {_NOT_YET[name]}, which Spillway does not have yet")
+            if name in NOT_YET:
+                raise ValueError(f"LLM({name}=...) needs {NOT_YET[name]}, which Spillway does not have yet")
             raise ValueError(f"LLM() got an unknown argument {name!r}")
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
-        _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
+        check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
                            kv_cache_dtype)
         files = loader.resolve_model(model, load_format)  # ValueError for unknown models
         try:
@@ -148,8 +143,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts: strings, token-id lists, or
         `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dicts."""
-        items = self._normalize_prompts(prompts)
-        params = self._normalize_params(sampling_params, len(items))
+        items = normalize_prompts(prompts, self._tokenizer, self.ready.max_model_len, self.ready.vocab_size)
+        params = normalize_params(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
 
     def chat(
@@ -176,7 +171,7 @@ class LLM:
             items.append((text, tok.encode_chat(conversation, add_generation_prompt=add_generation_prompt,
                                                 chat_template=chat_template,
                                                 chat_template_kwargs=chat_template_kwargs)))
-        params = self._normalize_params(sampling_params, len(items))
+        params = normalize_params(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
 
     def reset_prefix_cache(self) -> None:
@@ -204,58 +199,7 @@ class LLM:
     # ---- internals ------------------------------------------------------------------------
 
     def _require_tokenizer(self) -> PromptTokenizer:
-        if self._tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-        return self._tokenizer
-
-    def _normalize_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string, a token-id list, or a non-empty list of them")
-        items = []
-        for prompt in prompts:
-            if isinstance(prompt, dict):
-                if "prompt_token_ids" in prompt:
-                    prompt = list(prompt["prompt_token_ids"])
-                elif "prompt" in prompt:
-                    prompt = prompt["prompt"]
-                else:
-                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            if isinstance(prompt, str):
-                items.append((prompt, self._require_tokenizer().encode(prompt)))
-            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-                items.append((None, list(prompt)))
-            else:
-                raise ValueError(f"unsupported prompt {prompt!r:.80}: expected a string or a list of token ids")
-        for text, token_ids in items:
-            self._check_prompt(token_ids)
-        return items
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("a prompt is empty")
-        if len(token_ids) >= self.ready.max_model_len:
-            raise ValueError(
-                f"a prompt has {len(token_ids)} tokens, but max_model_len is {self.ready.max_model_len} "
-                "(the prompt plus at least one output token must fit)"
-            )
-        if min(token_ids) < 0 or max(token_ids) >= self.ready.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.ready.vocab_size})")
-
-    @staticmethod
-    def _normalize_params(sampling_params, count: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * count
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        params = list(sampling_params)
-        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
-            raise ValueError(f"give one SamplingParams, or exactly one per prompt ({count})")
-        return params
+        return require_tokenizer(self._tokenizer)
 
     def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         batch = next(self._ids)
@@ -359,20 +303,3 @@ class LLM:
                 num_cached_tokens=samples[0].num_cached_tokens,
             ))
         return results
-
-
-def _check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                       kv_cache_dtype):
-    if block_size not in (8, 16, 32, 64, 128):
-        raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {block_size!r}")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
-    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
-                                               or max_num_batched_tokens < 1):
-        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
