@@ -63,3 +63,10 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
     if device.type != "cuda":
         raise ValueError(f"kv_cache_dtype={name!r}: an fp8 KV cache needs CUDA, and the device is {device}")
     return torch.float8_e4m3fn
+
+
+def check_device_settings(config: WorkerConfig) -> None:
+    """Raise ValueError, before any model is loaded, for settings this machine's device cannot
+    run (no CUDA for device="cuda", an fp8 KV cache on the CPU, an unknown dtype)."""
+    device = resolve_device(config.device)
+    resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device), device)

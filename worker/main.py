@@ -56,7 +56,10 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     try:
         engine = Engine(config)
     except Exception as exc:  # report why, then exit: the gateway raises it to the user
-        logger.exception("worker failed to start")
+        if isinstance(exc, ValueError):  # a setting the model or the device cannot take: the message says it
+            logger.error("worker failed to start: %s", exc)
+        else:
+            logger.exception("worker failed to start")
         out.send(enc.encode(WorkerError(message=str(exc), fatal=True, traceback=traceback.format_exc())))
         ctx.destroy(linger=2000)
         return 1

@@ -61,6 +61,14 @@ def test_kv_cache_dtype_flag_reaches_the_worker_config(capsys):
     assert "--kv-cache-dtype: invalid choice: 'fp16'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["serve"], ["worker", "--connect", "tcp://127.0.0.1:1"]])
+def test_settings_the_local_device_cannot_run_stop_before_any_worker_starts(capsys, command):
+    assert main([*command, "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (f"spillway {command[0]}: kv_cache_dtype='fp8': an fp8 KV cache needs CUDA, "
+                           "and the device is cpu")
+
+
 def test_refusal_is_a_nonzero_exit_of_the_command():
     result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)
