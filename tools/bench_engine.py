@@ -12,9 +12,10 @@
     prefill     one 4096-token prompt through the runner (Qwen3-8B shape), FLOP/s against the
                 bf16 matrix-product rate measured here (FLOPs = 2 * params * tokens + attention)
     attention   paged_decode_attention alone, batch 64 x 4096 context, bytes/s against the
-                read bandwidth measured here
+                read bandwidth measured here, over a bf16 cache and an fp8 one
     throughput  offline `LLM.generate`, random prompts, greedy, EOS ignored, output tokens/s;
-                --hf adds HF `generate_batch` on a smaller slice (it is far slower)
+                --hf adds HF `generate_batch` on a smaller slice (it is far slower);
+                --kv-cache-dtype fp8 --max-num-seqs 512 is the fastest setting measured
 
 Every row is printed as it is measured and again in the table at the end; --results FILE
 also appends each row (with command, machine and date) as a JSON line. Record figures in
