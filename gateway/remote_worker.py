@@ -5,18 +5,22 @@ ipc: PORT carries gateway -> worker (Generate | Abort | Control), PORT+1 worker 
 The protocol has no authentication: bind to an interface only trusted hosts can reach.
 
 The gateway cannot start or restart a remote worker; run it under a supervisor (systemd, a
-shell loop) that restarts it. A restarted worker announces itself with a new Ready.
+shell loop) that restarts it. A restarted worker announces itself with a new Ready. A
+restarted gateway takes back a worker that is still running: while it waits, it sends HELLO
+with its session id, and the worker answers with its Ready (aborting the requests of the
+gateway before, which has no one to give them to).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from urllib.parse import urlsplit
 
 import zmq
 
 from spillway.gateway.worker_process import WorkerStartError, check_handshake
-from spillway.protocol.messages import Ready, WorkerError, encoder, worker_decoder
+from spillway.protocol.messages import Control, ControlCommand, Ready, WorkerError, encoder, worker_decoder
 from spillway.worker.config import WorkerConfig
 
 
@@ -48,6 +52,7 @@ class RemoteWorker:
         self._decoder = worker_decoder()
         self._encoder = encoder()
         self._kept: Ready | None = None
+        self._hello = self._encoder.encode(Control(ControlCommand.HELLO, session=os.urandom(8)))
 
     def __call__(self) -> RemoteWorker:
         """As the client's `start_worker`: the same sockets serve the next worker."""
@@ -68,6 +73,7 @@ class RemoteWorker:
                 ready, self._kept = self._kept, None
                 check_handshake(ready, self.config)
                 return ready
+            self._say_hello()
             if not self.from_worker.poll(500):
                 if on_wait is not None:
                     on_wait()
@@ -80,6 +86,14 @@ class RemoteWorker:
                 case _:
                     pass  # output of a previous worker's session
         raise WorkerStartError(f"no worker connected to {self.address} within {timeout_s:.0f} s")
+
+    def _say_hello(self) -> None:
+        """HELLO to a worker that may be running already; with none connected, nothing is sent.
+        A worker answers a repeated HELLO of the same session once."""
+        try:
+            self.to_worker.send(self._hello, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def send(self, msg) -> None:
         self.to_worker.send(self._encoder.encode(msg))

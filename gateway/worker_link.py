@@ -147,6 +147,8 @@ class WorkerLink:
                 return False
             case WorkerError():
                 logger.warning("worker error: %s", msg.message)
+            case Ready() if msg.worker_session and msg.worker_session == self.ready.worker_session:
+                pass  # the attached worker answering a HELLO sent while this link waited for it
             case Ready():
                 if hasattr(handle, "keep_ready"):  # a remote worker restarted under us
                     handle.keep_ready(msg)

@@ -19,7 +19,7 @@ import msgspec
 
 from spillway.protocol.reasoning import ThinkingPolicy
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", bytes)
@@ -78,10 +78,15 @@ class ControlCommand(str, Enum):
     RESET_PREFIX_CACHE = "reset_prefix_cache"
     CHECK_INVARIANTS = "check_invariants"  # answered with a StepOutputs carrying Stats
     STATS = "stats"
+    # A gateway (re)attaching to a worker that may be running already (a remote one): the
+    # worker answers with its Ready; the first HELLO of a new gateway session aborts, without
+    # a word, every request of the sessions before (their gateway is gone).
+    HELLO = "hello"
 
 
 class Control(msgspec.Struct, frozen=True, tag=True):
     command: ControlCommand
+    session: bytes = b""  # HELLO: the gateway's session, random per gateway process
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -99,6 +104,9 @@ class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     device: str
     dtype: str
     enable_prefix_caching: bool = True
+    # Random per worker process: a Ready with the attached worker's session is that worker
+    # answering a HELLO again, not a restart.
+    worker_session: bytes = b""
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):

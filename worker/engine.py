@@ -196,6 +196,10 @@ class Engine:
         return [RequestDelta(request_id=r.request_id, new_token_ids=[],
                              finish_reason=FinishReason.ABORT) for r in aborted]
 
+    def abort_all(self) -> int:
+        """Abort every request without reporting them (their gateway is gone); how many."""
+        return len(self.abort(self.scheduler.request_ids()))
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None

@@ -22,6 +22,7 @@ from spillway.protocol.messages import (
     Control,
     ControlCommand,
     Generate,
+    Ready,
     RequestDelta,
     StepOutputs,
     WorkerError,
@@ -67,9 +68,10 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     # of the collector's reach, so a collection mid-run scans only what steps allocate.
     gc.collect()
     gc.freeze()
-    out.send(enc.encode(engine.ready()))
+    ready = msgspec.structs.replace(engine.ready(), worker_session=os.urandom(8))
+    out.send(enc.encode(ready))
     try:
-        _busy_loop(engine, inp, out, parent_pid)
+        _busy_loop(engine, ready, inp, out, parent_pid)
     except Exception as exc:
         logger.exception("worker step failed")
         out.send(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
@@ -80,12 +82,13 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     return 0
 
 
-def _busy_loop(engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
+def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
     enc, dec = encoder(), gateway_decoder()
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     step = 0
     last_stats = 0.0
+    gateway_session: bytes | None = None  # the gateway whose HELLO came last
     while True:
         pending: list[RequestDelta] = []
         want_stats = False
@@ -101,6 +104,15 @@ def _busy_loop(engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int
                     pending.extend(engine.abort(request_ids))
                 case Control(command=ControlCommand.SHUTDOWN):
                     return
+                case Control(command=ControlCommand.HELLO, session=session):
+                    if session != gateway_session:
+                        # A new gateway: what the gateways before asked for has no one to go to.
+                        aborted = engine.abort_all()
+                        pending.clear()
+                        if aborted:
+                            logger.info("a new gateway attached: %d requests of the one before aborted", aborted)
+                        gateway_session = session
+                        out.send(enc.encode(ready))
                 case Control(command=ControlCommand.RESET_PREFIX_CACHE):
                     engine.reset_prefix_cache()
                     want_stats = True

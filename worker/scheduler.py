@@ -109,6 +109,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def request_ids(self) -> list[str]:
+        """Every unfinished request's id, waiting or running."""
+        return list(self._requests)
+
     def has_request(self, request_id: str) -> bool:
         """Whether the id belongs to an unfinished request (waiting or running)."""
         return request_id in self._requests

@@ -7,6 +7,7 @@ Its KV usage is one block per running request, so tests can see usage return to 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import tempfile
 import time
 
@@ -44,12 +45,14 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     inp = ctx.socket(zmq.PULL)
     inp.connect(inbox)
     enc, dec = encoder(), gateway_decoder()
-    out.send(enc.encode(Ready(
+    ready = Ready(
         protocol_version=PROTOCOL_VERSION, model=config.served_model_name or "fake", block_size=config.block_size,
         hash_seed=config.hash_seed, num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
         max_model_len=config.max_model_len or 256, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=512, vocab_size=vocab_size, eos_token_ids=[eos_token_id], device="cpu",
-        dtype="float32")))
+        dtype="float32", worker_session=os.urandom(8))
+    out.send(enc.encode(ready))
+    gateway_session = None
     running: dict[str, tuple[Generate, int, int]] = {}  # (request, cached tokens, produced)
     queries = hits = 0
     seen_hashes: set[bytes] = set()
@@ -79,6 +82,12 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                                                         finish_reason=FinishReason.ABORT))
                 case Control(command=ControlCommand.SHUTDOWN):
                     return
+                case Control(command=ControlCommand.HELLO, session=session):
+                    if session != gateway_session:  # as the real worker: the old gateway's work is dropped
+                        running.clear()
+                        pending.clear()
+                        gateway_session = session
+                        out.send(enc.encode(ready))
                 case Control():
                     want_stats = True
         was_busy = bool(running)

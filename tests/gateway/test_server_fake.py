@@ -197,3 +197,32 @@ def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
                 second.kill()
     finally:
         first.kill()
+
+
+def test_a_restarted_gateway_takes_back_a_running_remote_worker(files, script):
+    """The worker outlives its gateway; the next gateway on the same address attaches to it
+    (HELLO -> Ready) instead of waiting for a worker that will never announce itself again."""
+    port = free_port()
+    config = worker_config(files)
+    settings = ServerSettings(worker=config, served_model_names=[MODEL], worker_address=f"tcp://127.0.0.1:{port}",
+                              heartbeat_timeout_s=5.0)
+    worker = start_remote_fake(config, port, script)
+    try:
+        for _ in range(2):  # the first gateway, then its successor
+            deadline = time.monotonic() + 20
+            while True:  # the closed gateway's ports are released asynchronously
+                try:
+                    server = server_in_thread(build_app(settings))
+                    url = server.__enter__()
+                    break
+                except RuntimeError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            try:
+                reply = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10).json()
+                assert reply["choices"][0]["message"]["content"] == "Hello "
+            finally:
+                server.__exit__(None, None, None)
+        assert worker.is_alive()
+    finally:
+        worker.kill()
