@@ -34,7 +34,14 @@ from datetime import date
 
 import torch
 
-from spillway.worker.config import KV_CACHE_DTYPES
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
+
+from spillway.worker.config import KV_CACHE_DTYPES  # noqa: E402
+from tools import bench_table  # noqa: E402
+from tools.bench_ceilings import bench_ms, copy_bandwidth, machine, matmul_rate, read_bandwidth  # noqa: E402
+from tools.bench_hf import hf_generate_batch, hf_static_compile_ms_per_token  # noqa: E402
+from tools.bench_profile import kernel_profile, run_step_profile  # noqa: E402
+from tools.bench_table import Rows, print_table, row  # noqa: E402
 
 DEFAULT_DECODE_MODELS = "qwen3-8b,smollm2-135m"
 TARGETS = {
@@ -45,47 +52,6 @@ TARGETS = {
     "decode attention vs bandwidth": 0.75,
     "throughput tok/s": 10_000,
 }
-
-
-def machine() -> str:
-    import transformers
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{gpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, triton {triton.__version__}, "
-            f"transformers {transformers.__version__}")
-
-
-def bench_ms(fn, warmup: int = 50, rep: int = 300) -> float:
-    """Median milliseconds of `fn` on the device (events; warm-up and repeat in milliseconds)."""
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-# ---- ceilings -------------------------------------------------------------------------------
-
-def read_bandwidth() -> float:
-    """Bytes/s reading 4 GiB once (a sum)."""
-    x = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
-    seconds = bench_ms(lambda: x.sum()) / 1e3
-    del x
-    return (4 << 30) / seconds
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, bytes read plus written."""
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    seconds = bench_ms(lambda: dst.copy_(src)) / 1e3
-    return (4 << 30) / seconds
-
-
-def matmul_rate() -> float:
-    """FLOP/s of a bf16 8192^3 matrix product on random data."""
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / (bench_ms(lambda: a @ b) / 1e3)
 
 
 # ---- engine helpers -------------------------------------------------------------------------
@@ -126,67 +92,6 @@ def weight_bytes_per_token(model) -> int:
     embedding = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embedding
     return total if tied else total - embedding.numel() * embedding.element_size()
-
-
-def kernel_profile(runner, steps: int) -> str:
-    """Device time by kernel over `steps` eager batch-1 decode forwards (what a graph replays)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from spillway.worker.model_runner import ChunkInput
-
-    chunk = ChunkInput([1000], 300, list(range(-(-301 // runner.block_size))))
-
-    def eager_step() -> None:
-        runner._forward(runner.inputs.stage([chunk]))
-
-    with torch.inference_mode():
-        eager_step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                eager_step()
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    total_us = sum(e.device_time_total for e in events) / steps
-    table = events.table(sort_by="device_time_total", row_limit=14, max_name_column_width=60)
-    return f"{table}\nkernel time per step: {total_us / 1e3:.3f} ms ({sum(e.count for e in events) // steps} kernels)"
-
-
-def hf_static_compile_ms_per_token(name: str, new_tokens: int, seed: int = 0) -> dict:
-    """HF `generate` with a static cache, which HF compiles itself (torch.compile, CUDA graphs).
-
-    Runs in this (child) process: the weights are the engine's dummy weights for `name`
-    (same initialiser, same seed) copied into the HF model. The prompt is one token; the
-    time is the whole generate call over `new_tokens`, after warm-up calls that compile.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from spillway.worker.models import build_model, loader
-
-    hf_config = loader.load_config(loader.resolve_model(name, "dummy"))
-    ours = build_model(hf_config, device=torch.device("cuda"), dtype=torch.bfloat16)
-    loader.init_dummy_weights(ours, seed=seed)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-    state = hf.state_dict()
-    with torch.no_grad():
-        for weight_name, tensor in ours.checkpoint_weights():
-            state[weight_name].copy_(tensor)
-    del ours
-    torch.cuda.empty_cache()
-    input_ids = torch.tensor([[min(1000, hf_config.vocab_size - 1)]], device="cuda")
-    kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, cache_implementation="static", pad_token_id=0)
-    with torch.inference_mode():
-        for _ in range(3):  # compile, record the graphs, then one clean run
-            hf.generate(input_ids, **kwargs)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        out = hf.generate(input_ids, **kwargs)
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    assert out.shape[1] == 1 + new_tokens, out.shape
-    return {"ms_per_token": elapsed / new_tokens * 1e3}
 
 
 def run_child(args) -> None:
@@ -338,57 +243,6 @@ def run_throughput(args, rows: Rows) -> None:
                      note=f"{result['note']}; Spillway / HF = {ratio:.1f}x" if ratio else result["note"]))
 
 
-def run_step_profile(args, prompts: list[list[int]]) -> None:
-    """Where a full-batch decode step's time goes: Engine.step() wall time against its decode
-    graph's replay alone (the rest is host work the GPU waits for), the host's functions, and
-    the kernels of the replay."""
-    import cProfile
-    import pstats
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from spillway.protocol.messages import Generate, SamplingParams
-    from spillway.worker.config import WorkerConfig
-    from spillway.worker.engine import Engine
-
-    engine = Engine(WorkerConfig(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
-                                 kv_cache_dtype=args.kv_cache_dtype,
-                                 max_model_len=args.input_len + args.output_len + 16,
-                                 max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    batch = prompts[: args.max_num_seqs]
-    for i, prompt in enumerate(batch):
-        engine.add_request(Generate(request_id=f"p{i}", prompt_token_ids=prompt, block_hashes=[], params=params))
-    while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
-    steps = 30
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - started) / steps * 1e3
-    bucket = engine.runner.graphs.bucket_for(len(batch))
-    replay_ms = bench_ms(lambda: engine.runner.graphs.replay(bucket), warmup=20, rep=200)
-    print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}, "
-          f"{args.kv_cache_dtype} KV cache): "
-          f"Engine.step {step_ms:.2f} ms, graph replay alone {replay_ms:.2f} ms, "
-          f"host work the GPU waits for {step_ms - replay_ms:.2f} ms")
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(10):
-        engine.step()
-    host.disable()
-    pstats.Stats(host).sort_stats("tottime").print_stats(15)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            engine.runner.graphs.replay(bucket)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
-
-
 def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     """Output tokens/s of `LLM.generate` over `prompts`, greedy, EOS ignored."""
     from spillway.gateway import LLM, SamplingParams
@@ -411,78 +265,7 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     return generated / elapsed, note
 
 
-def hf_generate_batch(prompts: list[list[int]], output_len: int) -> tuple[float | None, str]:
-    """Output tokens/s of HF continuous batching on `prompts` (random weights, same shape)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from spillway.worker.models import loader
-
-    hf_config = loader.load_config(loader.resolve_model("qwen3-8b", "dummy"))
-    try:
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
-        config = GenerationConfig(max_new_tokens=output_len, do_sample=False, pad_token_id=0)
-        warm_up = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
-        hf.generate_batch(inputs=prompts[:2], generation_config=warm_up)
-        started = time.perf_counter()
-        results = hf.generate_batch(inputs=prompts, generation_config=config)
-        elapsed = time.perf_counter() - started
-    except Exception as exc:
-        return None, f"failed: {exc!r:.200}"
-    generated = sum(len(r.generated_tokens) for r in results.values())
-    return generated / elapsed, f"{len(prompts)} x ({len(prompts[0])} in, {output_len} out), {elapsed:.1f} s"
-
-
-# ---- rows and the table ---------------------------------------------------------------------
-
-class Rows:
-    """Result rows, each appended to the results file and printed as soon as it is measured."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.rows: list[dict] = []
-
-    def add(self, result: dict) -> None:
-        self.rows.append(result)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(result) + "\n")
-        print_table([result])
-
-
-def row(name, value, unit, baseline_name="", baseline=None, ratio=None, target=None, note="",
-        lower_is_better=False, target_is_value=False) -> dict:
-    if target is None:
-        met = None
-    elif target_is_value or lower_is_better:
-        met = value <= target if lower_is_better else value >= target
-    else:
-        met = ratio is not None and ratio >= target
-    return dict(name=name, value=value, unit=unit, baseline_name=baseline_name, baseline=baseline,
-                ratio=ratio, target=target, met=met, note=note, command=" ".join(sys.argv),
-                machine=MACHINE, date=str(date.today()))
-
-
-def print_table(rows: list[dict]) -> None:
-    def fmt(x):
-        return "" if x is None else f"{x:,.3f}" if abs(x) < 10 else f"{x:,.1f}"
-
-    print(f"{'benchmark':42} {'spillway':>12} {'unit':13} {'baseline':>12} {'(what)':20} {'ratio':>7} "
-          f"{'target':>8} met")
-    for r in rows:
-        met = "" if r["met"] is None else "yes" if r["met"] else "NO"
-        print(f"{r['name']:42} {fmt(r['value']):>12} {r['unit']:13} {fmt(r['baseline']):>12} "
-              f"{r['baseline_name'][:20]:20} {fmt(r['ratio']):>7} {fmt(r['target']):>8} {met}")
-        if r["note"]:
-            print(f"{'':42}   {r['note']}")
-    sys.stdout.flush()
-
-
-MACHINE = ""
-
-
 def main() -> None:
-    global MACHINE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", nargs="?", const=DEFAULT_DECODE_MODELS, help="built-in configs, comma-separated")
     parser.add_argument("--prefill", action="store_true")
@@ -520,8 +303,8 @@ def main() -> None:
     if args.child:
         run_child(args)
         return
-    MACHINE = machine()
-    print(f"{MACHINE}, {date.today()}")
+    bench_table.MACHINE = machine()
+    print(f"{bench_table.MACHINE}, {date.today()}")
     rows = Rows(args.results)
     for enabled, bench in ((args.decode, run_decode), (args.prefill, run_prefill),
                            (args.attention, run_attention), (args.throughput or args.hf_only, run_throughput)):

@@ -1,0 +1,44 @@
+"""tools/bench_engine.py without a GPU: results written as JSON lines come back as its table,
+and a benchmark asked for on a machine without CUDA stops with a message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools import bench_table  # noqa: E402
+from tools.bench_table import Rows, row  # noqa: E402
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a machine that has one
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "bench_engine.py"), *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_rows_written_as_json_lines_come_back_as_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_table, "MACHINE", "a test machine")
+    results = tmp_path / "results.jsonl"
+    rows = Rows(str(results))
+    rows.add(row("decode qwen3-8b batch 1", 4.665, "ms/token", "floor", 3.637, 0.780, target=0.8))
+    rows.add(row("throughput qwen3-8b", 9920.8, "output tok/s", target=10_000, target_is_value=True,
+                 note="1000 x (1000 in, 1000 out)"))
+    assert [r["met"] for r in rows.rows] == [False, False]
+    assert all(r["machine"] == "a test machine" for r in rows.rows)
+    capsys.readouterr()
+    done = run_tool("--report", str(results))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("benchmark")
+    assert "decode qwen3-8b batch 1" in lines[1] and lines[1].split()[-1] == "NO"
+    assert "9,920.8" in lines[2] and "1000 x (1000 in, 1000 out)" in lines[3]
+
+
+def test_a_benchmark_without_cuda_stops_with_a_message():
+    done = run_tool("--attention")
+    assert done.returncode == 1 and "bench_engine needs a CUDA GPU" in done.stderr
