@@ -17,7 +17,8 @@ from spillway.worker.attention import TorchAttentionBackend
 from spillway.worker.model_runner import ChunkInput, ModelRunner, kv_block_bytes, num_blocks_for_memory
 from spillway.worker.models import build_model, model_class_for
 from spillway.worker.models.layers import Llama3RopeScaling
-from spillway.worker.models.llama import LlamaForCausalLM, rope_from_config
+from spillway.worker.models.llama import LlamaForCausalLM
+from spillway.worker.models.spec import rope_from_config
 
 TOLERANCE = 1e-4
 VOCAB = 300

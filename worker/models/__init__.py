@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spillway.worker.models.llama import LlamaForCausalLM, model_type_of
+from spillway.worker.models.llama import LlamaForCausalLM
+from spillway.worker.models.spec import model_type_of
 
 _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
