@@ -23,11 +23,12 @@ from starlette.routing import Route
 from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
+from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
 from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
-from spillway.gateway.serving import Generation, JobBuilder
+from spillway.gateway.serving import Generation
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol.hashing import block_hashes, root_hash

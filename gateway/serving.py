@@ -1,6 +1,6 @@
 """From a validated OpenAI request to worker requests and back to text.
 
-    request ─▶ Job (prompts as token ids, sampling params, limits checked)
+    request ─▶ Job (gateway/jobs.py: prompts as token ids, sampling params, limits checked)
             ─▶ Generation.start(): one Generate per (prompt, sample), sent together
             ─▶ Generation.updates(): deltas → detokenized, stop-string-checked text per choice
 
@@ -13,48 +13,20 @@ Choice i of a request with n samples per prompt is sample i % n of prompt i // n
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, RequestStream
 from spillway.gateway.detok import OutputText
+from spillway.gateway.jobs import Job
 from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, thinking_policy
-from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import PromptTokenizer
-from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, TokenLogprobs
+from spillway.protocol.messages import FinishReason, Generate, RequestDelta, TokenLogprobs
 
-# Prompts longer than this are tokenized off the event loop.
-INLINE_TOKENIZE_CHARS = 16_384
 UINT64_MASK = 2**64 - 1
-
-
-@dataclass(slots=True)
-class Prompt:
-    token_ids: list[int]
-    text: str | None = None
-
-
-@dataclass(slots=True)
-class Job:
-    """A checked generation request: everything needed to run it and format its answer."""
-
-    request_id: str
-    chat: bool
-    model: str
-    prompts: list[Prompt]
-    params: SamplingParams
-    max_tokens: list[int]  # per prompt, after max_model_len
-    stream: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 @dataclass(slots=True)
@@ -85,125 +57,6 @@ class Update:
     @property
     def finished(self) -> bool:
         return self.sample.finish_reason is not None
-
-
-class JobBuilder:
-    """Checks requests against the model (names, lengths, vocabulary) and tokenizes them."""
-
-    def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
-                 reasoning: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.served_names = served_names
-        self.reasoning = reasoning  # the server has a reasoning parser
-        self._ready = ready_fn  # the current worker's Ready (it may have been restarted)
-
-    @property
-    def ready(self) -> Ready:
-        return self._ready()
-
-    def check_model(self, model: str | None) -> str:
-        if model is None or model in self.served_names:
-            return self.served_names[0]
-        raise api.ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-
-    def require_tokenizer(self) -> PromptTokenizer:
-        if self.tokenizer is None:
-            raise api.bad_request("this model has no tokenizer: send prompts as token ids", code="no_tokenizer")
-        return self.tokenizer
-
-    async def chat_job(self, request: api.ChatCompletionRequest) -> Job:
-        model = self.check_model(request.model)
-        api.check_unsupported(request)
-        messages = api.template_messages(request.messages)
-        logprobs = api.chat_logprobs(request)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
-            else request.max_tokens
-        params = api.sampling_params(request, max_tokens, logprobs)
-        token_ids = await self.encode_chat(messages, request.add_generation_prompt, request.chat_template_kwargs)
-        return self._job("chatcmpl", True, model, [Prompt(token_ids)], params, request)
-
-    async def completion_job(self, request: api.CompletionRequest) -> Job:
-        model = self.check_model(request.model)
-        api.check_unsupported(request)
-        params = api.sampling_params(request, 16 if request.max_tokens is None else request.max_tokens,
-                                     request.logprobs)
-        prompts = []
-        for prompt in api.completion_prompts(request.prompt):
-            if isinstance(prompt, str):
-                prompts.append(Prompt(await self.encode(prompt), prompt))
-            else:
-                prompts.append(Prompt(list(prompt)))
-        return self._job("cmpl", False, model, prompts, params, request)
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tokenizer = self.require_tokenizer()
-        if add_special_tokens:
-            encode = tokenizer.encode
-        else:
-            def encode(t: str) -> list[int]:
-                return list(tokenizer.tokenizer(t, add_special_tokens=False)["input_ids"])
-        if len(text) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(encode, text)
-        return encode(text)
-
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
-        tokenizer = self.require_tokenizer()
-
-        def encode() -> list[int]:
-            try:
-                return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                             chat_template_kwargs=kwargs)
-            except ValueError as exc:
-                raise api.bad_request(str(exc), param="messages") from None
-            except TypeError as exc:  # a chat_template_kwargs key the tokenizer rejects
-                raise api.bad_request(f"cannot apply the chat template: {exc}",
-                                      param="chat_template_kwargs") from None
-
-        if sum(len(m["content"]) for m in messages) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(encode)
-        return encode()
-
-    def _job(self, prefix: str, chat: bool, model: str, prompts: list[Prompt], params: SamplingParams,
-             request) -> Job:
-        if params.thinking_budget is not None and not self.reasoning:
-            raise api.bad_request("thinking_budget needs a reasoning parser: start the server with "
-                                  "--enable-reasoning (or --reasoning-parser / --reasoning-config)",
-                                  param="thinking_budget")
-        max_tokens = [self._check_prompt(p.token_ids, params.max_tokens, "messages" if chat else "prompt")
-                      for p in prompts]
-        options = request.stream_options
-        stream = bool(request.stream)
-        return Job(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
-            chat=chat,
-            model=model,
-            prompts=prompts,
-            params=params,
-            max_tokens=max_tokens,
-            stream=stream,
-            include_usage=bool(stream and options is not None and options.include_usage),
-            continuous_usage=bool(stream and options is not None and options.include_usage
-                                  and options.continuous_usage_stats),
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-        )
-
-    def _check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The prompt fits with room for output; returns the resolved max_tokens."""
-        ready = self.ready
-        limit = ready.max_model_len
-        if not token_ids:
-            raise api.bad_request("the prompt is empty", param=param)
-        if min(token_ids) < 0 or max(token_ids) >= ready.vocab_size:
-            raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
-        if len(token_ids) >= limit or (max_tokens is not None and len(token_ids) + max_tokens > limit):
-            requested = len(token_ids) + (max_tokens or 1)
-            raise api.bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{requested} tokens ({len(token_ids)} in the prompt, {max_tokens or 1} for the completion). "
-                "Please reduce the length of the prompt or the completion.",
-                param=param, code="context_length_exceeded")
-        return limit - len(token_ids) if max_tokens is None else max_tokens
 
 
 class Generation:
