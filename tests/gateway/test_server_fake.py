@@ -170,11 +170,17 @@ def start_remote_fake(config: WorkerConfig, address_port: int, script: list[int]
     return process
 
 
-def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
+def remote_gateway(files, heartbeat_timeout_s: float) -> tuple[int, WorkerConfig, ServerSettings]:
+    """A free port, the worker's config, and settings of a gateway waiting for a worker there."""
     port = free_port()
     config = worker_config(files)
     settings = ServerSettings(worker=config, served_model_names=[MODEL], worker_address=f"tcp://127.0.0.1:{port}",
-                              heartbeat_timeout_s=1.5)
+                              heartbeat_timeout_s=heartbeat_timeout_s)
+    return port, config, settings
+
+
+def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
+    port, config, settings = remote_gateway(files, heartbeat_timeout_s=1.5)
     first = start_remote_fake(config, port, script)
     try:
         with server_in_thread(build_app(settings)) as url:
@@ -202,10 +208,7 @@ def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
 def test_a_restarted_gateway_takes_back_a_running_remote_worker(files, script):
     """The worker outlives its gateway; the next gateway on the same address attaches to it
     (HELLO -> Ready) instead of waiting for a worker that will never announce itself again."""
-    port = free_port()
-    config = worker_config(files)
-    settings = ServerSettings(worker=config, served_model_names=[MODEL], worker_address=f"tcp://127.0.0.1:{port}",
-                              heartbeat_timeout_s=5.0)
+    port, config, settings = remote_gateway(files, heartbeat_timeout_s=5.0)
     worker = start_remote_fake(config, port, script)
     try:
         for _ in range(2):  # the first gateway, then its successor
