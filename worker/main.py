@@ -88,6 +88,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
     poller.register(inp, zmq.POLLIN)
     step = 0
     last_stats = 0.0
+    busy_before = False
     gateway_session: bytes | None = None  # the gateway whose HELLO came last
     while True:
         pending: list[RequestDelta] = []
@@ -127,8 +128,9 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         now = time.monotonic()
         if was_busy and not engine.has_work:
             want_stats = True  # the gateway sees the idle state right away
-        if was_busy and now - last_stats >= STATS_INTERVAL_S:
-            want_stats = True
+        if was_busy and (not busy_before or now - last_stats >= STATS_INTERVAL_S):
+            want_stats = True  # and a busy one from its first step on
+        busy_before = engine.has_work
         if pending or want_stats:
             stats = engine.stats() if want_stats else None
             if stats is not None:

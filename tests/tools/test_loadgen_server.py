@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))  # the repository root holds `tools`
 from tools.loadgen.cli import main  # noqa: E402
 
 STARTUP_TIMEOUT_S = 600
-COMMON = ["--no-progress", "--concurrency", "2", "--metrics-interval", "0.2", "--output-len", "4"]
+COMMON = ["--no-progress", "--concurrency", "2", "--metrics-interval", "0.05", "--output-len", "4"]
 RUNS = {
     "random": ["--num-requests", "4", "--input-len", "32", "--seed", "101"],
     "shared-prefix": ["--num-requests", "8", "--num-prefixes", "1", "--prefix-len", "128", "--input-len", "16",
