@@ -62,6 +62,10 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
         return dtype
     if device.type != "cuda":
         raise ValueError(f"kv_cache_dtype={name!r}: an fp8 KV cache needs CUDA, and the device is {device}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):  # the kernels' e4m3 conversions are Ada / Hopper instructions
+        raise ValueError(f"kv_cache_dtype={name!r}: an fp8 KV cache needs a GPU of compute capability 8.9 "
+                         f"or newer (Ada, Hopper), and this one is {capability[0]}.{capability[1]}")
     return torch.float8_e4m3fn
 
 

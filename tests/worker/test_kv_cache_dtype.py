@@ -59,13 +59,21 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def test_kv_cache_dtype_names():
+def test_kv_cache_dtype_names(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100 / H200
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, CPU) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cuda")) == torch.float32
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda")) == FP8
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.float16, torch.device("cuda")) == FP8
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8_e5m2'; choose one of auto, fp8, fp8_e4m3"):
         resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
+
+
+def test_an_fp8_cache_needs_ada_or_hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with pytest.raises(ValueError, match="compute capability 8.9 or newer .* this one is 8.0"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "float16"])
