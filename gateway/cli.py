@@ -13,7 +13,7 @@ import os
 import sys
 
 from spillway.gateway.reasoning import PARSERS
-from spillway.worker.config import KV_CACHE_DTYPES, check_device_settings
+from spillway.worker.config import KV_CACHE_DTYPES, resolve_device_settings
 
 # vLLM flags for features Spillway lacks: (flag, attribute, the value that asks for nothing, feature).
 _NOT_YET = [
@@ -196,7 +196,7 @@ def serve_command(args: argparse.Namespace) -> int:
         if args.worker_address is not None:
             worker_addresses(args.worker_address)
         else:
-            check_device_settings(config)  # the worker runs here: its device must suit them
+            resolve_device_settings(config)  # the worker runs here: its device must suit them
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 1
@@ -223,7 +223,7 @@ def worker_command(args: argparse.Namespace) -> int:
 
     try:
         config, _ = worker_config(args)
-        check_device_settings(config)
+        resolve_device_settings(config)
         inbox, outbox = worker_addresses(args.connect)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway worker: {exc}", file=sys.stderr)

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import FP8_E4M3, to_cache_dtype, to_cache_dtype_reference
+from spillway.kernels.fp8 import FP8_E4M3, to_cache_dtype
+from spillway.kernels.kv_write import write_kv_reference
 from spillway.kernels.utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -212,10 +213,5 @@ def prepare_qkv_reference(
 
     q.copy_(norm_rotate(q, q_norm_weight))
     k.copy_(norm_rotate(k, k_norm_weight))
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    block_size = kv_cache.shape[3]
-    blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
-    kv_cache[blocks, layer, 0, offsets] = to_cache_dtype_reference(k[keep], kv_cache.dtype)
-    kv_cache[blocks, layer, 1, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)
+    write_kv_reference(k, v, kv_cache, layer, slot_mapping)
     return q

@@ -69,8 +69,10 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
     return torch.float8_e4m3fn
 
 
-def check_device_settings(config: WorkerConfig) -> None:
-    """Raise ValueError, before any model is loaded, for settings this machine's device cannot
-    run (no CUDA for device="cuda", an fp8 KV cache on the CPU, an unknown dtype)."""
+def resolve_device_settings(config: WorkerConfig) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """`(device, dtype, kv_cache_dtype)` on this machine; ValueError, before any model is loaded,
+    for settings its device cannot run (no CUDA for device="cuda", an fp8 KV cache on the CPU
+    or an older GPU, an unknown dtype)."""
     device = resolve_device(config.device)
-    resolve_kv_cache_dtype(config.kv_cache_dtype, resolve_dtype(config.dtype, device), device)
+    dtype = resolve_dtype(config.dtype, device)
+    return device, dtype, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)

@@ -19,7 +19,7 @@ from spillway.protocol.messages import (
     PROTOCOL_VERSION,
 )
 from spillway.worker import envs
-from spillway.worker.config import WorkerConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from spillway.worker.config import WorkerConfig, resolve_device_settings
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -40,9 +40,7 @@ class Engine:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
         torch.manual_seed(config.seed)
         use_programmatic_launch(envs.programmatic_launch())
         files = loader.resolve_model(config.model, config.load_format)
