@@ -6,7 +6,7 @@ import itertools
 import json
 from collections import defaultdict
 
-from test_loadgen_fake import FakeServer, run_loadgen, within
+from test_loadgen_fake import FakeServer, run_loadgen
 
 from tools.loadgen.cli import main
 from tools.loadgen.runner import arrival_gaps
@@ -46,7 +46,9 @@ def test_reasoning_sends_the_thinking_budget_and_times_the_first_reasoning_token
     assert [b["thinking_budget"] for b in bodies] == [2, 2, 2] and all("messages" in b for b in bodies)
     for record in results["requests"]:
         assert record["reasoning_tokens"] == 2 and record["output_tokens"] == 4
-        assert within(record["ttft_s"], 0.2)  # the empty role chunk sent at once does not count
+        # The empty role chunk, sent at once, does not count: the first token comes after 0.2 s.
+        # Only late is possible beyond the 10% band: a loaded 2-core machine delayed one by 50 ms.
+        assert 0.9 * 0.2 <= record["ttft_s"] <= 0.2 + 0.1
 
 
 def test_shared_prefix_and_document_qa_prompts_share_their_prefix(capsys, tmp_path):
