@@ -25,6 +25,7 @@ from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for
 from spillway.worker.models import loader
 from spillway.worker.models import model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
+from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.overlap import InFlightStep, TokenReadback, can_overlap, chunk_inputs
 from spillway.worker.request import Request, RequestStatus
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
@@ -100,6 +101,9 @@ class Engine:
         if self.device.type == "cpu":
             packed = pack_linear_layers(model)
             logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
+        elif self.device.type == "cuda" and envs.input_major_weights():
+            store_weights_input_major(model)
+            torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
         return model.eval()
 
     def _num_blocks(self, hf_config) -> int:

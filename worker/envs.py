@@ -29,3 +29,9 @@ def programmatic_launch() -> bool:
     """Launch the Triton kernels with programmatic dependent launch where the GPU supports it
     (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves)."""
     return os.environ.get("SPILLWAY_PDL", "1") not in ("", "0", "false")
+
+
+def input_major_weights() -> bool:
+    """Store the decoder's projection weights input-major on a GPU (worker/models/gpu_linear.py;
+    SPILLWAY_INPUT_MAJOR_WEIGHTS=0 keeps nn.Linear's row-major storage, e.g. to measure it)."""
+    return os.environ.get("SPILLWAY_INPUT_MAJOR_WEIGHTS", "1") not in ("", "0", "false")
