@@ -16,6 +16,14 @@ conversion of an already-rounded value gives the same byte.
 
 On the way out, a bfloat16 q is turned into float16 for the dots (`query_for_cache`): Triton
 converts e4m3 to float16 in one instruction per pair, to bfloat16 only through float32.
+
+In a float8 cache a block's values are stored transposed, `[num_kv_heads, head_dim, block_size]`
+instead of `[block_size, num_kv_heads, head_dim]` (keys keep the common layout; the cache
+tensor's shape does not change). The product of the attention weights with V runs over tokens,
+and the matrix units take their operands token-contiguous: Triton transposes 16-bit tiles as it
+loads them from shared memory, 8-bit ones only byte by byte, which made the decode kernel
+instruction-bound. `value_offset` is where a value goes in either layout; `cache_values` is
+the same in plain torch.
 """
 
 from __future__ import annotations
@@ -72,6 +80,40 @@ def query_for_cache(q, cache_ptr):
         if q.dtype == tl.bfloat16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
+
+
+@triton.jit
+def value_offset(cache_ptr, offset, head, dim, stride_c_token, stride_c_head, BLOCK_SIZE: tl.constexpr):
+    """Where the value of (token `offset` in its block, `head`, `dim`) lies within the V half
+    of a block's layer: transposed per head in a float8 cache, like the keys otherwise."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        return head * (stride_c_head * BLOCK_SIZE) + dim * BLOCK_SIZE + offset
+    return offset * stride_c_token + head * stride_c_head + dim
+
+
+def values_transposed(cache_dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype stores each block's values transposed (float8 e4m3)."""
+    return cache_dtype == FP8_E4M3
+
+
+def cache_values(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+    """The values of `layer` as a view `[num_blocks, block_size, num_kv_heads, head_dim]`,
+    whatever the cache's layout (reads and writes through it reach the cache)."""
+    values = kv_cache[:, layer, 1]
+    if not values_transposed(kv_cache.dtype):
+        return values
+    num_blocks, block_size, num_kv_heads, head_dim = values.shape
+    return values.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def convert_cache(kv_cache: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `kv_cache` as a cache of `cache_dtype` holds it: cast like
+    `to_cache_dtype_reference`, values laid out the way that dtype stores them."""
+    out = torch.empty(kv_cache.shape, dtype=cache_dtype, device=kv_cache.device)
+    out[:, :, 0] = to_cache_dtype_reference(kv_cache[:, :, 0], cache_dtype)
+    for layer in range(kv_cache.shape[1]):
+        cache_values(out, layer).copy_(to_cache_dtype_reference(cache_values(kv_cache, layer), cache_dtype))
+    return out
 
 
 def to_cache_dtype_reference(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

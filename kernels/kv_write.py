@@ -2,8 +2,9 @@
 
 The cache is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; row i of k/v
 goes to slot `slot_mapping[i] = block * block_size + offset`, i.e. to
-`kv_cache[block, layer, 0 (k) / 1 (v), offset]`. A negative slot marks a padded row, which
-is skipped, so a CUDA graph can run with a fixed number of rows.
+`kv_cache[block, layer, 0 (k) / 1 (v), offset]` (a float8 cache keeps a block's values
+transposed, kernels/fp8.py). A negative slot marks a padded row, which is skipped, so a CUDA
+graph can run with a fixed number of rows.
 
 The cache holds k/v's dtype, or float8 e4m3 for k/v of any float dtype: clamped to +-448 and
 rounded, unscaled (kernels/fp8.py).
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import to_cache_dtype, to_cache_dtype_reference
+from spillway.kernels.fp8 import cache_values, to_cache_dtype, to_cache_dtype_reference, value_offset
 from spillway.kernels.utils import (
     INDEX_DTYPES,
     KV_CACHE_DTYPES,
@@ -46,12 +47,14 @@ def _write_kv_kernel(
     mask = (heads < tl.where(slot >= 0, num_kv_heads, 0)) & (dims < head_dim)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    dst = cache_ptr + layer_offset + block * stride_c_block + offset * stride_c_token
-    dst = dst + heads * stride_c_head + dims
+    block_base = cache_ptr + layer_offset + block * stride_c_block
     key = tl.load(k_ptr + row * stride_k_row + heads * stride_k_head + dims, mask=mask)
     value = tl.load(v_ptr + row * stride_v_row + heads * stride_v_head + dims, mask=mask)
-    tl.store(dst, to_cache_dtype(key, cache_ptr), mask=mask)
-    tl.store(dst + stride_c_kv, to_cache_dtype(value, cache_ptr), mask=mask)
+    tl.store(block_base + offset * stride_c_token + heads * stride_c_head + dims, to_cache_dtype(key, cache_ptr),
+             mask=mask)
+    value_dst = block_base + stride_c_kv + value_offset(cache_ptr, offset, heads, dims, stride_c_token,
+                                                        stride_c_head, BLOCK_SIZE)
+    tl.store(value_dst, to_cache_dtype(value, cache_ptr), mask=mask)
 
 
 def write_kv(
@@ -104,4 +107,4 @@ def write_kv_reference(
     slots = slot_mapping[keep]
     blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
     kv_cache[blocks, layer, 0, offsets] = to_cache_dtype_reference(k[keep], kv_cache.dtype)
-    kv_cache[blocks, layer, 1, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)
+    cache_values(kv_cache, layer)[blocks, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)

@@ -10,13 +10,16 @@ query of the request, `Q * group` rows, so each KV tile is read once for all of 
     split s of request b: tokens [s * L, (s + 1) * L) with L = ceil(context_len / num_splits)
                           rounded up to a whole tile; each split keeps (max, sum, acc) per row
     reduce kernel:        out = sum_s e^(max_s - M) acc_s / sum_s e^(max_s - M) sum_s
+                          over the splits that hold tokens (split 0 always stores, even empty)
 
 The grid depends only on B, the KV head count and num_splits (chosen from B and the block
 table's width, never from context_lens), so a launch can be captured in a CUDA graph and
 replayed with new context lengths. A request with context_len 0 (a padded row) gets zeros.
 
-The cache holds q's dtype, or float8 e4m3: its keys and values are then converted to q's
-dtype (exactly) as they are loaded, and the math is the same (kernels/fp8.py).
+Tiles of keys and values are read through kernels/attention_tile.py: whole tiles before the
+last QUERY_LEN - 1 positions unmasked, the rest masked. The cache holds q's dtype, or float8
+e4m3: its keys and values are then converted to q's dtype (exactly) as they are loaded, and the
+math is the same (kernels/fp8.py, which also gives the float8 cache's layout of values).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import FP8_E4M3, query_for_cache
+from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, tile_piece
+from spillway.kernels.fp8 import FP8_E4M3, cache_values, query_for_cache
 from spillway.kernels.utils import (
     check,
     check_cache,
@@ -43,6 +47,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_bounds(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens `[start, end)` of `split`: splits of whole tiles, the last ones possibly empty."""
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(start + split_len, context_len)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
@@ -51,7 +63,8 @@ def _decode_kernel(
     stride_bt, layer_offset, qk_scale,
     NUM_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PIECE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -70,35 +83,25 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
     q = query_for_cache(q, cache_ptr)
 
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, context_len)
-
+    start, end = _split_bounds(context_len, split, NUM_SPLITS, BLOCK_N)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_base = cache_ptr + layer_offset + kv_head * stride_c_head
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        in_context = tokens < context_len
-        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_context, other=0).to(tl.int64)
-        token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
-        k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
-        k = tl.load(k_ptrs, mask=in_context[:, None], other=0.0).to(q.dtype)
-        v = tl.load(k_ptrs + stride_c_kv, mask=in_context[:, None], other=0.0).to(q.dtype)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = tokens[None, :] <= query_pos[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        # A row that has seen no visible key keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.math.exp2(scores - shift[:, None])
-        alpha = tl.math.exp2(row_max - shift)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        row_max = new_max
+    key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
+                                         stride_c_head, BLOCK_SIZE)
+    # Whole tiles of keys every query sees (all but the last QUERY_LEN - 1) need no mask.
+    unmasked_end = start + tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
+    for tile in range(start, unmasked_end, BLOCK_N):
+        k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                            q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                            False, DOT_PRECISION)
+    for tile in range(unmasked_end, end, BLOCK_N):
+        k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                            q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                            True, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -107,23 +110,29 @@ def _decode_kernel(
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_valid[:, None])
     else:
-        # Partials are [B, Q, NUM_HEADS, NUM_SPLITS] (+ HEAD_DIM for acc), contiguous.
+        # Partials are [B, Q, NUM_HEADS, NUM_SPLITS] (+ HEAD_DIM for acc), contiguous. A split
+        # past the context stores nothing (the reduction does not read it), except split 0.
+        stored = rows < tl.where((start < context_len) | (split == 0), QUERY_LEN * GROUP, 0)
         part_rows = ((seq.to(tl.int64) * QUERY_LEN + query) * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(part_max_ptr + part_rows, row_max, mask=row_valid)
-        tl.store(part_sum_ptr + part_rows, row_sum, mask=row_valid)
-        tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_max_ptr + part_rows, row_max, mask=stored)
+        tl.store(part_sum_ptr + part_rows, row_sum, mask=stored)
+        tl.store(part_acc_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=stored[:, None])
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, context_lens_ptr,
+    ROWS_PER_SEQ: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # one (request, query, head)
+    context_len = tl.load(context_lens_ptr + row // ROWS_PER_SEQ)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
-    split_valid = splits < NUM_SPLITS
+    # Only the splits that hold tokens (at least split 0) stored partials.
+    split_start, _ = _split_bounds(context_len, splits, NUM_SPLITS, BLOCK_N)
+    split_valid = (splits < NUM_SPLITS) & ((split_start < context_len) | (splits == 0))
     split_max = tl.load(part_max_ptr + row * NUM_SPLITS + splits, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(part_sum_ptr + row * NUM_SPLITS + splits, mask=split_valid, other=0.0)
     split_acc = tl.load(
@@ -226,11 +235,13 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
         part_max = part_sum = part_acc = out  # unused
     group = num_heads // num_kv_heads
     if kv_cache.dtype == FP8_E4M3:
-        # Half the bytes of a tile make latency, not bandwidth, the limit: two warps a program
-        # (more programs resident) and three stages in flight read fastest (H200, Qwen3-8B heads).
+        # Half the bytes of a tile: two warps a program (more programs resident), three stages
+        # and tiles of 128 keys read fastest (H200, Qwen3-8B heads).
         num_warps, num_stages = num_warps or 2, num_stages or 3
+        block_n = block_n or (128 if head_dim <= 128 else 64)
     else:
         num_warps, num_stages = num_warps or 4, num_stages or 2
+        block_n = block_n or (64 if head_dim <= 128 else 32)
     for_device(_decode_kernel, device)[(batch_size, num_kv_heads, num_splits)](
         q4, kv_cache, block_tables, context_lens,
         out, part_max, part_sum, part_acc,
@@ -239,14 +250,15 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
         block_tables.stride(0), layer * kv_cache.stride(1), scale * _LOG2E,
         NUM_HEADS=num_heads, QUERY_LEN=query_len, GROUP=group,
         BLOCK_M=max(16, next_power_of_2(query_len * group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n or (64 if head_dim <= 128 else 32), NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, PIECE=tile_piece(block_size, block_n), NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         for_device(_reduce_splits_kernel, device)[(rows,)](
-            out, part_max, part_sum, part_acc,
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            out, part_max, part_sum, part_acc, context_lens,
+            ROWS_PER_SEQ=query_len * num_heads, NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_N=block_n,
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out
@@ -272,7 +284,7 @@ def paged_decode_attention_reference(
             continue
         blocks = block_tables[seq, : math.ceil(context_len / block_size)].long()
         keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
-        values = kv_cache[blocks, layer, 1].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
+        values = cache_values(kv_cache, layer)[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len].float()
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q4[seq].float(), keys) * scale

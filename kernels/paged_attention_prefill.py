@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import query_for_cache
+from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, tile_piece
+from spillway.kernels.fp8 import cache_values, query_for_cache
 from spillway.kernels.utils import (
     check,
     check_cache,
@@ -40,48 +41,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
-    stride_c_block, stride_c_kv, stride_c_token, qk_scale,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step over keys `tile .. tile + BLOCK_N`; MASKED applies causality and kv_end."""
-    tokens = tile + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_range = tokens < kv_end
-        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    else:
-        blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
-    token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
-    k_ptrs = head_base + token_offsets[:, None] + dims[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0).to(q.dtype)
-        v = tl.load(k_ptrs + stride_c_kv, mask=in_range[:, None], other=0.0).to(q.dtype)
-    else:
-        k = tl.load(k_ptrs).to(q.dtype)
-        v = tl.load(k_ptrs + stride_c_kv).to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        visible = (tokens[None, :] <= query_pos[:, None]) & in_range[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
-    # A row that has seen no visible key (a padded row) keeps max -inf: shift by 0, not NaN.
-    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    p = tl.math.exp2(scores - shift[:, None])
-    alpha = tl.math.exp2(row_max - shift)
-    row_sum = row_sum * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, row_sum, new_max
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_tile = tl.program_id(0)
@@ -110,22 +77,21 @@ def _prefill_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_base = cache_ptr + layer_offset + kv_head * stride_c_head
+    key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
+                                         stride_c_head, BLOCK_SIZE)
     # Keys before the tile's first query position are visible to all its rows: no mask there.
     unmasked_end = (prefix_len + first_token) // BLOCK_N * BLOCK_N
     kv_end = prefix_len + tl.minimum(first_token + BLOCK_Q, query_len)
     for tile in range(0, unmasked_end, BLOCK_N):
-        acc, row_sum, row_max = _attend_tile(
-            q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
-            stride_c_block, stride_c_kv, stride_c_token, qk_scale,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, MASKED=False, DOT_PRECISION=DOT_PRECISION,
-        )
+        k, v = load_kv_tile(key_base, value_base, table, tile, kv_end, dims, stride_c_block, stride_c_token,
+                            q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, kv_end, query_pos, qk_scale,
+                                            False, DOT_PRECISION)
     for tile in range(unmasked_end, kv_end, BLOCK_N):
-        acc, row_sum, row_max = _attend_tile(
-            q, acc, row_sum, row_max, tile, kv_end, query_pos, table, head_base, dims,
-            stride_c_block, stride_c_kv, stride_c_token, qk_scale,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, MASKED=True, DOT_PRECISION=DOT_PRECISION,
-        )
+        k, v = load_kv_tile(key_base, value_base, table, tile, kv_end, dims, stride_c_block, stride_c_token,
+                            q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, kv_end, query_pos, qk_scale,
+                                            True, DOT_PRECISION)
 
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     out_offsets = q_rows * stride_o_t + head * stride_o_h
@@ -186,6 +152,7 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     group = q.shape[1] // num_kv_heads
     block_q, block_m, default_block_n = prefill_tile_sizes(group, head_dim, rows)
+    block_n = block_n or default_block_n
     grid = (triton.cdiv(max_query_len, block_q), block_tables.shape[0], num_kv_heads)
     for_device(_prefill_kernel, kv_cache.device)[grid](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out,
@@ -193,7 +160,7 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0), layer * kv_cache.stride(1), scale * _LOG2E,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
-        BLOCK_N=block_n or default_block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, PIECE=tile_piece(kv_cache.shape[3], block_n), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -221,7 +188,7 @@ def paged_prefill_attention_reference(
             continue
         blocks = block_tables[seq, : -(-seq_len // block_size)].long()
         keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        values = kv_cache[blocks, layer, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = cache_values(kv_cache, layer)[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import FP8_E4M3, to_cache_dtype
+from spillway.kernels.fp8 import FP8_E4M3, to_cache_dtype, value_offset
 from spillway.kernels.kv_write import write_kv_reference
 from spillway.kernels.utils import (
     FLOAT_DTYPES,
@@ -100,12 +100,15 @@ def _prepare_qkv_kernel(
     cache_mask = k_heads < tl.where(slot >= 0, num_kv_heads, 0)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    dst = cache_ptr + layer_offset + block * stride_c_block + offset * stride_c_token + k_heads * stride_c_head
+    block_base = cache_ptr + layer_offset + block * stride_c_block
+    dst = block_base + offset * stride_c_token + k_heads * stride_c_head
     tl.store(dst + cols, to_cache_dtype(k1, cache_ptr), mask=cache_mask)
     tl.store(dst + HALF + cols, to_cache_dtype(k2, cache_ptr), mask=cache_mask)
     dims = tl.arange(0, HEAD_DIM)[None, :]
     value = tl.load(row_ptr + (num_heads + num_kv_heads + k_heads) * HEAD_DIM + dims, mask=cache_mask)
-    tl.store(dst + stride_c_kv + dims, to_cache_dtype(value, cache_ptr), mask=cache_mask)
+    value_dst = block_base + stride_c_kv + value_offset(cache_ptr, offset, k_heads, dims, stride_c_token,
+                                                        stride_c_head, BLOCK_SIZE)
+    tl.store(value_dst, to_cache_dtype(value, cache_ptr), mask=cache_mask)
 
 
 def _check_args(qkv, kv_cache, layer, slot_mapping, positions, cos_cache, sin_cache,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spillway.kernels.fp8 import cache_values
+
 CPU = torch.device("cpu")
 
 
@@ -67,3 +69,15 @@ def paged_kv(
 def random_tensor(*shape: int, dtype=torch.float32, device=CPU, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def slot_mask(cache: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """bool, shaped like `cache`: where the keys and values of `layer` at `slots` (the
+    non-negative ones) live, in the layout of the cache's dtype (kernels/fp8.py)."""
+    marks = torch.zeros(cache.shape, dtype=cache.dtype, device=cache.device)
+    slots = slots[slots >= 0]
+    blocks, offsets = slots // cache.shape[3], slots % cache.shape[3]
+    one = torch.ones((), device=cache.device).to(cache.dtype)
+    marks[blocks, layer, 0, offsets] = one
+    cache_values(marks, layer)[blocks, offsets] = one
+    return marks.float() != 0

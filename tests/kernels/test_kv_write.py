@@ -3,8 +3,9 @@ e4m3 cache holds exactly the reference's cast, out-of-range values saturated."""
 
 import pytest
 import torch
-from kernel_testing import gpu, random_tensor, same_bytes
+from kernel_testing import gpu, random_tensor, same_bytes, slot_mask
 
+from spillway.kernels.fp8 import cache_values
 from spillway.kernels.kv_write import write_kv, write_kv_reference
 
 FP8 = torch.float8_e4m3fn
@@ -63,10 +64,21 @@ def test_float8_cache_holds_the_clamped_cast_and_padding_is_skipped(dtype):
     assert torch.equal(stored_k, k[4].float().clamp(-448, 448).to(FP8).float())
     assert stored_k.abs().max() == 448
     fresh = random_tensor(*cache.shape, seed=5).to(FP8)
-    written = torch.zeros(cache.shape[:4], dtype=torch.bool)
-    for slot in (s for s in slots if s >= 0):
-        written[slot // 16, 1, :, slot % 16] = True
+    written = slot_mask(cache, 1, torch.tensor(slots))
+    assert written.sum() == 2 * 5 * 3 * 32
     assert same_bytes(cache[~written], fresh[~written]), "wrote outside the slots (or for a padded row)"
+
+
+def test_float8_cache_stores_a_blocks_values_transposed():
+    """[block, layer, 1] of a float8 cache is [kv_heads, head_dim, block_size]; keys are not."""
+    slots = [16 + 5, 2 * 16 + 15]
+    cache, k, v = _check_write(slots, block_size=16, num_kv_heads=3, head_dim=32, layer=1, cache_dtype=FP8)
+    for row, slot in enumerate(slots):
+        block, offset = divmod(slot, 16)
+        values = cache[block, 1, 1].view(3, 32, 16)[:, :, offset]  # [heads, dims] of this token
+        assert same_bytes(values, v[row].to(FP8))
+        assert same_bytes(cache[block, 1, 0, offset], k[row].to(FP8))
+        assert same_bytes(cache_values(cache, 1)[block, offset], v[row].to(FP8))
 
 
 def test_bad_arguments_are_refused():

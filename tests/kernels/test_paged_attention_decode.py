@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
+from spillway.kernels.fp8 import convert_cache
 from spillway.kernels.paged_attention_decode import (
     default_num_splits,
     paged_decode_attention,
@@ -20,6 +21,8 @@ CPU_CASES = [
     (6, 1, 64, 8, 4, [4, 17, 33, 0], 2),
     (2, 2, 16, 32, 2, [2, 32, 65], 4),
     (8, 2, 32, 16, 1, [100, 3], None),
+    (4, 2, 32, 128, 1, [150, 7, 0, 129], 2),  # blocks longer than a tile; a split with no tokens
+    (9, 3, 32, 16, 3, [5, 130, 0, 200], 8),  # most splits of the short contexts hold no tokens
 ]
 
 
@@ -31,7 +34,7 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_len, context_len
     device = torch.device(device)
     cache, tables = paged_kv(context_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device)
-    cache = cache.to(cache_dtype or dtype)
+    cache = convert_cache(cache, cache_dtype or dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     q = random_tensor(len(context_lens), query_len, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
@@ -51,7 +54,8 @@ def test_matches_reference(case):
 
 # float16, not bfloat16: Triton's interpreter does bf16 arithmetic on the raw bits.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[3]], ids=["Q1-s1", "Q4-s2"])
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[3], CPU_CASES[6], CPU_CASES[7]],
+                         ids=["Q1-s1", "Q4-s2", "bs128-s2", "Q3-s8"])
 def test_float8_cache_matches_reference_and_stays_near_full_precision(case, dtype):
     out = _check(*case, dtype=dtype, cache_dtype=FP8, tolerance=1e-5 if dtype == torch.float32 else 1e-2)
     num_heads, num_kv_heads, head_dim, block_size, query_len, context_lens, _ = case

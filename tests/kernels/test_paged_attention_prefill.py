@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
+from spillway.kernels.fp8 import convert_cache
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 
@@ -19,7 +20,7 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, 
     device = torch.device(device)
     cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device)
-    cache = cache.to(cache_dtype or dtype)
+    cache = convert_cache(cache, cache_dtype or dtype)
     starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     num_rows = sum(query_lens)
@@ -37,6 +38,7 @@ CPU_CASES = [
     (9, 3, 32, 16, [17, 1, 16, 5], [17, 40, 50, 5]),  # fresh, decode, cached prefix, short
     (6, 1, 32, 8, [33, 2, 15], [33, 9, 16]),
     (2, 2, 64, 32, [20, 1], [53, 1]),
+    (4, 2, 32, 128, [70, 3, 1], [200, 130, 1]),  # blocks longer than a tile
 ]
 
 
@@ -47,8 +49,8 @@ def test_matches_reference(case):
 
 # float16, not bfloat16: Triton's interpreter does bf16 arithmetic on the raw bits.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_float8_cache_matches_reference_and_stays_near_full_precision(dtype):
-    case = CPU_CASES[0]
+@pytest.mark.parametrize("case", [CPU_CASES[0], CPU_CASES[3]], ids=["bs16", "bs128"])
+def test_float8_cache_matches_reference_and_stays_near_full_precision(dtype, case):
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     out = _check(*case, padded_rows=2, dtype=dtype, cache_dtype=FP8, tolerance=tolerance)
     num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from kernel_testing import gpu, random_tensor, relative_error, same_bytes
+from kernel_testing import gpu, random_tensor, relative_error, same_bytes, slot_mask
 
 from spillway.kernels.kv_write import write_kv_reference
 from spillway.kernels.qkv_prepare import prepare_qkv, prepare_qkv_reference
@@ -90,11 +90,7 @@ def composed_reference(step: Step) -> torch.Tensor:
 
 def written_slots(step: Step) -> torch.Tensor:
     """bool, shaped like the cache: the entries this step's k/v may write."""
-    written = torch.zeros(step.kv_cache.shape, dtype=torch.bool, device=step.kv_cache.device)
-    block_size = step.kv_cache.shape[3]
-    slots = step.slot_mapping[step.slot_mapping >= 0]
-    written[slots // block_size, LAYER, :, slots % block_size] = True
-    return written
+    return slot_mask(step.kv_cache, LAYER, step.slot_mapping)
 
 
 SHAPES = [  # rows, q heads, kv heads, head_dim, padded rows

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from spillway.kernels.fp8 import to_cache_dtype_reference
+from spillway.kernels.fp8 import convert_cache
 from spillway.worker.config import WorkerConfig
 from spillway.worker.config import resolve_kv_cache_dtype
 from spillway.worker.engine import Engine
@@ -110,7 +110,7 @@ def test_kernel_path_over_an_fp8_cache_stores_e4m3_and_stays_near_the_exact_cach
     chunks = [ChunkInput(p, 0, t) for p, t in zip(prompts, tables)]
     expected, logits = exact.execute(chunks), fp8.execute(chunks)
     # Layer 0's keys and values come before any attention: the fp8 cache holds exactly their cast.
-    layer0 = to_cache_dtype_reference(exact.kv_cache[:, 0], FP8)
+    layer0 = convert_cache(exact.kv_cache, FP8)[:, 0]
     assert torch.equal(fp8.kv_cache[:, 0].view(torch.uint8), layer0.view(torch.uint8))
 
     errors = [relative_error(logits, expected)]
