@@ -1,13 +1,12 @@
 """What the paged attention kernels share: loading a tile of keys and values through the block
 table, and one online-softmax step over it.
 
-A tile is BLOCK_N consecutive token positions starting at a multiple of BLOCK_N. It is read as
-NB pieces of PIECE = min(BLOCK_SIZE, BLOCK_N) tokens, each within one block, so addresses come
-from NB block ids and the pieces are contiguous runs Triton can copy in wide vectors:
+A tile is BLOCK_N consecutive token positions starting at a multiple of BLOCK_N:
 
-    keys      [NB, PIECE, HEAD_DIM]   HEAD_DIM contiguous               -> [BLOCK_N, HEAD_DIM]
-    values    the same, or in a float8 cache [HEAD_DIM, NB, PIECE]      -> [BLOCK_N, HEAD_DIM]
-              (PIECE contiguous: the layout kernels/fp8.py describes)
+    keys      [BLOCK_N, HEAD_DIM], one block id per token, HEAD_DIM contiguous
+    values    the same, or in a float8 cache (values transposed per block, kernels/fp8.py)
+              [HEAD_DIM, NB, PIECE] -> [BLOCK_N, HEAD_DIM]: NB pieces of PIECE =
+              min(BLOCK_SIZE, BLOCK_N) tokens, each within one block, its tokens contiguous
 
 Unmasked tiles lie wholly before `kv_end`. A masked tile reads only blocks that hold a
 position before `kv_end`; the rest of its keys and values read as 0 and its scores as -inf.
@@ -37,28 +36,38 @@ def load_kv_tile(
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr,
 ):
     """Keys and values `[BLOCK_N, HEAD_DIM]` of positions `tile .. tile + BLOCK_N`, in `dtype`."""
-    NB: tl.constexpr = BLOCK_N // PIECE
     HEAD_DIM: tl.constexpr = dims.shape[0]
-    slots = tl.arange(0, PIECE)
-    piece_start = tile + tl.arange(0, NB) * PIECE
+    tile = tl.multiple_of(tile, BLOCK_N)
+    tokens = tile + tl.arange(0, BLOCK_N)
     if MASKED:
-        piece_valid = piece_start < kv_end
-        blocks = tl.load(table + piece_start // BLOCK_SIZE, mask=piece_valid, other=0).to(tl.int64)
-        token_valid = (piece_start[:, None] + slots[None, :]) < kv_end
+        in_range = tokens < kv_end
+        blocks = tl.load(table + tokens // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     else:
-        blocks = tl.load(table + piece_start // BLOCK_SIZE).to(tl.int64)
-    # Offset of each piece's first token: its block, then its place in the block.
-    piece_offsets = blocks * stride_c_block + piece_start % BLOCK_SIZE * stride_c_token
-    k_ptrs = key_base + piece_offsets[:, None, None] + slots[None, :, None] * stride_c_token + dims[None, None, :]
+        blocks = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+    token_offsets = blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token
+    k_ptrs = key_base + token_offsets[:, None] + dims[None, :]
     if MASKED:
-        k = tl.load(k_ptrs, mask=token_valid[:, :, None], other=0.0)
+        k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0).to(dtype)
     else:
-        k = tl.load(k_ptrs)
-    k = tl.reshape(k, [BLOCK_N, HEAD_DIM]).to(dtype)
-    if value_base.dtype.element_ty == tl.float8e4nv:
-        # Values transposed per block: a piece's tokens are contiguous for each dim.
-        value_offsets = blocks * stride_c_block + piece_start % BLOCK_SIZE
-        v_ptrs = value_base + dims[:, None, None] * BLOCK_SIZE + value_offsets[None, :, None] + slots[None, None, :]
+        k = tl.load(k_ptrs).to(dtype)
+    if value_base.dtype.element_ty != tl.float8e4nv:
+        v_ptrs = value_base + token_offsets[:, None] + dims[None, :]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0).to(dtype)
+        else:
+            v = tl.load(v_ptrs).to(dtype)
+    else:
+        # Values transposed per block: read [HEAD_DIM, NB, PIECE], each piece's tokens contiguous.
+        NB: tl.constexpr = BLOCK_N // PIECE
+        slots = tl.arange(0, PIECE)
+        piece_start = tile + tl.arange(0, NB) * PIECE
+        if MASKED:
+            piece_valid = piece_start < kv_end
+            piece_blocks = tl.load(table + piece_start // BLOCK_SIZE, mask=piece_valid, other=0).to(tl.int64)
+        else:
+            piece_blocks = tl.load(table + piece_start // BLOCK_SIZE).to(tl.int64)
+        piece_offsets = piece_blocks * stride_c_block + piece_start % BLOCK_SIZE
+        v_ptrs = value_base + dims[:, None, None] * BLOCK_SIZE + piece_offsets[None, :, None] + slots[None, None, :]
         if MASKED:
             # Whole pieces (a mask constant along them keeps the copies wide); what lies past
             # kv_end in the last block may be anything, even NaN, so it is zeroed after.
@@ -67,14 +76,7 @@ def load_kv_tile(
             v = tl.load(v_ptrs)
         v = tl.trans(tl.reshape(v, [HEAD_DIM, BLOCK_N])).to(dtype)
         if MASKED:
-            v = tl.where((tile + tl.arange(0, BLOCK_N) < kv_end)[:, None], v, 0.0)
-    else:
-        v_ptrs = value_base + piece_offsets[:, None, None] + slots[None, :, None] * stride_c_token + dims[None, None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=token_valid[:, :, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        v = tl.reshape(v, [BLOCK_N, HEAD_DIM]).to(dtype)
+            v = tl.where(in_range[:, None], v, 0.0)
     return k, v
 
 
