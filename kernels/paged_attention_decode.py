@@ -97,7 +97,9 @@ def _decode_kernel(
                             q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
         acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
                                             False, DOT_PRECISION)
-    for tile in range(unmasked_end, end, BLOCK_N):
+    # At most two tiles, unpipelined: a second pipelined loop would double the shared memory
+    # a program holds, and halve the programs resident on a multiprocessor.
+    for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
         k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
                             q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
         acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
