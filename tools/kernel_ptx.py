@@ -5,7 +5,8 @@
     git show 0e9885e:kernels/paged_attention_decode.py > /tmp/old.py
     python tools/kernel_ptx.py --kernel-file /tmp/old.py --block-n 64    # an earlier version
 
-No GPU is needed: Triton compiles for the target (default sm_90) with its bundled ptxas. Each
+No GPU is needed: Triton compiles for the target (default sm_90) with its bundled ptxas (not
+under TRITON_INTERPRET=1, which the tool therefore turns off for itself). Each
 loop (a backward branch in the PTX) is printed with its instruction count and the instructions
 that say most about a paged-attention tile: asynchronous copies (cg: 16 bytes, ca: 4 or 8), one-byte
 shared loads, matrix instructions, ldmatrix and e4m3 conversions. Arguments are specialised as
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile, do not interpret
 
 WATCHED = ("cp.async.cg", "cp.async.ca", "ld.shared.b8", "mma.sync", "ldmatrix", "cvt.rn.f16x2.e4m3x2")
 
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     parser.add_argument("--save", help="write PREFIX.ttgir and PREFIX.ptx")
     parser.add_argument("--kernel-file", help="compile this paged_attention_decode.py instead of the installed one")
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     args = parser.parse_args()
     fp8 = args.cache_dtype == "fp8"
     block_n = args.block_n or (128 if fp8 else 64)
@@ -92,9 +97,14 @@ def main() -> None:
     if args.save:
         Path(f"{args.save}.ttgir").write_text(kernel.asm["ttgir"])
         Path(f"{args.save}.ptx").write_text(kernel.asm["ptx"])
+    loops = loop_histograms(kernel.asm["ptx"])
+    if args.json:
+        print(json.dumps({"shared": kernel.metadata.shared,
+                          "loops": [{"instructions": count, "ops": dict(ops)} for count, ops in loops]}))
+        return
     print(f"decode kernel, {args.cache_dtype} cache, BLOCK_N {block_n}, {warps} warps, {stages} stages, "
           f"sm_{args.capability}: {kernel.metadata.shared} bytes of shared memory")
-    for count, ops in loop_histograms(kernel.asm["ptx"]):
+    for count, ops in loops:
         watched = {name: sum(n for op, n in ops.items() if op.startswith(name)) for name in WATCHED}
         print(f"  loop: {count} instructions; " + ", ".join(f"{name} {n}" for name, n in watched.items() if n))
 
