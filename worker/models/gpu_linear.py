@@ -1,9 +1,9 @@
 """The decoder's projection weights on a GPU: stored input-major, so cuBLAS reads them faster.
 
 `nn.Linear` keeps its weight `[out, in]` row-major and `F.linear` multiplies by its transpose.
-At the one-row products of decoding (a read of the weight, nothing else), cuBLAS's kernels for
-a weight stored `[in, out]` row-major (the same `[out, in]` tensor, column-major) read the
-down and gate/up projections of the Qwen3-8B shape a few percent faster on an H200.
+At the one-row products of decoding (a read of the weight, nothing else), cuBLAS picks other
+kernels for a weight stored `[in, out]` row-major (the same `[out, in]` tensor, column-major):
+batch-1 decode of the Qwen3-8B shape ran 1.037x faster on an H200 (docs/performance.md, run L).
 `F.linear` accepts either storage and passes cuBLAS the matching transpose flag; the values,
 shapes and names of the parameters do not change, only their strides.
 """
