@@ -91,16 +91,11 @@ def value_offset(cache_ptr, offset, head, dim, stride_c_token, stride_c_head, BL
     return offset * stride_c_token + head * stride_c_head + dim
 
 
-def values_transposed(cache_dtype: torch.dtype) -> bool:
-    """Whether a cache of this dtype stores each block's values transposed (float8 e4m3)."""
-    return cache_dtype == FP8_E4M3
-
-
 def cache_values(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
     """The values of `layer` as a view `[num_blocks, block_size, num_kv_heads, head_dim]`,
     whatever the cache's layout (reads and writes through it reach the cache)."""
     values = kv_cache[:, layer, 1]
-    if not values_transposed(kv_cache.dtype):
+    if kv_cache.dtype != FP8_E4M3:  # only a float8 cache stores its values transposed
         return values
     num_blocks, block_size, num_kv_heads, head_dim = values.shape
     return values.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
