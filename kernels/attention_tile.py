@@ -9,7 +9,9 @@ A tile is BLOCK_N consecutive token positions starting at a multiple of BLOCK_N:
               min(BLOCK_SIZE, BLOCK_N) tokens, each within one block, its tokens contiguous
 
 Unmasked tiles lie wholly before `kv_end`. A masked tile reads only blocks that hold a
-position before `kv_end`; the rest of its keys and values read as 0 and its scores as -inf.
+position before `kv_end`; its other keys read as 0, and its scores past `kv_end` as -inf.
+Its values past `kv_end` read as 0, except in a float8 cache's last block: those are read
+as they are (finite: kernels/fp8.py) and weighed by 0.
 """
 
 from __future__ import annotations
@@ -69,14 +71,13 @@ def load_kv_tile(
         piece_offsets = piece_blocks * stride_c_block + piece_start % BLOCK_SIZE
         v_ptrs = value_base + dims[:, None, None] * BLOCK_SIZE + piece_offsets[None, :, None] + slots[None, None, :]
         if MASKED:
-            # Whole pieces (a mask constant along them keeps the copies wide); what lies past
-            # kv_end in the last block may be anything, even NaN, so it is zeroed after.
+            # Whole pieces (a mask constant along them keeps the copies wide). What lies past
+            # kv_end in the last block is read: never NaN in a float8 cache (kernels/fp8.py),
+            # its scores are masked, so it is weighed by 0.
             v = tl.load(v_ptrs, mask=piece_valid[None, :, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
         v = tl.trans(tl.reshape(v, [HEAD_DIM, BLOCK_N])).to(dtype)
-        if MASKED:
-            v = tl.where(in_range[:, None], v, 0.0)
     return k, v
 
 

@@ -3,11 +3,19 @@
 A cache of dtype torch.float8_e4m3fn (Triton's float8e4nv) holds each key and value in one
 byte, unscaled: a scale of 1.0, as vLLM's `--kv-cache-dtype fp8` without calibrated scales.
 
-    in  (kv_write.py, qkv_prepare.py):  clamp to the finite range +-448, round to nearest even
+    in  (kv_write.py, qkv_prepare.py):  clamp to the finite range +-448, round to nearest even;
+                                        NaN is stored as 0
     out (paged_attention_*.py):         convert to q's dtype (float16 for a bfloat16 q), exactly
 
 e4m3fn has no infinity: a plain cast of anything beyond 448 gives NaN, hence the clamp.
 A cache of any other dtype stores q/k/v's own dtype unchanged.
+
+So a float8 cache never holds NaN: the pool starts zeroed (worker/model_runner.py) and every
+write is finite. The attention kernels rely on it: the slots past a context in its last block
+(stale values of an earlier request, or zeros) are read with the block and weighted by 0,
+never zeroed first; a NaN there would turn 0 * NaN into NaN. (A request whose keys or values
+are NaN has NaN hidden states already; storing them as 0 keeps its blocks from poisoning the
+next request they are given to.)
 
 The kernels round in float32 arithmetic (`round_to_e4m3`) before they cast, so the cast itself
 is exact. Triton's interpreter, which runs the CPU tests, rounds float32 -> float8 casts wrongly
@@ -58,12 +66,14 @@ def round_to_e4m3(x):
 
 @triton.jit
 def to_cache_dtype(x, cache_ptr):
-    """`x` as the cache at `cache_ptr` stores it: cast to its dtype, clamped and rounded first
-    when that is float8 e4m3."""
+    """`x` as the cache at `cache_ptr` stores it: cast to its dtype; when that is float8 e4m3,
+    NaN made 0, clamped and rounded first."""
     dtype = cache_ptr.dtype.element_ty
     if dtype == tl.float8e4nv:
+        x = x.to(tl.float32)
+        x = tl.clamp(tl.where(x == x, x, 0.0), -_MAX, _MAX)
         # Rounded already, the cast is exact; rtne all the same, should a compiler undo the rounding.
-        return round_to_e4m3(tl.clamp(x.to(tl.float32), -_MAX, _MAX)).to(dtype, fp_downcast_rounding="rtne")
+        return round_to_e4m3(x).to(dtype, fp_downcast_rounding="rtne")
     return x.to(dtype)
 
 
@@ -114,5 +124,5 @@ def convert_cache(kv_cache: torch.Tensor, cache_dtype: torch.dtype) -> torch.Ten
 def to_cache_dtype_reference(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """`to_cache_dtype` in plain torch (whose casts round to nearest even)."""
     if cache_dtype == FP8_E4M3:
-        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        x = x.nan_to_num(0.0, FP8_E4M3_MAX, -FP8_E4M3_MAX).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_dtype)

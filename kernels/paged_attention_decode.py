@@ -16,8 +16,9 @@ The grid depends only on B, the KV head count and num_splits (chosen from B and 
 table's width, never from context_lens), so a launch can be captured in a CUDA graph and
 replayed with new context lengths. A request with context_len 0 (a padded row) gets zeros.
 
-Tiles of keys and values are read through kernels/attention_tile.py: whole tiles before the
-last QUERY_LEN - 1 positions unmasked, the rest masked. The cache holds q's dtype, or float8
+Tiles of keys and values are read through kernels/attention_tile.py: over a bf16 cache, whole
+tiles before the last QUERY_LEN - 1 positions unmasked, the rest masked and unpipelined; over a
+float8 cache, every tile masked in one pipelined loop. The cache holds q's dtype, or float8
 e4m3: its keys and values are then converted to q's dtype (exactly) as they are loaded, and the
 math is the same (kernels/fp8.py, which also gives the float8 cache's layout of values).
 """
@@ -64,7 +65,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PIECE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    ONE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -90,20 +91,29 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
                                          stride_c_head, BLOCK_SIZE)
-    # Whole tiles of keys every query sees (all but the last QUERY_LEN - 1) need no mask.
-    unmasked_end = start + tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
-    for tile in range(start, unmasked_end, BLOCK_N):
-        k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
-                            q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
-        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
-                                            False, DOT_PRECISION)
-    # At most two tiles, unpipelined: a second pipelined loop would double the shared memory
-    # a program holds, and halve the programs resident on a multiprocessor.
-    for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
-        k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
-                            q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
-        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
-                                            True, DOT_PRECISION)
+    if ONE_LOOP:
+        # Every tile masked, in one software-pipelined loop: the last tile's loads overlap the
+        # tiles before it, and the tile buffers are allocated once.
+        for tile in range(start, end, BLOCK_N):
+            k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                                q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+            acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                                True, DOT_PRECISION)
+    else:
+        # Whole tiles of keys every query sees (all but the last QUERY_LEN - 1) need no mask.
+        unmasked_end = start + tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
+        for tile in range(start, unmasked_end, BLOCK_N):
+            k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                                q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
+            acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                                False, DOT_PRECISION)
+        # At most two tiles, unpipelined: a second pipelined loop would double the shared memory
+        # a program holds, and halve the programs resident on a multiprocessor.
+        for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
+            k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                                q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+            acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                                True, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -218,8 +228,9 @@ def paged_decode_attention(
 
 
 def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
-            block_n=None, num_warps=None, num_stages=None) -> torch.Tensor:
-    """The kernels on checked arguments; the tile size, warps and stages are open for tuning runs."""
+            block_n=None, num_warps=None, num_stages=None, one_loop=None) -> torch.Tensor:
+    """The kernels on checked arguments; the tile size, warps, stages and loop structure are
+    open for tuning runs."""
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     device = kv_cache.device
@@ -238,9 +249,11 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
     group = num_heads // num_kv_heads
     if kv_cache.dtype == FP8_E4M3:
         # Half the bytes of a tile: two warps a program (more programs resident), three stages
-        # and tiles of 128 keys read fastest (H200, Qwen3-8B heads).
+        # and tiles of 128 keys read fastest (H200, Qwen3-8B heads). A context's last tile is
+        # a larger share of 128-key tiles: all tiles go through one pipelined, masked loop.
         num_warps, num_stages = num_warps or 2, num_stages or 3
         block_n = block_n or (128 if head_dim <= 128 else 64)
+        one_loop = True if one_loop is None else one_loop
     else:
         num_warps, num_stages = num_warps or 4, num_stages or 2
         block_n = block_n or (64 if head_dim <= 128 else 32)
@@ -253,7 +266,7 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
         NUM_HEADS=num_heads, QUERY_LEN=query_len, GROUP=group,
         BLOCK_M=max(16, next_power_of_2(query_len * group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, PIECE=tile_piece(block_size, block_n), NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", ONE_LOOP=bool(one_loop),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

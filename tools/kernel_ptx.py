@@ -30,7 +30,7 @@ WATCHED = ("cp.async.cg", "cp.async.ca", "ld.shared.b8", "mma.sync", "ldmatrix",
 
 
 def compile_decode(cache_dtype: str, block_n: int, warps: int, stages: int, capability: int,
-                   kernel_file: str | None = None):
+                   one_loop: bool, kernel_file: str | None = None):
     import importlib.util
 
     import triton
@@ -53,9 +53,11 @@ def compile_decode(cache_dtype: str, block_n: int, warps: int, stages: int, capa
     signature = {**pointers, **{name: "i64" if name in ("stride_c_block", "layer_offset") else "i32" for name in ints},
                  "qk_scale": "fp32"}
     constants = dict(NUM_HEADS=32, QUERY_LEN=1, GROUP=4, BLOCK_M=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n,
-                     PIECE=min(16, block_n), NUM_SPLITS=1, DOT_PRECISION="tf32", PDL=capability >= 90)
-    if "PIECE" not in _decode_kernel.arg_names:  # trees before kernels/attention_tile.py
-        del constants["PIECE"]
+                     PIECE=min(16, block_n), NUM_SPLITS=1, DOT_PRECISION="tf32", ONE_LOOP=one_loop,
+                     PDL=capability >= 90)
+    for name in ("PIECE", "ONE_LOOP"):  # not in earlier trees
+        if name not in _decode_kernel.arg_names:
+            del constants[name]
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *ints)}
@@ -85,6 +87,8 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=None, help="keys per tile (default: the launcher's)")
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--one-loop", action=argparse.BooleanOptionalAction, default=None,
+                        help="every tile in one masked loop (default: the launcher's, on for fp8)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     parser.add_argument("--save", help="write PREFIX.ttgir and PREFIX.ptx")
     parser.add_argument("--kernel-file", help="compile this paged_attention_decode.py instead of the installed one")
@@ -93,7 +97,8 @@ def main() -> None:
     fp8 = args.cache_dtype == "fp8"
     block_n = args.block_n or (128 if fp8 else 64)
     warps, stages = args.warps or (2 if fp8 else 4), args.stages or (3 if fp8 else 2)
-    kernel = compile_decode(args.cache_dtype, block_n, warps, stages, args.capability, args.kernel_file)
+    one_loop = fp8 if args.one_loop is None else args.one_loop
+    kernel = compile_decode(args.cache_dtype, block_n, warps, stages, args.capability, one_loop, args.kernel_file)
     if args.save:
         Path(f"{args.save}.ttgir").write_text(kernel.asm["ttgir"])
         Path(f"{args.save}.ptx").write_text(kernel.asm["ptx"])
@@ -103,7 +108,8 @@ def main() -> None:
                           "loops": [{"instructions": count, "ops": dict(ops)} for count, ops in loops]}))
         return
     print(f"decode kernel, {args.cache_dtype} cache, BLOCK_N {block_n}, {warps} warps, {stages} stages, "
-          f"sm_{args.capability}: {kernel.metadata.shared} bytes of shared memory")
+          f"{'one loop' if one_loop else 'two loops'}, sm_{args.capability}: "
+          f"{kernel.metadata.shared} bytes of shared memory")
     for count, ops in loops:
         watched = {name: sum(n for op, n in ops.items() if op.startswith(name)) for name in WATCHED}
         print(f"  loop: {count} instructions; " + ", ".join(f"{name} {n}" for name, n in watched.items() if n))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.kernels.fp8 import cache_values
+from spillway.kernels.fp8 import FP8_E4M3, cache_values, convert_cache
 
 CPU = torch.device("cpu")
 
@@ -34,25 +34,31 @@ def paged_kv(
     spare_blocks: int = 3,
     extra_table_width: int = 1,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
     device: torch.device = CPU,
     poison: bool = True,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A random cache and int32 block tables `[B, width]` giving each sequence its own shuffled blocks.
 
-    Table entries past a sequence's blocks are 0 (a real block of another sequence, as the
-    runner pads). With `poison`, every slot outside all contexts holds NaN, so a kernel that
-    reads past a context (or a padded table entry) produces NaN.
+    The values are drawn in `dtype`, the cache is `cache_dtype` (default `dtype`; float8 e4m3
+    as kernels/fp8.py lays it out). Table entries past a sequence's blocks are 0 (a real block
+    of another sequence, as the runner pads). With `poison`, every slot outside all contexts
+    holds NaN, so a kernel that reads past a context (or a padded table entry) produces NaN;
+    except in a float8 cache, which never holds NaN (kernels/fp8.py): there the slots past a
+    context in its last block hold 256, which a kernel that weighs them by more than 0 shows.
     """
     generator = torch.Generator().manual_seed(seed)
     needed = [-(-n // block_size) for n in seq_lens]
     width = max(needed + [1]) + extra_table_width
     num_blocks = sum(needed) + spare_blocks
     shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-    cache = torch.randn(shape, generator=generator)
+    cache = torch.randn(shape, generator=generator).to(dtype)
+    cache = convert_cache(cache, cache_dtype or dtype)
     order = torch.randperm(num_blocks, generator=generator)
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     valid = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     used = 0
     for seq, (seq_len, count) in enumerate(zip(seq_lens, needed)):
         blocks = order[used : used + count]
@@ -61,9 +67,25 @@ def paged_kv(
         flat = torch.zeros(count * block_size, dtype=torch.bool)
         flat[:seq_len] = True
         valid[blocks] = flat.view(count, block_size)
+        owned[blocks] = True
     if poison:
-        cache.masked_fill_(~valid[:, None, None, :, None, None], float("nan"))
-    return cache.to(device=device, dtype=dtype), tables.to(device)
+        tails = owned & ~valid if cache.dtype == FP8_E4M3 else torch.zeros_like(owned)
+        for layer in range(num_layers):
+            for half in (cache[:, layer, 0], cache_values(cache, layer)):  # [blocks, slots, heads, dims]
+                _fill(half, tails, 256.0)
+                _fill(half, ~valid & ~tails, float("nan"))
+    return cache.to(device), tables.to(device)
+
+
+def _fill(half: torch.Tensor, slots: torch.Tensor, value: float) -> None:
+    """Set `half`'s (a view `[blocks, slots, heads, dims]` of a cache) `slots` to `value`,
+    through its bytes for a float8 cache (whose elementwise ops torch lacks on the CPU)."""
+    mask = slots[:, :, None, None].expand(half.shape)
+    if half.dtype == FP8_E4M3:
+        byte = torch.tensor(value).to(FP8_E4M3).view(torch.uint8)
+        half.view(torch.uint8).masked_fill_(mask, byte)
+    else:
+        half.masked_fill_(mask, value)
 
 
 def random_tensor(*shape: int, dtype=torch.float32, device=CPU, seed: int = 1) -> torch.Tensor:

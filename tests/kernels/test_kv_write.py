@@ -69,6 +69,26 @@ def test_float8_cache_holds_the_clamped_cast_and_padding_is_skipped(dtype):
     assert same_bytes(cache[~written], fresh[~written]), "wrote outside the slots (or for a padded row)"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_float8_cache_never_holds_nan(dtype, device):
+    """NaN keys and values are stored as 0, infinities as +-448: the attention kernels weigh a
+    last block's slots past the context by 0 without zeroing them (kernels/fp8.py)."""
+    scale = torch.ones(3, 2, 16)
+    scale[0, 0, :4] = float("nan")
+    scale[1, 1, 5] = float("inf")
+    scale[2, :, 7] = float("nan")
+    cache, k, v = _check_write([3, 4, 20], block_size=16, num_kv_heads=2, head_dim=16, layer=0, dtype=dtype,
+                               cache_dtype=FP8, device=device, kv_scale=scale.to(device))
+    assert k.isnan().any() and v.isnan().any() and v.isinf().any()
+    cache = cache.cpu()
+    assert not cache.float().isnan().any()
+    assert torch.equal(cache_values(cache, 0)[0, 3, 0, :4].float(), torch.zeros(4))
+    assert torch.equal(cache[0, 0, 0, 3, 0, :4].float(), torch.zeros(4))
+    assert cache_values(cache, 0)[0, 4, 1, 5].float().abs() == 448
+    assert torch.equal(cache_values(cache, 0)[1, 4, :, 7].float(), torch.zeros(2))
+
+
 def test_float8_cache_stores_a_blocks_values_transposed():
     """[block, layer, 1] of a float8 cache is [kv_heads, head_dim, block_size]; keys are not."""
     slots = [16 + 5, 2 * 16 + 15]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
-from spillway.kernels.fp8 import convert_cache
 from spillway.kernels.paged_attention_decode import (
+    _launch,
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -33,8 +33,7 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_len, context_len
            dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5, layer=1):
     device = torch.device(device)
     cache, tables = paged_kv(context_lens, block_size=block_size, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, dtype=dtype, device=device)
-    cache = convert_cache(cache, cache_dtype or dtype)
+                             head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, device=device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     q = random_tensor(len(context_lens), query_len, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
@@ -65,6 +64,20 @@ def test_float8_cache_matches_reference_and_stays_near_full_precision(case, dtyp
     full_precision = paged_decode_attention_reference(q, cache, 1, tables, lens, head_dim**-0.5)
     error = relative_error(out, full_precision)
     assert 2**-9 < error < 2**-4, f"relative error {error:.4f} against the float32 cache"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["fp32-cache", "fp8-cache"])
+@pytest.mark.parametrize("one_loop", [False, True], ids=["two-loops", "one-loop"])
+def test_either_loop_structure_matches_reference(one_loop, cache_dtype):
+    """The launcher's default is one masked loop over a float8 cache, two loops otherwise;
+    both are open for tuning runs and must give the same results on either cache."""
+    context_lens = [5, 130, 0, 200, 64]
+    cache, tables = paged_kv(context_lens, block_size=16, num_kv_heads=3, head_dim=32, cache_dtype=cache_dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = random_tensor(len(context_lens), 3, 9, 32)
+    out = _launch(q, cache, 1, tables, lens, 0.2, 2, block_n=32, one_loop=one_loop)
+    ref = paged_decode_attention_reference(q, cache, 1, tables, lens, 0.2)
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_three_dim_q_and_strided_q():

@@ -8,7 +8,6 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
-from spillway.kernels.fp8 import convert_cache
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
 
 
@@ -19,8 +18,7 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, 
            dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5):
     device = torch.device(device)
     cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, dtype=dtype, device=device)
-    cache = convert_cache(cache, cache_dtype or dtype)
+                             head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, device=device)
     starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     num_rows = sum(query_lens)

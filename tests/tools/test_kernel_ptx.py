@@ -16,11 +16,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _main_loop(*args: str) -> tuple[int, dict[str, int]]:
+def _compile(*args: str) -> dict:
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_ptx.py"), "--json", *args],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
-    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _main_loop(*args: str) -> tuple[int, dict[str, int]]:
+    counts = _compile(*args)
     # The pipelined loop over whole tiles is the one with asynchronous copies.
     pipelined = [loop["ops"] for loop in counts["loops"] if any(op.startswith("cp.async.cg") for op in loop["ops"])]
     assert len(pipelined) == 1, counts
@@ -36,6 +40,12 @@ def test_fp8_decode_loop_reads_values_in_wide_copies_and_holds_one_set_of_buffer
     assert ops.get("ld.shared.b8", 0) == 0
     assert _wide_copies(ops) == 2 * 128 * 128 // 16 // 64  # a 128 x 128 byte tile of K and of V, 64 threads
     assert shared < 64 * 1024
+
+
+def test_fp8_decode_kernel_has_one_loop_and_bf16_two():
+    """Over a float8 cache every tile, the last included, goes through the pipelined loop."""
+    assert len(_compile("--cache-dtype", "fp8")["loops"]) == 1
+    assert len(_compile("--cache-dtype", "bf16")["loops"]) == 2
 
 
 def test_bf16_decode_loop_reads_tiles_in_wide_copies():

@@ -1,0 +1,86 @@
+"""The decode attention kernel alone on the GPU, over shapes the engine meets, each launch
+setting beside the others in the same run and against the read bandwidth measured here.
+
+    python tools/bench_attention.py                      # bf16 and fp8 caches, both loop structures
+    python tools/bench_attention.py --cache-dtype fp8 --shapes 512x1000-2000
+
+A shape is BATCHxCONTEXT or BATCHxLOW-HIGH (contexts drawn uniformly, seed 0); Qwen3-8B heads
+(32 query, 8 KV heads of 128), blocks of 16 tokens in shuffled order. Bytes counted are the
+keys and values of every context token; the ratio column is each row's time against the
+launcher's default for the same shape and cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
+
+from tools.bench_ceilings import bench_ms, machine, read_bandwidth  # noqa: E402
+
+DEFAULT_SHAPES = "64x4096,512x1000-2000,200x1040"
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """`(batch, low, high)` of `BATCHxCONTEXT` or `BATCHxLOW-HIGH`."""
+    try:
+        batch, contexts = text.split("x")
+        low, _, high = contexts.partition("-")
+        shape = int(batch), int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not BATCHxCONTEXT or BATCHxLOW-HIGH") from None
+    if not (shape[0] > 0 and 0 < shape[1] <= shape[2]):
+        raise argparse.ArgumentTypeError(f"shape {text!r}: batch and contexts must be positive, LOW <= HIGH")
+    return shape
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    return [parse_shape(part) for part in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
+                        help="comma-separated BATCHxCONTEXT or BATCHxLOW-HIGH")
+    parser.add_argument("--cache-dtype", choices=["bf16", "fp8", "both"], default="both")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    from spillway.kernels.paged_attention_decode import _launch
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    bandwidth = read_bandwidth()
+    print(f"{machine()}; read bandwidth {bandwidth / 1e9:,.1f} GB/s")
+    print(f"{'shape':>16} {'cache':>5} {'loops':>17} {'us':>9} {'GB/s':>9} {'of bw':>6} {'speed vs default':>16}")
+    generator = torch.Generator().manual_seed(0)
+    for batch, low, high in args.shapes:
+        lens = torch.randint(low, high + 1, (batch,), generator=generator, dtype=torch.int32)
+        width = -(-high // block_size)
+        tables = torch.randperm(batch * width, generator=generator).to(torch.int32).view(batch, width).cuda()
+        context_lens = lens.cuda()
+        q = torch.randn(batch, 1, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        names = ["bf16", "fp8"] if args.cache_dtype == "both" else [args.cache_dtype]
+        for name in names:
+            cache = torch.randn(batch * width, 1, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
+                                device="cuda").to(CACHE_DTYPES[name])
+            kv_bytes = int(lens.sum()) * kv_heads * head_dim * 2 * cache.element_size()
+            default_us = None
+            for one_loop, label in ((None, "default"), (True, "one masked loop"), (False, "two loops")):
+                us = 1e3 * bench_ms(lambda: _launch(q, cache, 0, tables, context_lens, head_dim**-0.5, None,
+                                                    one_loop=one_loop))
+                default_us = default_us or us
+                achieved = kv_bytes / (us / 1e6)
+                shape = f"{batch}x{low}" + (f"-{high}" if high != low else "")
+                print(f"{shape:>16} {name:>5} {label:>17} {us:9.1f} {achieved / 1e9:9.1f} "
+                      f"{achieved / bandwidth:6.3f} {default_us / us:15.3f}x")
+            del cache
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
