@@ -70,7 +70,7 @@ def main() -> None:
                                 device="cuda").to(CACHE_DTYPES[name])
             kv_bytes = int(lens.sum()) * kv_heads * head_dim * 2 * cache.element_size()
             default_us = None
-            for one_loop, label in ((None, "default"), (True, "one masked loop"), (False, "two loops")):
+            for one_loop, label in ((False, "two (default)"), (True, "one masked loop")):
                 us = 1e3 * bench_ms(lambda: _launch(q, cache, 0, tables, context_lens, head_dim**-0.5, None,
                                                     one_loop=one_loop))
                 default_us = default_us or us

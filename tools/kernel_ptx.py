@@ -87,8 +87,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=None, help="keys per tile (default: the launcher's)")
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
-    parser.add_argument("--one-loop", action=argparse.BooleanOptionalAction, default=None,
-                        help="every tile in one masked loop (default: the launcher's, on for fp8)")
+    parser.add_argument("--one-loop", action="store_true", help="every tile in one masked loop (ONE_LOOP)")
     parser.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for sm_90")
     parser.add_argument("--save", help="write PREFIX.ttgir and PREFIX.ptx")
     parser.add_argument("--kernel-file", help="compile this paged_attention_decode.py instead of the installed one")
@@ -97,8 +96,8 @@ def main() -> None:
     fp8 = args.cache_dtype == "fp8"
     block_n = args.block_n or (128 if fp8 else 64)
     warps, stages = args.warps or (2 if fp8 else 4), args.stages or (3 if fp8 else 2)
-    one_loop = fp8 if args.one_loop is None else args.one_loop
-    kernel = compile_decode(args.cache_dtype, block_n, warps, stages, args.capability, one_loop, args.kernel_file)
+    kernel = compile_decode(args.cache_dtype, block_n, warps, stages, args.capability, args.one_loop,
+                            args.kernel_file)
     if args.save:
         Path(f"{args.save}.ttgir").write_text(kernel.asm["ttgir"])
         Path(f"{args.save}.ptx").write_text(kernel.asm["ptx"])
@@ -108,7 +107,7 @@ def main() -> None:
                           "loops": [{"instructions": count, "ops": dict(ops)} for count, ops in loops]}))
         return
     print(f"decode kernel, {args.cache_dtype} cache, BLOCK_N {block_n}, {warps} warps, {stages} stages, "
-          f"{'one loop' if one_loop else 'two loops'}, sm_{args.capability}: "
+          f"{'one loop' if args.one_loop else 'two loops'}, sm_{args.capability}: "
           f"{kernel.metadata.shared} bytes of shared memory")
     for count, ops in loops:
         watched = {name: sum(n for op, n in ops.items() if op.startswith(name)) for name in WATCHED}

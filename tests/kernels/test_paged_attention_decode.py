@@ -69,8 +69,8 @@ def test_float8_cache_matches_reference_and_stays_near_full_precision(case, dtyp
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=["fp32-cache", "fp8-cache"])
 @pytest.mark.parametrize("one_loop", [False, True], ids=["two-loops", "one-loop"])
 def test_either_loop_structure_matches_reference(one_loop, cache_dtype):
-    """The launcher's default is one masked loop over a float8 cache, two loops otherwise;
-    both are open for tuning runs and must give the same results on either cache."""
+    """Two loops (the default) or one masked loop (a tuning option): the same results over
+    either cache."""
     context_lens = [5, 130, 0, 200, 64]
     cache, tables = paged_kv(context_lens, block_size=16, num_kv_heads=3, head_dim=32, cache_dtype=cache_dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32)

@@ -42,10 +42,10 @@ def test_fp8_decode_loop_reads_values_in_wide_copies_and_holds_one_set_of_buffer
     assert shared < 64 * 1024
 
 
-def test_fp8_decode_kernel_has_one_loop_and_bf16_two():
-    """Over a float8 cache every tile, the last included, goes through the pipelined loop."""
-    assert len(_compile("--cache-dtype", "fp8")["loops"]) == 1
-    assert len(_compile("--cache-dtype", "bf16")["loops"]) == 2
+def test_one_loop_option_folds_the_masked_tail_into_the_pipelined_loop():
+    default, one_loop = _compile("--cache-dtype", "fp8"), _compile("--cache-dtype", "fp8", "--one-loop")
+    assert len(default["loops"]) == 2 and len(one_loop["loops"]) == 1
+    assert one_loop["shared"] == default["shared"]
 
 
 def test_bf16_decode_loop_reads_tiles_in_wide_copies():
