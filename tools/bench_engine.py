@@ -274,7 +274,9 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--hf", action="store_true", help="measure the Hugging Face baselines too")
     parser.add_argument("--hf-only", action="store_true", help="throughput: the HF baseline alone")
-    parser.add_argument("--profile", action="store_true", help="decode: device time by kernel; throughput: one full-batch step taken apart")
+    parser.add_argument("--profile", action="store_true",
+                        help="decode: device time by kernel; throughput: the mixed steps that prefill a full "
+                             "batch (their rate, the kernels of one) and a full-batch decode step taken apart")
     parser.add_argument("--quick", action="store_true", help="throughput on 200 requests instead of 1000")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -1,8 +1,10 @@
-"""Where the time of a decode step goes: device time by kernel of a batch-1 step, and a full-
-batch step taken apart (host work, its graph alone, the kernels of the graph)."""
+"""Where the time of a step goes: device time by kernel of a batch-1 decode step, the mixed
+steps that prefill a full batch (their rate, the kernels of one), and a full-batch decode step
+taken apart (host work, its graph alone, the kernels of the graph)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -34,10 +36,81 @@ def kernel_profile(runner, steps: int) -> str:
     return f"{table}\nkernel time per step: {total_us / 1e3:.3f} ms ({sum(e.count for e in events) // steps} kernels)"
 
 
+def step_kernels(engine) -> tuple[str, float, int]:
+    """One Engine.step() under the profiler: its kernels' table, their device time in ms, and
+    how many ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    table = events.table(sort_by="device_time_total", row_limit=15, max_name_column_width=60)
+    return table, sum(e.device_time_total for e in events) / 1e3, sum(e.count for e in events)
+
+
+def prefill_phase(engine, num_requests: int) -> None:
+    """Step until every request has its first token; print the rate of those mixed steps (the
+    decodes of the requests already prefilled beside prefill chunks, up to
+    max_num_batched_tokens) and the device time by kernel of one of them, the first with more
+    than a third of the requests decoding (left out of the rate: the profiler slows it). The
+    slowest step shows a one-off cost, such as a kernel compiled for a new shape."""
+    scheduler, plans = engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule(ahead: bool = False):
+        plans.append(schedule(ahead))
+        return plans[-1]
+
+    def is_decode(chunk) -> bool:
+        return chunk.num_tokens == 1 and chunk.start >= chunk.request.num_prompt_tokens
+
+    scheduler.schedule = recording_schedule  # the plans of Engine.step, for their tokens
+    profiled = None
+    profiled_s = slowest_s = 0.0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        if profiled is None and sum(r.num_output_tokens > 0 for r in scheduler.running) > num_requests // 3:
+            torch.cuda.synchronize()
+            paused = time.perf_counter()
+            table, kernel_ms, num_kernels = step_kernels(engine)
+            gc.collect()  # the profiler's reference cycles, now: collected later, they stall a timed step
+            profiled = plans.pop()
+            profiled_s = time.perf_counter() - paused
+        else:
+            begun = time.perf_counter()
+            engine.step()  # a mixed step returns once its tokens are read: its work is done
+            slowest_s = max(slowest_s, time.perf_counter() - begun)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started - profiled_s
+    del scheduler.schedule
+    model = engine.runner.model
+    lm_head = model.lm_head.weight.numel()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - lm_head
+    tokens = sum(plan.num_batched_tokens for plan in plans)
+    decode = sum(is_decode(chunk) for plan in plans for chunk in plan.chunks)
+    rows = sum(len(plan.chunks) for plan in plans)  # the runner's logits: each chunk's last token
+    flops = 2 * (linear * tokens + lm_head * rows)
+    print(f"prefill phase of {num_requests} requests, steps of up to {engine.max_num_batched_tokens} tokens "
+          f"(the profiled step left out): {len(plans)} steps, {tokens:,} tokens ({tokens - decode:,} prefill, "
+          f"{decode:,} decode), {elapsed / len(plans) * 1e3:.1f} ms per step (slowest {slowest_s * 1e3:.1f}), "
+          f"{flops / elapsed / 1e12:.1f} TFLOP/s in the linear layers (2 x {linear / 1e9:.2f}B weights per token, "
+          f"lm_head's {lm_head / 1e9:.2f}B on each chunk's last token only, {rows:,} rows; attention not counted)")
+    if profiled is None:
+        return  # every request was prefilled before a third of them decoded
+    decode_rows = sum(map(is_decode, profiled.chunks))
+    print(table)
+    print(f"mixed step with {decode_rows} decode rows and {profiled.num_batched_tokens - decode_rows:,} prefill "
+          f"tokens ({len(profiled.chunks) - decode_rows} chunks): kernel time {kernel_ms:.2f} ms "
+          f"({num_kernels} kernels)")
+
+
 def run_step_profile(args, prompts: list[list[int]]) -> None:
-    """Where a full-batch decode step's time goes: Engine.step() wall time against its decode
-    graph's replay alone (the rest is host work the GPU waits for), the host's functions, and
-    the kernels of the replay."""
+    """The mixed steps that prefill a full batch (`prefill_phase`), then where a full-batch
+    decode step's time goes: Engine.step() wall time against its decode graph's replay alone
+    (the rest is host work the GPU waits for), the host's functions, and the kernels of the
+    replay."""
     import cProfile
     import pstats
 
@@ -55,8 +128,7 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     batch = prompts[: args.max_num_seqs]
     for i, prompt in enumerate(batch):
         engine.add_request(Generate(request_id=f"p{i}", prompt_token_ids=prompt, block_hashes=[], params=params))
-    while engine.scheduler.num_waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-        engine.step()
+    prefill_phase(engine, len(batch))
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
