@@ -138,6 +138,8 @@ class ModelRunner:
         return (model.num_layers, 2, self.block_size, model.num_kv_heads, model.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Zeroed, not empty: the attention kernels read a float8 cache's slots past a context
+        # in its last block, which must never hold NaN (kernels/fp8.py).
         self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.kv_cache_dtype)
 
     @torch.inference_mode()
