@@ -18,9 +18,9 @@ replayed with new context lengths. A request with context_len 0 (a padded row) g
 
 Tiles of keys and values are read through kernels/attention_tile.py: whole tiles before the
 last QUERY_LEN - 1 positions unmasked and software-pipelined, the rest masked and unpipelined
-(ONE_LOOP, a tuning option, puts every tile through one masked, pipelined loop instead). The cache holds q's dtype, or float8
-e4m3: its keys and values are then converted to q's dtype (exactly) as they are loaded, and the
-math is the same (kernels/fp8.py, which also gives the float8 cache's layout of values).
+(ONE_LOOP, a tuning option, puts every tile through one masked, pipelined loop instead). The
+cache holds q's dtype, or float8 e4m3: its keys and values are then converted to q's dtype
+(exactly) as they are loaded, and the math is the same (kernels/fp8.py, which also gives the float8 cache's layout of values).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, QUERY_LEN: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PIECE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    ONE_LOOP: tl.constexpr, MASKED_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -91,30 +91,26 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
                                          stride_c_head, BLOCK_SIZE)
-    if ONE_LOOP:
-        # Every tile masked, in one software-pipelined loop. Measured on an H200 (Qwen3-8B
-        # heads, tools/bench_attention.py): 4% faster over a bf16 cache at batch 200 x 1,040,
-        # the same at 64 x 4,096 and 512 x 1,000-2,000; 4-7% slower over a float8 cache.
-        for tile in range(start, end, BLOCK_N):
-            k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
-                                q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
-            acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
-                                                True, DOT_PRECISION)
-    else:
-        # Whole tiles of keys every query sees (all but the last QUERY_LEN - 1) need no mask.
-        unmasked_end = start + tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
+    # Whole tiles of keys every query sees (all but the last QUERY_LEN - 1) need no mask. The
+    # rest, at most two tiles, run unpipelined (MASKED_STAGES 1): a second pipelined loop would
+    # double the shared memory a program holds, and halve the programs resident on a
+    # multiprocessor. ONE_LOOP instead sends every tile through the masked loop, pipelined.
+    # Measured on an H200 (Qwen3-8B heads, tools/bench_attention.py), one loop is 4% faster
+    # over a bf16 cache at batch 200 x 1,040, the same at 64 x 4,096 and 512 x 1,000-2,000,
+    # 4-7% slower over a float8 cache.
+    unmasked_end = start
+    if not ONE_LOOP:
+        unmasked_end += tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
         for tile in range(start, unmasked_end, BLOCK_N):
             k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
                                 q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
             acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
                                                 False, DOT_PRECISION)
-        # At most two tiles, unpipelined: a second pipelined loop would double the shared memory
-        # a program holds, and halve the programs resident on a multiprocessor.
-        for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
-            k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
-                                q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
-            acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
-                                                True, DOT_PRECISION)
+    for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=MASKED_STAGES):
+        k, v = load_kv_tile(key_base, value_base, table, tile, end, dims, stride_c_block, stride_c_token,
+                            q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
+                                            True, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -265,7 +261,8 @@ def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
         NUM_HEADS=num_heads, QUERY_LEN=query_len, GROUP=group,
         BLOCK_M=max(16, next_power_of_2(query_len * group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, PIECE=tile_piece(block_size, block_n), NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32", ONE_LOOP=one_loop,
+        DOT_PRECISION="ieee" if q4.dtype == torch.float32 else "tf32",
+        ONE_LOOP=one_loop, MASKED_STAGES=num_stages if one_loop else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

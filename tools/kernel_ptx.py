@@ -54,8 +54,8 @@ def compile_decode(cache_dtype: str, block_n: int, warps: int, stages: int, capa
                  "qk_scale": "fp32"}
     constants = dict(NUM_HEADS=32, QUERY_LEN=1, GROUP=4, BLOCK_M=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n,
                      PIECE=min(16, block_n), NUM_SPLITS=1, DOT_PRECISION="tf32", ONE_LOOP=one_loop,
-                     PDL=capability >= 90)
-    for name in ("PIECE", "ONE_LOOP"):  # not in earlier trees
+                     MASKED_STAGES=stages if one_loop else 1, PDL=capability >= 90)
+    for name in ("PIECE", "ONE_LOOP", "MASKED_STAGES"):  # not in earlier trees
         if name not in _decode_kernel.arg_names:
             del constants[name]
     signature.update({name: "constexpr" for name in constants})
