@@ -180,7 +180,7 @@ class LLM:
 
     def stats(self) -> Stats:
         """The worker's counters (cache usage, prefix hits, preemptions); checks its invariants."""
-        self._worker.send(Control(ControlCommand.STATS))
+        self._worker.send(Control(ControlCommand.CHECK_INVARIANTS))
         while True:
             msg = self._recv()
             if isinstance(msg, StepOutputs) and msg.stats is not None:

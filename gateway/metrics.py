@@ -92,7 +92,7 @@ class GatewayMetrics:
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Time from arrival to the last token.", _E2E_BUCKETS)
         self.invariants_ok = gauge("spillway:kv_invariants_ok",
-                                   "1 if the worker's block manager invariants held at its last report.")
+                                   "1 if the worker's block manager invariants held when last checked.")
         self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
         self._last: Stats | None = None
 
@@ -113,7 +113,8 @@ class GatewayMetrics:
         self.kv_cache_usage.set(stats.gpu_cache_usage)
         self.gpu_cache_usage.set(stats.gpu_cache_usage)
         self.cpu_cache_usage.set(stats.cpu_cache_usage)
-        self.invariants_ok.set(1 if stats.invariants_ok else 0)
+        if stats.invariants_ok is not None:  # None: not checked for this report
+            self.invariants_ok.set(1 if stats.invariants_ok else 0)
         self._last = stats
 
     def on_worker_lost(self) -> None:

@@ -143,7 +143,9 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
-    invariants_ok: bool = True
+    # Whether the block manager's invariants held; None: not checked for this report (they
+    # are checked on CHECK_INVARIANTS and, in debug mode, always: the walk is O(blocks)).
+    invariants_ok: bool | None = None
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):

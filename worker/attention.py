@@ -20,9 +20,13 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from spillway.worker.step_inputs import StepLayout
 
 
 @dataclass(slots=True)
@@ -59,6 +63,11 @@ class AttentionBackend(ABC):
         block_tables: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> AttentionMetadata: ...
+
+    def metadata_for(self, layout: StepLayout) -> AttentionMetadata:
+        """`build_metadata` for an eager step staged by worker/step_inputs.py; a backend that
+        can read the staged device views takes them from `layout` instead of copying again."""
+        return self.build_metadata(layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping)
 
     @abstractmethod
     def forward(

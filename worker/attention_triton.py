@@ -48,6 +48,7 @@ from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention
 from spillway.worker.attention import AttentionBackend, AttentionMetadata
+from spillway.worker.step_inputs import StepLayout
 
 
 @dataclass(slots=True)
@@ -118,6 +119,12 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(
             query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill
         )
+
+    def metadata_for(self, layout: StepLayout) -> TritonAttentionMetadata:
+        """The step's metadata over the views `layout` staged on the device in the step's one
+        host-to-device copy: nothing is built or copied again."""
+        return self.build_metadata(layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping,
+                                   context_lens=layout.context_lens, query_start_loc=layout.query_start_loc)
 
     def forward(
         self,

@@ -1,4 +1,9 @@
-"""One engine step: schedule, run the model, sample, update. No sockets here (see main.py)."""
+"""The driver of one worker: requests, scheduler and sampler state, and the step pipeline.
+
+One step takes one path, plan -> inputs -> execute -> sample -> commit (worker/pipeline.py);
+the executor (worker/executor.py) owns the model, the KV pool and the graphs. No sockets
+here (see main.py).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ import torch
 
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
-from spillway.protocol.reasoning import advance, forced_token
 from spillway.protocol.messages import (
     FinishReason,
     Generate,
@@ -18,26 +22,24 @@ from spillway.protocol.messages import (
     Stats,
     PROTOCOL_VERSION,
 )
+from spillway.protocol.reasoning import forced_token
 from spillway.worker import envs
-from spillway.worker.config import WorkerConfig, resolve_device_settings
 from spillway.worker.block_manager import BlockManager
-from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
+from spillway.worker.config import WorkerConfig, resolve_device_settings
+from spillway.worker.executor import Executor, load_model
+from spillway.worker.model_runner import ModelRunner
 from spillway.worker.models import loader
-from spillway.worker.models import model_class_for
-from spillway.worker.models.cpu_linear import pack_linear_layers
-from spillway.worker.models.gpu_linear import store_weights_input_major
-from spillway.worker.overlap import InFlightStep, TokenReadback, can_overlap, chunk_inputs
-from spillway.worker.request import Request, RequestStatus
+from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
+from spillway.worker.request import Request
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
-from spillway.worker.scheduler import Scheduler, StepPlan
+from spillway.worker.scheduler import Scheduler
+from spillway.worker.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 1 << 30  # the CPU device's KV pool: 1 GiB holds ~23k SmolLM2-135M tokens
-
 
 class Engine:
-    """Owns the scheduler, the model runner and the sampler of one worker."""
+    """Owns the scheduler, the sampler and the requests of one worker; drives its executor."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -49,7 +51,7 @@ class Engine:
         hf_config = loader.load_config(files)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
-        model = self._build_model(hf_config, files)
+        model = load_model(hf_config, files, device=self.device, dtype=self.dtype, seed=config.seed)
         window = getattr(model, "sliding_window", None)
         if window is not None and self.max_model_len > window:
             # Sliding-window attention is not implemented: stay within one window, exactly.
@@ -59,17 +61,14 @@ class Engine:
             self.max_model_len = window
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
-        self.runner = ModelRunner(model, num_blocks=None, block_size=self.block_size, device=self.device,
-                                  dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                                  max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=self.max_num_batched_tokens,
-                                  max_model_len=self.max_model_len)
+        self.executor = Executor(model, block_size=self.block_size, device=self.device, dtype=self.dtype,
+                                 kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=self.max_num_batched_tokens,
+                                 max_model_len=self.max_model_len)
         num_blocks = self._num_blocks(hf_config)
-        self.runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.block_size,
-                    str(self.kv_cache_dtype).removeprefix("torch."))
+        self.executor.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs)
+            self.executor.capture_graphs()
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
@@ -81,64 +80,40 @@ class Engine:
             block_size=self.block_size,
             root_hash=self.root_hash,
             eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._readback = TokenReadback(config.max_num_seqs, self.device)
-        self._in_flight: InFlightStep | None = None
-        self.num_async_steps = 0  # steps launched before the one before was read
+        self._in_flight: LaunchedStep | None = None
+        self.num_async_steps = 0  # steps launched before the one before was committed
         self.num_steps = 0
         self._arrivals = 0
 
-    def _build_model(self, hf_config, files: loader.ModelFiles) -> torch.nn.Module:
-        model = model_class_for(hf_config).build(hf_config, device=self.device, dtype=self.dtype)
-        if files.load_format == "dummy":
-            loader.init_dummy_weights(model, seed=self.config.seed)
-        else:
-            model.load_weights(loader.iter_weights(files))
-        if self.device.type == "cpu":
-            packed = pack_linear_layers(model)
-            logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
-        elif self.device.type == "cuda" and envs.input_major_weights():
-            store_weights_input_major(model)
-            torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
-        return model.eval()
+    @property
+    def runner(self) -> ModelRunner:
+        return self.executor.runner
 
     def _num_blocks(self, hf_config) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            if self.config.num_gpu_blocks_override < 1:
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            if config.num_gpu_blocks_override < 1:
                 raise ValueError("num_gpu_blocks_override must be at least 1")
-            return self.config.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            budget = self._gpu_kv_budget()
-        else:
-            budget = CPU_KV_CACHE_BYTES
-        num_blocks = num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype, int(budget))
+            return config.num_gpu_blocks_override
+        num_blocks = self.executor.kv_pool_blocks(
+            hf_config, gpu_memory_utilization=config.gpu_memory_utilization,
+            with_graphs=self.device.type == "cuda" and not config.enforce_eager)
         # No point in more blocks than max_num_seqs full-length requests can use.
-        needed = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        num_blocks = min(num_blocks, needed)
-        if num_blocks < math.ceil(self.max_model_len / self.block_size):
+        blocks_per_request = math.ceil(self.max_model_len / self.block_size)
+        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_request)
+        if num_blocks < blocks_per_request:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; lower max_model_len or give it more memory"
             )
         return num_blocks
-
-    def _gpu_kv_budget(self) -> int:
-        """Bytes for KV: the utilisation's share of the GPU, less what is in use (weights, CUDA
-        context, other processes), the peak a step of max_num_batched_tokens adds and the
-        decode graphs' logits buffer."""
-        activation_peak = self.runner.profile_peak_memory(self.max_num_batched_tokens, self.max_model_len)
-        if not self.config.enforce_eager:
-            activation_peak += ModelRunner.graph_logits_bytes(self.config.max_num_seqs, self.vocab_size)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph buffers, "
-                    "%.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
-                    activation_peak / 2**30, max(budget, 0) / 2**30)
-        return int(budget)
 
     def ready(self) -> Ready:
         return Ready(
@@ -161,34 +136,14 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, msg: Generate) -> RequestDelta | None:
-        """Queue a request; returns an error delta instead when the worker cannot take it."""
-        error = self._check_request(msg)
-        if error is not None:
-            return RequestDelta(request_id=msg.request_id, new_token_ids=[],
-                                finish_reason=FinishReason.ERROR, error=error)
+        """Queue a request; returns an error delta instead when the worker cannot take it
+        (`worker.request.refusal` says why)."""
         self._arrivals += 1
         try:
             self.scheduler.add(Request.from_generate(msg, self._arrivals))
         except ValueError as exc:
             return RequestDelta(request_id=msg.request_id, new_token_ids=[],
                                 finish_reason=FinishReason.ERROR, error=str(exc))
-        return None
-
-    def _check_request(self, msg: Generate) -> str | None:
-        num_prompt = len(msg.prompt_token_ids)
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt >= self.max_model_len:
-            return (f"the prompt has {num_prompt} tokens; max_model_len={self.max_model_len} "
-                    "leaves no room for output")
-        if min(msg.prompt_token_ids) < 0 or max(msg.prompt_token_ids) >= self.vocab_size:
-            return f"prompt token ids must lie in [0, {self.vocab_size})"
-        thinking = msg.thinking
-        if thinking is not None and (not thinking.start_token_ids or not thinking.end_token_ids
-                                     or (thinking.budget is not None and thinking.budget < 0)):
-            return "the thinking policy needs start and end markers and a non-negative budget"
-        if self.scheduler.has_request(msg.request_id):
-            return f"request id {msg.request_id!r} is already in use"
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
@@ -209,71 +164,65 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Schedule and run one step; returns the tokens of the steps completed meanwhile.
-
-        With async scheduling a decode step is launched before the step in flight is read
-        (worker/overlap.py), so a step's tokens come back from the next call.
-        """
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None:
-            self.scheduler.mark_in_flight(previous.plan)
+        """plan -> inputs -> execute -> sample -> commit; returns the deltas of the steps
+        committed meanwhile. A plan that may run ahead (with async scheduling) is launched
+        before the step in flight is committed, and is itself committed one call later."""
+        previous = self._in_flight
         plan = self.scheduler.schedule(ahead=previous is not None)
-        if self.async_scheduling and can_overlap(plan):
-            chunks, feed = chunk_inputs(plan, previous)
-            logits = self.runner.execute(chunks, feed)
-            token_ids = self.sampler.sample_ids(logits, [self._sampling_input(c.request) for c in plan.chunks])
-            self._in_flight = self._readback.start(plan, token_ids)
-            self.num_async_steps += 1
-            return [] if previous is None else self._settle(previous.plan, previous.read(), {})
-        if previous is None:
-            deltas = []
-        else:
-            deltas = self._settle(previous.plan, previous.read(), {})
-            # Requests that the step in flight finished are dropped from the plan made ahead of it.
-            plan.chunks = [c for c in plan.chunks if c.request.status == RequestStatus.RUNNING]
-        if plan.chunks:
-            deltas += self._settle(plan, *self._run(plan))
+        run_ahead = self.async_scheduling and plan.run_ahead
+        deltas: list[RequestDelta] = []
+        if previous is not None and not run_ahead:
+            self._in_flight = None
+            deltas = self._commit(previous)
+            plan.drop_finished()
+        if not plan.chunks:
+            return deltas
+        launched = self._launch(plan, previous if run_ahead else None)
+        if not run_ahead:
+            return deltas + self._commit(launched)
+        if previous is not None:
+            deltas = self._commit(previous)
+        # After that commit, which settles the counts of the requests `plan` continues.
+        self.scheduler.mark_in_flight(plan)
+        self._in_flight = launched
+        self.num_async_steps += 1
         return deltas
 
-    def _settle(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict) -> list[RequestDelta]:
-        """Apply a computed plan's tokens; the deltas for the gateway."""
-        results = self.scheduler.update(plan, sampled)
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
+        """Inputs, execute, sample: everything up to the tokens, read by no host code."""
+        packed = pack_step(plan, previous)
+        logits = self.executor.execute(packed, previous.token_ids if packed.feed_rows else None)
+        if not packed.sample_rows:
+            return self._readback.start(plan, [], None, {})
+        requests = [plan.chunks[row].request for row in packed.sample_rows]
+        inputs = [self._sampling_input(request) for request in requests]
+        token_ids = self.sampler.sample_ids(logits, inputs)
+        logprobs = {}
+        if not plan.run_ahead:  # a plan that runs ahead has no request that asks for logprobs
+            logprobs = {requests[row].request_id: token_logprobs
+                        for row, token_logprobs in self.sampler.logprobs(logits, inputs, token_ids).items()}
+        return self._readback.start(plan, requests, token_ids, logprobs)
+
+    def _commit(self, step: LaunchedStep) -> list[RequestDelta]:
+        """Apply a launched step's tokens (Scheduler.update); the deltas for the gateway."""
+        results = self.scheduler.update(step.plan, step.read())
         self.num_steps += 1
         deltas = []
         for result in results:
             request_id = result.request.request_id
             if result.finish_reason is not None:
                 self.sampler.forget(request_id)
-            token_logprobs = logprobs.get(request_id)
+            token_logprobs = step.logprobs.get(request_id)
             deltas.append(RequestDelta(
                 request_id=request_id,
                 new_token_ids=result.new_token_ids,
                 finish_reason=result.finish_reason,
-                logprobs=[token_logprobs] if token_logprobs is not None and result.new_token_ids else None,
+                logprobs=[token_logprobs] if token_logprobs is not None else None,
                 num_cached_tokens=result.num_cached_tokens,
             ))
         if self.debug_invariants:
             self.block_manager.check_invariants()
         return deltas
-
-    def _run(self, plan: StepPlan):
-        chunks = [
-            ChunkInput(c.request.all_token_ids[c.start:c.start + c.num_tokens], c.start, c.block_table)
-            for c in plan.chunks
-        ]
-        logits = self.runner.execute(chunks)
-        rows = [i for i, c in enumerate(plan.chunks) if c.sample]
-        if not rows:
-            return {}, {}
-        requests = [plan.chunks[i].request for i in rows]
-        inputs = [self._sampling_input(r) for r in requests]
-        sampled = self.sampler.sample(logits[rows] if len(rows) < len(chunks) else logits, inputs)
-        for request, token in zip(requests, sampled):
-            if request.thinking_state is not None:
-                request.thinking_state = advance(request.thinking_policy, request.thinking_state, token.token_id)[0]
-        tokens = {inp.request_id: s.token_id for inp, s in zip(inputs, sampled)}
-        logprobs = {inp.request_id: s.logprobs for inp, s in zip(inputs, sampled) if s.logprobs is not None}
-        return tokens, logprobs
 
     @staticmethod
     def _sampling_input(request: Request) -> SamplingInput:
@@ -281,14 +230,18 @@ class Engine:
         return SamplingInput(request.request_id, request.params, request.prompt_token_ids,
                              OutputTokens(request.all_token_ids, request.num_prompt_tokens), forced)
 
-    def stats(self) -> Stats:
+    def stats(self, check_invariants: bool = False) -> Stats:
+        """Counters for the gateway. The block manager's invariants (a walk over every block)
+        are checked only when asked or in debug mode; `invariants_ok` is None otherwise."""
         bm, sched = self.block_manager, self.scheduler
-        try:
-            bm.check_invariants()
-            ok = True
-        except AssertionError:
-            logger.exception("block manager invariants broken")
-            ok = False
+        ok = None
+        if check_invariants or self.debug_invariants:
+            try:
+                bm.check_invariants()
+                ok = True
+            except AssertionError:
+                logger.exception("block manager invariants broken")
+                ok = False
         return Stats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,

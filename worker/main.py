@@ -92,7 +92,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
     gateway_session: bytes | None = None  # the gateway whose HELLO came last
     while True:
         pending: list[RequestDelta] = []
-        want_stats = False
+        want_stats = check_invariants = False
         timeout = 0 if engine.has_work else IDLE_POLL_MS
         while poller.poll(timeout):
             timeout = 0
@@ -117,6 +117,8 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
                 case Control(command=ControlCommand.RESET_PREFIX_CACHE):
                     engine.reset_prefix_cache()
                     want_stats = True
+                case Control(command=ControlCommand.CHECK_INVARIANTS):
+                    want_stats = check_invariants = True
                 case Control():
                     want_stats = True
         if parent_pid is not None and os.getppid() != parent_pid:
@@ -132,7 +134,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             want_stats = True  # and a busy one from its first step on
         busy_before = engine.has_work
         if pending or want_stats:
-            stats = engine.stats() if want_stats else None
+            stats = engine.stats(check_invariants) if want_stats else None
             if stats is not None:
                 last_stats = now
             out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))

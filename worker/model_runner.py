@@ -181,9 +181,7 @@ class ModelRunner:
         input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:
-        metadata = self.backend.build_metadata(
-            layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping
-        )
+        metadata = self.backend.metadata_for(layout)
         hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
         return self.model.compute_logits(hidden[layout.last_rows])
 

@@ -9,6 +9,11 @@ from spillway.protocol.messages import BlockHash, FinishReason, Generate, Sampli
 from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0)
+
+
 class RequestStatus(IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -69,11 +74,18 @@ class Request:
     thinking_policy: ThinkingPolicy | None = None
     # Advanced with every committed output token; decides tokens forced by the budget.
     thinking_state: ThinkingState | None = field(init=False, default=None)
+    # The device can choose this request's tokens from the logits alone: no logprobs to
+    # report, no penalties over its history, no thinking budget. With min_tokens reached, its
+    # decode steps may run ahead of the host (worker/pipeline.py). Fixed at arrival.
+    samples_on_device: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.thinking_policy is not None:
             self.thinking_state = initial_state(self.thinking_policy)
+        params = self.params
+        self.samples_on_device = (params.logprobs is None and not has_penalties(params)
+                                  and self.thinking_policy is None)
 
     @classmethod
     def from_generate(cls, msg: Generate, arrival_index: int) -> Request:
@@ -114,3 +126,27 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+
+def refusal(request: Request, *, max_model_len: int, block_size: int, vocab_size: int | None = None,
+            in_use: bool = False) -> str | None:
+    """Why the worker cannot take `request`, or None: every check a request gets, in one place
+    (the gateway validates first; this guards the worker against any sender)."""
+    num_prompt = request.num_prompt_tokens
+    if in_use:
+        return f"request id {request.request_id!r} is already in use"
+    if num_prompt == 0:
+        return "the prompt is empty"
+    if num_prompt >= max_model_len:
+        return f"the prompt has {num_prompt} tokens; max_model_len={max_model_len} leaves no room for output"
+    if vocab_size is not None and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < vocab_size:
+        return f"prompt token ids must lie in [0, {vocab_size})"
+    if request.params.max_tokens < 1:
+        return f"max_tokens must be at least 1, got {request.params.max_tokens}"
+    thinking = request.thinking_policy
+    if thinking is not None and (not thinking.start_token_ids or not thinking.end_token_ids
+                                 or (thinking.budget is not None and thinking.budget < 0)):
+        return "the thinking policy needs start and end markers and a non-negative budget"
+    if len(request.block_hashes) > num_prompt // block_size:
+        return f"{len(request.block_hashes)} block hashes for {num_prompt // block_size} full prompt blocks"
+    return None

@@ -23,6 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
+from spillway.worker.request import has_penalties
+
+__all__ = ["Sampler", "SamplingInput", "SampledToken", "OutputTokens", "has_penalties", "is_plain_greedy",
+           "adjusted_logits", "apply_penalties", "filtered_logits", "mask_stop_tokens"]
 
 
 class OutputTokens(Sequence[int]):
@@ -61,11 +65,6 @@ class SamplingInput:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0)
 
 
 def needs_min_tokens_mask(sampling_input: SamplingInput) -> bool:
@@ -217,7 +216,7 @@ class Sampler:
             return [SampledToken(token_id if i.forced_token_id is None else i.forced_token_id)
                     for token_id, i in zip(token_list, inputs)]
         token_ids = self.sample_ids(logits, inputs)
-        logprobs = self._logprobs(logits, inputs, token_ids)
+        logprobs = self.logprobs(logits, inputs, token_ids)
         return [SampledToken(token_id, logprobs.get(row))
                 for row, token_id in enumerate(token_ids.tolist())]
 
@@ -271,9 +270,10 @@ class Sampler:
             self.request_generators[sampling_input.request_id] = generator
         return generator
 
-    def _logprobs(self, logits: Tensor, inputs: list[SamplingInput],
-                  token_ids: Tensor) -> dict[int, TokenLogprobs]:
-        """TokenLogprobs by row, for the rows that asked, from the raw logits."""
+    def logprobs(self, logits: Tensor, inputs: list[SamplingInput],
+                 token_ids: Tensor) -> dict[int, TokenLogprobs]:
+        """TokenLogprobs by row, for the rows that asked, from the raw logits (reads them on
+        the host: only steps with such rows wait for it)."""
         rows = [row for row, i in enumerate(inputs) if i.params.logprobs is not None]
         if not rows:
             return {}

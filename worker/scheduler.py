@@ -18,38 +18,15 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import BlockHash, FinishReason
+from spillway.protocol.reasoning import advance
 from spillway.worker.block_manager import BlockManager
-from spillway.worker.request import Request, RequestStatus, finished_status
+from spillway.worker.request import Request, RequestStatus, finished_status, refusal
+from spillway.worker.step_plan import ScheduledChunk, StepPlan, StepResult
 
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Compute `all_token_ids[start : start + num_tokens]` of `request` this step."""
-
-    request: Request
-    start: int  # == request.num_computed_tokens when scheduled
-    num_tokens: int
-    block_table: list[int]  # a snapshot covering start + num_tokens tokens
-    sample: bool  # the chunk reaches the request's last token: sample the next one
-
-
-@dataclass(slots=True)
-class StepPlan:
-    chunks: list[ScheduledChunk]
-    preempted: list[str]  # request ids whose blocks were released this step
-    num_batched_tokens: int
-
-
-@dataclass(slots=True)
-class StepResult:
-    request: Request
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int = -1  # set on the request's first output only
+__all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "StepResult"]
 
 
 def _queue_key(request: Request) -> tuple[int, int]:
@@ -60,7 +37,9 @@ class Scheduler:
     """Turns the request queues into one `StepPlan` per step; see the module doc.
 
     Usage per step: `plan = schedule()`, run the model on `plan.chunks`, then
-    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set.
+    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set:
+    the one place where tokens are committed (stop checks, thinking-budget state, block
+    hashing).
     """
 
     def __init__(
@@ -73,6 +52,7 @@ class Scheduler:
         block_size: int,
         root_hash: BlockHash,
         eos_token_ids: Iterable[int],
+        vocab_size: int | None = None,
     ) -> None:
         if block_size != block_manager.block_size:
             raise ValueError(f"block size {block_size} differs from {block_manager.block_size}")
@@ -89,6 +69,7 @@ class Scheduler:
         self.block_size = block_size
         self.root_hash = root_hash
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size  # None: prompt token ids are not range-checked
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []  # sorted by _queue_key: the newest is last
         self._requests: dict[str, Request] = {}
@@ -119,7 +100,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a new request. Raises ValueError, queueing nothing, for a request it refuses."""
-        problem = self._refusal(request)
+        problem = refusal(request, max_model_len=self.max_model_len, block_size=self.block_size,
+                          vocab_size=self.vocab_size, in_use=request.request_id in self._requests)
         if problem is not None:
             raise ValueError(problem)
         if self.block_manager.enable_prefix_caching:
@@ -147,7 +129,7 @@ class Scheduler:
         adding requests; the next step, scheduled with every token known, preempts)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
+        preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -158,8 +140,11 @@ class Scheduler:
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
                     break
-            elif not self._allocate_or_preempt(request, num_tokens, preempted):
-                break  # the request was the newest and preempted itself
+            else:
+                fits, preempted_any = self._allocate_or_preempt(request, num_tokens)
+                preempted |= preempted_any
+                if not fits:
+                    break  # the request was the newest and preempted itself
             chunks.append(self._chunk(request, num_tokens))
             budget -= num_tokens
         # After running out of blocks, admitting new work would only be preempted again.
@@ -169,7 +154,14 @@ class Scheduler:
                 break  # strict queue order: nobody overtakes a request that does not fit
             chunks.append(chunk)
             budget -= chunk.num_tokens
-        return StepPlan(chunks, preempted, self.max_num_batched_tokens - budget)
+        run_ahead = bool(chunks) and all(self._runs_ahead(chunk) for chunk in chunks)
+        return StepPlan(chunks, self.max_num_batched_tokens - budget, run_ahead)
+
+    @staticmethod
+    def _runs_ahead(chunk: ScheduledChunk) -> bool:
+        request = chunk.request
+        return (chunk.num_tokens == 1 and chunk.sample and request.samples_on_device
+                and request.num_output_tokens >= request.params.min_tokens)
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed
@@ -195,8 +187,11 @@ class Scheduler:
                 continue  # aborted after schedule()
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if chunk.sample:
-                request.append_token(sampled[request.request_id])
+                token = sampled[request.request_id]
+                request.append_token(token)
                 request.num_pending_tokens = 0
+                if request.thinking_state is not None:
+                    request.thinking_state = advance(request.thinking_policy, request.thinking_state, token)[0]
             self._commit_full_blocks(request, chunk.start)
             if chunk.sample:
                 results.append(self._check_stop(request))
@@ -204,36 +199,22 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
         return results
 
-    def _refusal(self, request: Request) -> str | None:
-        num_prompt = request.num_prompt_tokens
-        if request.request_id in self._requests:
-            return f"request id {request.request_id!r} is already in use"
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt >= self.max_model_len:
-            return (f"the prompt has {num_prompt} tokens, which leaves no room to generate "
-                    f"within max_model_len {self.max_model_len}")
-        if request.params.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {request.params.max_tokens}"
-        if len(request.block_hashes) > num_prompt // self.block_size:
-            return (f"{len(request.block_hashes)} block hashes for "
-                    f"{num_prompt // self.block_size} full prompt blocks")
-        return None
-
     def _has_free_seq_slot(self) -> bool:
         return len(self.running) < self.max_num_seqs
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> tuple[bool, bool]:
         """Blocks for the request's next `num_tokens`, preempting the newest running requests
-        until they fit. False when the request itself was the newest and had to go."""
+        until they fit: (whether the request fits, whether anyone was preempted). It does not
+        fit when it was itself the newest and had to go."""
         num_tokens_covered = request.num_computed_tokens + num_tokens
+        preempted = False
         while not self.block_manager.allocate(request.request_id, num_tokens_covered):
             victim = self.running.pop()
             self._preempt(victim)
-            preempted.append(victim.request_id)
+            preempted = True
             if victim is request:
-                return False
-        return True
+                return False, True
+        return True, preempted
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)

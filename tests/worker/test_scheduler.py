@@ -194,9 +194,10 @@ def test_running_out_of_blocks_preempts_the_newest_which_resumes_and_completes()
     harness.add("a", list(range(8)), max_tokens=12)
     b = harness.add("b", list(range(10, 18)), max_tokens=12)
     for _ in range(9):
-        assert harness.step()[0].preempted == []
+        harness.step()
+        assert harness.scheduler.num_preemptions == 0
     plan, _ = harness.step()  # a's tokens reach block 5: no block left
-    assert plan.preempted == ["b"] and [c[0] for c in chunks(plan)] == ["a"]
+    assert harness.scheduler.waiting == [b] and [c[0] for c in chunks(plan)] == ["a"]
     assert chunks(plan)[0][3] == [0, 1, 4, 6, 7]  # 7 was b's last block, the LRU head
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert harness.scheduler.num_preemptions == 1 and harness.scheduler.waiting == [b]
@@ -221,9 +222,10 @@ def test_the_request_needing_a_block_is_preempted_when_it_is_the_newest():
     harness.add("a", list(range(8)))
     b = harness.add("b", list(range(6)))
     for _ in range(3):
-        assert harness.step()[0].preempted == []
+        harness.step()
+        assert harness.scheduler.num_preemptions == 0
     plan, _ = harness.step()  # b's 9th token needs a third block; a holds the last free one
-    assert plan.preempted == ["b"]
+    assert harness.scheduler.waiting == [b] and harness.scheduler.num_preemptions == 1
     assert chunks(plan) == [("a", 10, 1, [0, 1, 4], True)]
     assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 3
 

@@ -1,0 +1,118 @@
+"""One device's share of the worker: the model, the KV pool and the decode graphs.
+
+The driver (worker/engine.py: scheduler, requests, sampler state) sends each step to the
+executor as a `PackedStep`, plain data that never points at a request, so the same step can
+be broadcast to N executors (tensor parallelism) without change. One executor for now.
+
+Start-up, in this order on CUDA (the pool is what is left once the model and one step fit):
+
+    load_model ──► Executor(model) ──► kv_pool_blocks: profile one max_num_batched_tokens step
+               ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode buckets)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spillway.worker import envs
+from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, num_blocks_for_memory
+from spillway.worker.models import loader, model_class_for
+from spillway.worker.models.cpu_linear import pack_linear_layers
+from spillway.worker.models.gpu_linear import store_weights_input_major
+from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU device's KV pool: 1 GiB holds ~23k SmolLM2-135M tokens
+
+
+@dataclass(slots=True)
+class PackedStep:
+    """One step as every executor receives it: ints and lists only (msgpack-encodable).
+
+    Chunk `feed_rows[i]` takes its one input token from the device: row `feed_sources[i]` of
+    the token ids the step before sampled, not yet read by the host (its `token_ids` hold a
+    placeholder). `sample_rows`: the chunks whose last-token logits the sampler reads.
+    """
+
+    chunks: list[ChunkInput]
+    feed_rows: list[int]
+    feed_sources: list[int]
+    sample_rows: list[int]
+    kv_copies: KVCopies = NO_KV_COPIES
+
+
+def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,
+               seed: int) -> nn.Module:
+    """The model with its weights (random ones for the dummy format), laid out for `device`."""
+    model = model_class_for(hf_config).build(hf_config, device=device, dtype=dtype)
+    if files.load_format == "dummy":
+        loader.init_dummy_weights(model, seed=seed)
+    else:
+        model.load_weights(loader.iter_weights(files))
+    if device.type == "cpu":
+        packed = pack_linear_layers(model)
+        logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
+    elif device.type == "cuda" and envs.input_major_weights():
+        store_weights_input_major(model)
+        torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
+    return model.eval()
+
+
+class Executor:
+    """Owns the model runner (model, KV pool, graphs) of one device and runs packed steps."""
+
+    def __init__(self, model: nn.Module, *, block_size: int, device: torch.device, dtype: torch.dtype,
+                 kv_cache_dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.device = device
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.runner = ModelRunner(model, num_blocks=None, block_size=block_size, device=device, dtype=dtype,
+                                  kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+
+    def kv_pool_blocks(self, hf_config, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
+        """How many KV blocks fit this device: on CUDA, the utilisation's share of the GPU less
+        what is in use (weights, CUDA context, other processes), the peak a step of
+        max_num_batched_tokens adds and the decode graphs' logits buffer; 1 GiB on the CPU."""
+        runner = self.runner
+        if self.device.type != "cuda":
+            budget = CPU_KV_CACHE_BYTES
+        else:
+            activation_peak = runner.profile_peak_memory(self.max_num_batched_tokens, self.max_model_len)
+            if with_graphs:
+                activation_peak += ModelRunner.graph_logits_bytes(self.max_num_seqs, int(hf_config.vocab_size))
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * gpu_memory_utilization - (total - free) - activation_peak
+            logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "
+                        "buffers, %.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
+                        activation_peak / 2**30, max(budget, 0) / 2**30)
+        return num_blocks_for_memory(hf_config, runner.block_size, runner.kv_cache_dtype, int(budget))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
+                    str(self.runner.kv_cache_dtype).removeprefix("torch."))
+
+    def capture_graphs(self) -> None:
+        self.runner.capture_graphs(self.max_num_seqs)
+
+    def execute(self, step: PackedStep, fed_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of the sampled chunks' last tokens, `[len(step.sample_rows), vocab]`.
+
+        `fed_tokens`: the step before's sampled ids on the device, when `step.feed_rows` is
+        set. The result may be a view of a buffer that the next step overwrites.
+        """
+        if step.kv_copies.gpu_to_cpu or step.kv_copies.cpu_to_gpu:
+            raise NotImplementedError("KV copies between tiers: there is no CPU tier yet")
+        feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
+        logits = self.runner.execute(step.chunks, feed)
+        if len(step.sample_rows) == len(step.chunks):
+            return logits
+        return logits[step.sample_rows]

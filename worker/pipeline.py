@@ -1,0 +1,102 @@
+"""The driver's side of one step: inputs packed from a plan, and the sampled tokens read back.
+
+Every step takes one path:
+
+    plan     Scheduler.schedule: chunks, run_ahead, KV copies          (worker/scheduler.py)
+    inputs   pack_step: a PackedStep, plain data, no requests            (here)
+    execute  Executor.execute: logits of the sampled chunks              (worker/executor.py)
+    sample   Sampler.sample_ids on the device; TokenReadback starts the copy to the host
+    commit   Scheduler.update: stop checks, thinking-budget state, block hashing
+
+Asynchronous scheduling is "commit one step later". While the device runs step N, the
+host plans step N+1; when that plan may run ahead (`StepPlan.run_ahead`: one-token decodes
+whose token the device chooses alone), N+1 is launched with its input tokens fed from step
+N's sampled ids still on the device, and only then is step N committed:
+
+    host:    plan N | launch N | plan N+1 | launch N+1 | commit N | plan N+2 | ...
+    device:         | ===== step N ===== | ===== step N+1 ===== | ...
+
+A plan that may not run ahead waits: step N is committed first, then N+1 runs and is
+committed at once. A request that step N finishes (EOS, a stop token) wastes one row of
+N+1, whose token the commit drops; requests that N surely finishes by length are not
+planned ahead. Outputs are the same with asynchronous scheduling on or off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spillway.protocol.messages import TokenLogprobs
+from spillway.worker.executor import PackedStep
+from spillway.worker.model_runner import ChunkInput
+from spillway.worker.request import Request
+from spillway.worker.step_plan import StepPlan
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step on the device whose sampled tokens the host has not committed yet."""
+
+    plan: StepPlan
+    token_ids: torch.Tensor | None  # int64 [sampled rows] on the device: the next step's feed
+    host_tokens: torch.Tensor | None  # the same, being copied into pinned host memory
+    copied: torch.cuda.Event | None  # recorded after that copy; None on the CPU
+    rows: dict[str, int]  # request id -> its row of token_ids
+    logprobs: dict[str, TokenLogprobs]  # by request id, for the requests that asked
+
+    def read(self) -> dict[str, int]:
+        """Request id -> sampled token; waits for the copy."""
+        if self.host_tokens is None:
+            return {}
+        if self.copied is not None:
+            self.copied.synchronize()
+        return dict(zip(self.rows, self.host_tokens.tolist()))
+
+
+def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
+    """The executor's input for `plan`; a request's pending token is fed from `previous`."""
+    chunks: list[ChunkInput] = []
+    feed_rows: list[int] = []
+    feed_sources: list[int] = []
+    sample_rows: list[int] = []
+    for row, chunk in enumerate(plan.chunks):
+        request = chunk.request
+        if request.num_pending_tokens:
+            assert previous is not None, "a pending token without a step in flight"
+            feed_rows.append(row)
+            feed_sources.append(previous.rows[request.request_id])
+            token_ids = [0]  # a placeholder: the feed overwrites it on the device
+        else:
+            token_ids = request.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        chunks.append(ChunkInput(token_ids, chunk.start, chunk.block_table))
+        if chunk.sample:
+            sample_rows.append(row)
+    return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies)
+
+
+class TokenReadback:
+    """Copies of sampled ids to pinned host memory, two buffers used in turn: the copy of
+    step N+1 may land while the host still reads step N's."""
+
+    def __init__(self, max_num_seqs: int, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self._buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
+        self._turn = 0
+
+    def start(self, plan: StepPlan, requests: list[Request], token_ids: torch.Tensor | None,
+              logprobs: dict[str, TokenLogprobs]) -> LaunchedStep:
+        """Start reading `token_ids` (row i: `requests[i]`'s token; None: nothing sampled)."""
+        if token_ids is None:
+            return LaunchedStep(plan, None, None, None, {}, logprobs)
+        self._turn ^= 1
+        host = self._buffers[self._turn][: token_ids.shape[0]]
+        host.copy_(token_ids, non_blocking=True)
+        event = None
+        if self._events is not None:
+            event = self._events[self._turn]
+            event.record()
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        return LaunchedStep(plan, token_ids, host, event, rows, logprobs)

@@ -1,0 +1,67 @@
+"""A step's plan: what the scheduler decided, as data the rest of the step reads.
+
+The plan lives on the driver (it points at the requests); what the executors receive is
+packed from it (worker/pipeline.py). Features to come are fields here, not branches in the
+loop: KV copies between tiers, draft tokens to verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spillway.protocol.messages import FinishReason
+from spillway.worker.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Compute `all_token_ids[start : start + num_tokens]` of `request` this step."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_tokens: int
+    block_table: list[int]  # a snapshot covering start + num_tokens tokens
+    sample: bool  # the chunk reaches the request's last token: sample the next one
+    # Proposed tokens after the chunk's last one, verified in the same forward (speculative
+    # decoding; none yet). They are never committed unless accepted.
+    draft_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KVCopies:
+    """Block copies between the KV tiers that must run before the step's forward, as
+    (src_slot, dst_slot) pairs per direction (the CPU tier; none yet)."""
+
+    gpu_to_cpu: tuple[tuple[int, int], ...] = ()
+    cpu_to_gpu: tuple[tuple[int, int], ...] = ()
+
+
+NO_KV_COPIES = KVCopies()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes: the scheduler's whole answer, as data.
+
+    `run_ahead`: every chunk is a one-token decode whose token the device chooses alone
+    (`Request.samples_on_device`, min_tokens reached), so the step may be launched before the
+    tokens of the step before are read, and committed one step later (worker/pipeline.py).
+    """
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    run_ahead: bool = False
+    kv_copies: KVCopies = NO_KV_COPIES
+
+    def drop_finished(self) -> None:
+        """Leave out the chunks of requests that finished since the plan was made (by a
+        token of the step before, when the plan was made ahead of it)."""
+        self.chunks = [chunk for chunk in self.chunks if chunk.request.status == RequestStatus.RUNNING]
+
+
+@dataclass(slots=True)
+class StepResult:
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int = -1  # set on the request's first output only
