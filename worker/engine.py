@@ -7,7 +7,6 @@ here (see main.py).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -33,9 +32,8 @@ from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.request import Request
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler
+from spillway.worker.stats import collect_stats
 from spillway.worker.step_plan import StepPlan
-
-logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -231,29 +229,10 @@ class Engine:
                              OutputTokens(request.all_token_ids, request.num_prompt_tokens), forced)
 
     def stats(self, check_invariants: bool = False) -> Stats:
-        """Counters for the gateway. The block manager's invariants (a walk over every block)
-        are checked only when asked or in debug mode; `invariants_ok` is None otherwise."""
-        bm, sched = self.block_manager, self.scheduler
-        ok = None
-        if check_invariants or self.debug_invariants:
-            try:
-                bm.check_invariants()
-                ok = True
-            except AssertionError:
-                logger.exception("block manager invariants broken")
-                ok = False
-        return Stats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            gpu_cache_usage=bm.usage,
-            num_gpu_blocks=bm.num_gpu_blocks,
-            num_free_gpu_blocks=bm.num_free_blocks,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            num_steps=self.num_steps,
-            invariants_ok=ok,
-        )
+        """Counters for the gateway; the block manager's invariants (a walk over every block)
+        are checked only when asked or in debug mode (`invariants_ok` is None otherwise)."""
+        return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
+                             check_invariants=check_invariants or self.debug_invariants)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

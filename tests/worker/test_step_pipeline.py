@@ -1,0 +1,182 @@
+"""The step pipeline's parts without a model: which plans run ahead, what the executor
+receives, where tokens are committed, how a request is refused, what a Stats report costs."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from spillway.protocol.hashing import DEFAULT_HASH_SEED, root_hash
+from spillway.protocol.messages import Generate, SamplingParams
+from spillway.protocol.reasoning import Phase, ThinkingPolicy
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.executor import PackedStep
+from spillway.worker.model_runner import ChunkInput
+from spillway.worker.pipeline import LaunchedStep, pack_step
+from spillway.worker.request import Request, refusal
+from spillway.worker.scheduler import Scheduler
+from spillway.worker.stats import collect_stats
+from spillway.worker.step_inputs import StepInputs
+
+BLOCK = 4
+ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")
+
+
+def make_scheduler(num_blocks: int = 32, max_model_len: int = 32) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK, True), max_num_seqs=8, max_num_batched_tokens=64,
+                     max_model_len=max_model_len, block_size=BLOCK, root_hash=ROOT, eos_token_ids=[999],
+                     vocab_size=500)
+
+
+def make_request(request_id: str, prompt: list[int], arrival: int = 0, thinking: ThinkingPolicy | None = None,
+                 **params) -> Request:
+    msg = Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[],
+                   params=SamplingParams(**{"max_tokens": 8, "temperature": 0.0, **params}), thinking=thinking)
+    return Request.from_generate(msg, arrival)
+
+
+def prefill_then_plan(scheduler: Scheduler, *requests: Request):
+    """Add the requests, run their prefill step (each samples 7), return the next plan."""
+    for request in requests:
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert not plan.run_ahead  # prefill chunks are never decided by the device alone
+    scheduler.update(plan, {chunk.request.request_id: 7 for chunk in plan.chunks})
+    return scheduler.schedule()
+
+
+@pytest.mark.parametrize("params, thinking, expected", [
+    ({}, None, True),
+    ({"temperature": 0.8, "seed": 3}, None, True),
+    ({"logprobs": 2}, None, False),
+    ({"repetition_penalty": 1.2}, None, False),
+    ({"presence_penalty": 0.5}, None, False),
+    ({"min_tokens": 3}, None, False),  # one output so far
+    ({}, ThinkingPolicy(start_token_ids=(5,), end_token_ids=(6,), budget=4), False),
+])
+def test_a_decode_plan_runs_ahead_only_when_the_device_chooses_every_token_alone(params, thinking, expected):
+    scheduler = make_scheduler()
+    plain = make_request("plain", [1, 2, 3], 0)
+    other = make_request("other", [4, 5, 6, 7, 8], 1, thinking, **params)
+    assert other.samples_on_device == (not params.keys() & {"logprobs", "repetition_penalty",
+                                                             "presence_penalty"} and thinking is None)
+    plan = prefill_then_plan(scheduler, plain, other)
+    assert [(c.request.request_id, c.num_tokens, c.sample) for c in plan.chunks] == [("plain", 1, True),
+                                                                                      ("other", 1, True)]
+    assert plan.run_ahead is expected
+
+
+def test_min_tokens_reached_lets_the_plan_run_ahead():
+    scheduler = make_scheduler()
+    request = make_request("r", [1, 2, 3], min_tokens=2)
+    plan = prefill_then_plan(scheduler, request)
+    assert not plan.run_ahead and request.num_output_tokens == 1
+    scheduler.update(plan, {"r": 8})
+    assert scheduler.schedule().run_ahead
+
+
+def test_pack_step_is_plain_data_with_the_pending_tokens_fed_from_the_step_before():
+    scheduler = make_scheduler()
+    first, second = make_request("a", [1, 2, 3], 0), make_request("b", [4, 5, 6, 7, 8, 9], 1)
+    plan = prefill_then_plan(scheduler, first, second)
+    scheduler.mark_in_flight(plan)
+    late = make_request("c", [10, 11], 2)
+    scheduler.add(late)
+    ahead = scheduler.schedule(ahead=True)
+    # The step in flight sampled b in row 0 and a in row 1 of its token ids.
+    previous = LaunchedStep(plan, torch.tensor([40, 30]), None, None, {"b": 0, "a": 1}, {})
+    packed = pack_step(ahead, previous)
+    assert [(c.token_ids, c.start, c.block_table) for c in packed.chunks] == [
+        ([0], 4, [0, 3]), ([0], 7, [1, 2]), ([10, 11], 0, [4])]
+    assert (packed.feed_rows, packed.feed_sources, packed.sample_rows) == ([0, 1], [1, 0], [0, 1, 2])
+    wire = msgspec.msgpack.encode(packed)  # what a driver would broadcast to N executors
+    assert msgspec.msgpack.decode(wire, type=PackedStep) == packed
+
+
+def test_a_chunk_that_does_not_reach_the_last_token_is_not_sampled():
+    scheduler = make_scheduler(num_blocks=64, max_model_len=200)
+    scheduler.max_num_batched_tokens = 6
+    scheduler.add(make_request("long", list(range(1, 11))))
+    packed = pack_step(scheduler.schedule(), None)
+    assert [(c.token_ids, c.start) for c in packed.chunks] == [([1, 2, 3, 4, 5, 6], 0)]
+    assert (packed.feed_rows, packed.sample_rows) == ([], [])
+
+
+def test_the_commit_advances_the_thinking_state_and_forces_the_end_at_the_budget():
+    scheduler = make_scheduler()
+    policy = ThinkingPolicy(start_token_ids=(5,), end_token_ids=(6,), budget=2)
+    request = make_request("think", [1, 2, 3], thinking=policy)
+    plan = prefill_then_plan(scheduler, request)  # samples 7: not the start marker
+    assert request.thinking_state.phase == Phase.BEFORE
+    for token in (5, 20, 21):
+        scheduler.update(plan, {"think": token})
+        plan = scheduler.schedule()
+    assert request.output_token_ids == [7, 5, 20, 21]
+    assert (request.thinking_state.phase, request.thinking_state.forced) == (Phase.FORCING, (6,))
+
+
+@pytest.mark.parametrize("prompt, params, thinking, in_use, message", [
+    ([1, 2], {}, None, True, "request id 'r' is already in use"),
+    ([], {}, None, False, "the prompt is empty"),
+    (list(range(1, 33)), {}, None, False, "the prompt has 32 tokens; max_model_len=32 leaves no room for output"),
+    ([1, 500], {}, None, False, "prompt token ids must lie in [0, 500)"),
+    ([1, -1], {}, None, False, "prompt token ids must lie in [0, 500)"),
+    ([1, 2], {"max_tokens": 0}, None, False, "max_tokens must be at least 1, got 0"),
+    ([1, 2], {}, ThinkingPolicy(start_token_ids=(), end_token_ids=(6,)), False,
+     "the thinking policy needs start and end markers and a non-negative budget"),
+    ([1, 2], {}, ThinkingPolicy(start_token_ids=(5,), end_token_ids=(6,), budget=-1), False,
+     "the thinking policy needs start and end markers and a non-negative budget"),
+    ([1, 2], {}, None, False, None),
+])
+def test_one_function_refuses_a_request_with_a_message(prompt, params, thinking, in_use, message):
+    request = make_request("r", prompt, thinking=thinking, **params)
+    assert refusal(request, max_model_len=32, block_size=BLOCK, vocab_size=500, in_use=in_use) == message
+
+
+def test_the_scheduler_refuses_through_the_same_function():
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match=r"lie in \[0, 500\)"):
+        scheduler.add(make_request("r", [1, 777]))
+    assert not scheduler.has_unfinished
+
+
+def test_a_routine_stats_report_does_not_walk_the_blocks():
+    scheduler = make_scheduler()
+    prefill_then_plan(scheduler, make_request("a", [1, 2, 3, 4, 5]))
+    manager = scheduler.block_manager
+    walks = []
+    manager.check_invariants = lambda: walks.append(1)
+    stats = collect_stats(manager, scheduler, num_steps=3, check_invariants=False)
+    assert walks == [] and stats.invariants_ok is None
+    assert (stats.num_running, stats.num_gpu_blocks, stats.num_free_gpu_blocks, stats.num_steps) == (1, 32, 30, 3)
+    assert collect_stats(manager, scheduler, num_steps=3, check_invariants=True).invariants_ok is True
+    assert walks == [1]
+
+    def broken():
+        raise AssertionError("a block is in the free list twice")
+
+    manager.check_invariants = broken
+    assert collect_stats(manager, scheduler, num_steps=3, check_invariants=True).invariants_ok is False
+
+
+@pytest.mark.parametrize("query_lens, starts", [([3, 1], [0, 20]), ([1, 1, 1], [4, 17, 0])])
+def test_triton_metadata_of_an_eager_step_reads_the_staged_views(query_lens, starts):
+    """Prefill / mixed and eager decode steps: the kernels read the context lengths and row
+    starts that the step's one host-to-device copy brought, never a second copy."""
+    from spillway.worker.attention_triton import TritonAttentionBackend
+
+    inputs = StepInputs(max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8, block_size=16,
+                        device=torch.device("cpu"))
+    chunks = [ChunkInput([9] * n, start, [seq, 4 + seq]) for seq, (n, start) in enumerate(zip(query_lens, starts))]
+    layout = inputs.stage(chunks)
+    metadata = TritonAttentionBackend(16).metadata_for(layout)
+    if metadata.prefill is not None:
+        assert len(set(query_lens)) > 1
+        assert metadata.prefill.query_start_loc is layout.query_start_loc
+        assert metadata.prefill.seq_lens is layout.context_lens
+        assert metadata.prefill.seq_lens.tolist() == [s + n for s, n in zip(starts, query_lens)]
+    else:
+        assert metadata.decode.context_lens is layout.context_lens
+        assert metadata.decode.context_lens.tolist() == [s + 1 for s in starts]
+    assert metadata.slot_mapping is layout.slot_mapping

@@ -1,0 +1,40 @@
+"""The worker's counters for the gateway (`Stats`), cheap enough for every report.
+
+`check_invariants` walks every block (58 ms at 55k blocks, 127 ms at 131k): it runs only
+when asked (ControlCommand.CHECK_INVARIANTS) or in debug mode, never on a routine report.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from spillway.protocol.messages import Stats
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_steps: int,
+                  check_invariants: bool) -> Stats:
+    """O(1) counters; `invariants_ok` is None unless `check_invariants`."""
+    ok = None
+    if check_invariants:
+        try:
+            block_manager.check_invariants()
+            ok = True
+        except AssertionError:
+            logger.exception("block manager invariants broken")
+            ok = False
+    return Stats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        gpu_cache_usage=block_manager.usage,
+        num_gpu_blocks=block_manager.num_gpu_blocks,
+        num_free_gpu_blocks=block_manager.num_free_blocks,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_steps=num_steps,
+        invariants_ok=ok,
+    )
