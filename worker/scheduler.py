@@ -33,6 +33,17 @@ def _queue_key(request: Request) -> tuple[int, int]:
     return (request.priority, request.arrival_index)
 
 
+def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
+    """`StepPlan.run_ahead`: one-token decodes only, each token chosen by the device alone."""
+    for chunk in chunks:  # a plain loop: this runs every step, over every chunk
+        request = chunk.request
+        min_tokens = request.params.min_tokens
+        if not (chunk.num_tokens == 1 and chunk.sample and request.samples_on_device) or (
+                min_tokens and len(request.all_token_ids) - len(request.prompt_token_ids) < min_tokens):
+            return False
+    return bool(chunks)
+
+
 class Scheduler:
     """Turns the request queues into one `StepPlan` per step; see the module doc.
 
@@ -154,14 +165,7 @@ class Scheduler:
                 break  # strict queue order: nobody overtakes a request that does not fit
             chunks.append(chunk)
             budget -= chunk.num_tokens
-        run_ahead = bool(chunks) and all(self._runs_ahead(chunk) for chunk in chunks)
-        return StepPlan(chunks, self.max_num_batched_tokens - budget, run_ahead)
-
-    @staticmethod
-    def _runs_ahead(chunk: ScheduledChunk) -> bool:
-        request = chunk.request
-        return (chunk.num_tokens == 1 and chunk.sample and request.samples_on_device
-                and request.num_output_tokens >= request.params.min_tokens)
+        return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks))
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed

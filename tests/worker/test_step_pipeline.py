@@ -180,3 +180,25 @@ def test_triton_metadata_of_an_eager_step_reads_the_staged_views(query_lens, sta
         assert metadata.decode.context_lens is layout.context_lens
         assert metadata.decode.context_lens.tolist() == [s + 1 for s in starts]
     assert metadata.slot_mapping is layout.slot_mapping
+
+
+def test_engine_stats_walk_the_blocks_only_when_asked_or_in_debug_mode(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from spillway.worker.config import WorkerConfig
+    from spillway.worker.engine import Engine
+
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    engine = Engine(WorkerConfig(model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=2,
+                                 num_gpu_blocks_override=40))
+    assert engine.debug_invariants  # tests/conftest.py turns debug mode on for every engine
+    walks = []
+    engine.block_manager.check_invariants = lambda: walks.append(1)
+    engine.debug_invariants = False
+    assert engine.stats().invariants_ok is None and walks == []
+    assert engine.stats(check_invariants=True).invariants_ok is True and walks == [1]
+    engine.debug_invariants = True
+    assert engine.stats().invariants_ok is True and walks == [1, 1]
+    assert engine.stats().num_free_gpu_blocks == 40
