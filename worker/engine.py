@@ -175,7 +175,7 @@ class Engine:
             plan.drop_finished()
         if not plan.chunks:
             return deltas
-        launched = self._launch(plan, previous if run_ahead else None)
+        launched = self._launch(plan, previous if run_ahead else None, run_ahead)
         if not run_ahead:
             return deltas + self._commit(launched)
         if previous is not None:
@@ -186,12 +186,13 @@ class Engine:
         self.num_async_steps += 1
         return deltas
 
-    def _launch(self, plan: StepPlan, previous: LaunchedStep | None) -> LaunchedStep:
-        """Inputs, execute, sample: everything up to the tokens, read by no host code."""
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None, ahead: bool) -> LaunchedStep:
+        """Inputs, execute, sample: everything up to the tokens, read by no host code.
+        `ahead`: the step is committed one step later; `previous` feeds its pending tokens."""
         packed = pack_step(plan, previous)
         logits = self.executor.execute(packed, previous.token_ids if packed.feed_rows else None)
         if not packed.sample_rows:
-            return self._readback.start(plan, [], None, {})
+            return self._readback.start(plan, [], None, {}, ahead)
         requests = [plan.chunks[row].request for row in packed.sample_rows]
         inputs = [self._sampling_input(request) for request in requests]
         token_ids = self.sampler.sample_ids(logits, inputs)
@@ -199,7 +200,7 @@ class Engine:
         if not plan.run_ahead:  # a plan that runs ahead has no request that asks for logprobs
             logprobs = {requests[row].request_id: token_logprobs
                         for row, token_logprobs in self.sampler.logprobs(logits, inputs, token_ids).items()}
-        return self._readback.start(plan, requests, token_ids, logprobs)
+        return self._readback.start(plan, requests, token_ids, logprobs, ahead)
 
     def _commit(self, step: LaunchedStep) -> list[RequestDelta]:
         """Apply a launched step's tokens (Scheduler.update); the deltas for the gateway."""

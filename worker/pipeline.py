@@ -41,15 +41,18 @@ class LaunchedStep:
 
     plan: StepPlan
     token_ids: torch.Tensor | None  # int64 [sampled rows] on the device: the next step's feed
-    host_tokens: torch.Tensor | None  # the same, being copied into pinned host memory
+    # The same, being copied into pinned host memory; None: read token_ids when committed.
+    host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None  # recorded after that copy; None on the CPU
     rows: dict[str, int]  # request id -> its row of token_ids
     logprobs: dict[str, TokenLogprobs]  # by request id, for the requests that asked
 
     def read(self) -> dict[str, int]:
         """Request id -> sampled token; waits for the copy."""
-        if self.host_tokens is None:
+        if self.token_ids is None:
             return {}
+        if self.host_tokens is None:  # committed at once: one plain read
+            return dict(zip(self.rows, self.token_ids.tolist()))
         if self.copied is not None:
             self.copied.synchronize()
         return dict(zip(self.rows, self.host_tokens.tolist()))
@@ -87,10 +90,12 @@ class TokenReadback:
         self._turn = 0
 
     def start(self, plan: StepPlan, requests: list[Request], token_ids: torch.Tensor | None,
-              logprobs: dict[str, TokenLogprobs]) -> LaunchedStep:
-        """Start reading `token_ids` (row i: `requests[i]`'s token; None: nothing sampled)."""
-        if token_ids is None:
-            return LaunchedStep(plan, None, None, None, {}, logprobs)
+              logprobs: dict[str, TokenLogprobs], ahead: bool) -> LaunchedStep:
+        """Start reading `token_ids` (row i: `requests[i]`'s token; None: nothing sampled).
+        Only a step that runs `ahead` (committed one step later) needs the asynchronous copy."""
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        if token_ids is None or not ahead:
+            return LaunchedStep(plan, token_ids, None, None, rows, logprobs)
         self._turn ^= 1
         host = self._buffers[self._turn][: token_ids.shape[0]]
         host.copy_(token_ids, non_blocking=True)
@@ -98,5 +103,4 @@ class TokenReadback:
         if self._events is not None:
             event = self._events[self._turn]
             event.record()
-        rows = {request.request_id: row for row, request in enumerate(requests)}
         return LaunchedStep(plan, token_ids, host, event, rows, logprobs)
