@@ -18,6 +18,7 @@ Metadata comes in two forms; `forward` accepts either.
    (int64 is cast), slot_mapping int64 with -1 for padded rows. Pass the int32 device tensors
    `context_lens` [B] (= starts + query_lens) and `query_start_loc` [B + 1] when they are
    already staged; otherwise they are built here with one small host-to-device copy.
+   `metadata_for(layout)` passes the views worker/step_inputs.py staged: the runner's way.
 
 2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph. The runner owns
    persistent buffers, fills them in place before each replay, and passes the same object

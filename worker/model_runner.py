@@ -12,9 +12,11 @@ A step, on any device:
 Nothing on this path reads device memory back; the sampler's copy of the sampled tokens is
 the step's only synchronisation.
 
-On CUDA the engine builds the runner without a KV cache, measures the peak of one
-max_num_batched_tokens step (`profile_peak_memory`), sizes the pool from what is left
-(`allocate_kv_cache`), then captures the decode graphs (`capture_graphs`).
+On CUDA the executor (worker/executor.py) builds the runner without a KV cache, measures the
+peak of one max_num_batched_tokens step (`profile_peak_memory`), sizes the pool from what is
+left (`allocate_kv_cache`), then captures the decode graphs (`capture_graphs`). An eager step's
+attention metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's
+inputs reach the device once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Async scheduling (worker/overlap.py) gives the same outputs as stepping synchronously.
+"""Async scheduling (worker/pipeline.py: commit one step later) gives the same outputs as
+stepping synchronously, through the one step pipeline.
 
 Both engines run in this process on the CPU over the same tiny random Qwen3; the async one
 launches each decode step before reading the step before, feeding the pending tokens on
