@@ -140,7 +140,7 @@ class Scheduler:
         adding requests; the next step, scheduled with every token known, preempts)."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = False
+        num_preemptions_before = self.num_preemptions
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -151,14 +151,12 @@ class Scheduler:
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
                     break
-            else:
-                fits, preempted_any = self._allocate_or_preempt(request, num_tokens)
-                preempted |= preempted_any
-                if not fits:
-                    break  # the request was the newest and preempted itself
+            elif not self._allocate_or_preempt(request, num_tokens):
+                break  # the request was the newest and preempted itself
             chunks.append(self._chunk(request, num_tokens))
             budget -= num_tokens
         # After running out of blocks, admitting new work would only be preempted again.
+        preempted = self.num_preemptions != num_preemptions_before
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
@@ -206,19 +204,16 @@ class Scheduler:
     def _has_free_seq_slot(self) -> bool:
         return len(self.running) < self.max_num_seqs
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> tuple[bool, bool]:
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Blocks for the request's next `num_tokens`, preempting the newest running requests
-        until they fit: (whether the request fits, whether anyone was preempted). It does not
-        fit when it was itself the newest and had to go."""
+        until they fit. False when the request itself was the newest and had to go."""
         num_tokens_covered = request.num_computed_tokens + num_tokens
-        preempted = False
         while not self.block_manager.allocate(request.request_id, num_tokens_covered):
             victim = self.running.pop()
             self._preempt(victim)
-            preempted = True
             if victim is request:
-                return False, True
-        return True, preempted
+                return False
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
