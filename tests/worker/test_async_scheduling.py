@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -185,3 +186,24 @@ def test_on_cuda_with_graphs_greedy_and_stop_tokens_equal_synchronous_stepping(t
     expected, got, ahead = both(tiny_model, arrivals, **cuda)
     assert ahead.runner.graphs is not None
     assert got == expected
+
+
+def test_a_thinking_budget_forces_its_end_marker_among_steps_that_run_ahead(tiny_model):
+    """A request under a thinking budget never runs ahead (the forced token depends on the
+    committed state); its neighbours do, and the budget still closes thinking on time."""
+    from spillway.protocol.reasoning import ThinkingPolicy
+
+    end = 3
+    batch = prompts(3, seed=8)
+    policy = ThinkingPolicy(start_token_ids=(2,), end_token_ids=(end,), budget=4, prompt_opened=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [("plain", batch[0], greedy), ("other", batch[1], greedy)], 2: [("think", batch[2], greedy)]}
+    sync, ahead = make_engine(tiny_model, False), make_engine(tiny_model, True)
+    for engine in (sync, ahead):
+        original = engine.add_request
+        engine.add_request = lambda msg, original=original: original(
+            msg if msg.request_id != "think" else msgspec.structs.replace(msg, thinking=policy))
+    expected, got = drive(sync, arrivals), drive(ahead, arrivals)
+    assert got == expected and ahead.num_async_steps > 0
+    thinking_tokens = got["think"][0]
+    assert end in thinking_tokens[:5] and len(thinking_tokens) == 12
