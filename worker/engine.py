@@ -92,6 +92,7 @@ class Engine:
 
     @property
     def runner(self) -> ModelRunner:
+        """The executor's model runner (benchmarks reach the graphs and the KV pool through it)."""
         return self.executor.runner
 
     def _num_blocks(self, hf_config) -> int:
