@@ -16,8 +16,8 @@ and every GPU slot is owned by one referenced or cached block, or is in the pool
 slots. Free slots and cached blocks can all be allocated: `num_free_blocks` counts both,
 in the order they are handed out (`free_gpu_slots`):
 
-    free slots (LIFO)          LRU of cached blocks, head (evicted next) ... tail
-     [9]  [4]              ->  [2] h(a,b) <-> [7] h(a) <-> [6] h(c)
+    free slots, last freed first   LRU of cached blocks, head (evicted next) ... tail
+     [9]  [4]                  ->  [2] h(a,b) <-> [7] h(a) <-> [6] h(c)
 
 A new block takes a free slot first, else the slot of the LRU head, whose hash is dropped
 (lazy eviction). A released request's hashed blocks enter the LRU tail-first (last block
