@@ -1,149 +1,114 @@
-"""KV blocks, reference counts and the prefix cache: pure bookkeeping over integer ids.
+"""KV blocks, reference counts, GPU slots and the prefix cache: pure bookkeeping over integers.
 
-Every block is in exactly one of two states:
+A logical block (`Block`, see block_lru.py) carries a request's tokens and, once full and
+computed, a prefix-cache entry. Its KV lives in a slot: a row of the GPU KV pool (`gpu_slot`)
+or of the CPU pool (`cpu_slot`, for the CPU tier); either may be empty. Block ids are
+bookkeeping only: the runner sees slot tables (`slot_table`), never block ids.
 
-    referenced   ref_count > 0    in the block table of ref_count requests
-    free         ref_count == 0   in the free list; it may still hold a hash, and then it is a
-                                  prefix-cache entry that a lookup can hit until it is reused
+Every logical block is in exactly one state:
 
-The free list is the LRU order of eviction, threaded through the blocks themselves:
+    referenced  ref_count > 0   in the tables of ref_count requests; owns a GPU slot
+    cached      ref_count == 0  holds a hash and owns a GPU slot; in the LRU list, where a
+                                lookup can hit it until its slot is taken (eviction)
+    free        ref_count == 0  no hash, no slot; in the pool of free blocks
 
-    head (evicted next)                                        tail (freed last)
-     [9] <-> [4] <-> [2] <-> [7] <-> [6]
-     no hash          h(a,b)   h(a)    ...
+and every GPU slot is owned by one referenced or cached block, or is in the pool of free
+slots. Free slots and cached blocks can all be allocated: `num_free_blocks` counts both,
+in the order they are handed out (`free_gpu_slots`):
 
-Allocation pops the head and drops the hash it held (lazy eviction). A released request's
-hashed blocks are appended tail-first (last block first), so among them the block covering
-the most tokens is evicted first and the shared prefix survives longest. A released block
-without a hash can never be hit, so it goes to the head and is reused before any cached one.
+    free slots, last freed first   LRU of cached blocks, head (evicted next) ... tail
+     [9]  [4]                  ->  [2] h(a,b) <-> [7] h(a) <-> [6] h(c)
+
+A new block takes a free slot first, else the slot of the LRU head, whose hash is dropped
+(lazy eviction). A released request's hashed blocks enter the LRU tail-first (last block
+first), so among them the block covering the most tokens is evicted first and the shared
+prefix survives longest. A released block without a hash can never be hit: it is freed at
+once and its slot is reused before any cached one.
 
 Prefix cache: `hash -> block`, a bijection with the blocks whose `block_hash` is set.
 A block gets its hash when `commit` reports it full and computed, and loses it at eviction.
+
+The CPU tier builds on the split of blocks from slots: write-back gives a cached block a
+CPU slot before `_take_gpu_slot` drops its GPU slot (the block then lives on the CPU only,
+keeping its id and hash), and a load gives it a GPU slot again through `_take_gpu_slot`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from spillway.protocol.messages import BlockHash
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    block_id: int
-    gpu_slot: int
-    cpu_slot: int | None = None  # for the CPU tier; unused so far
-    ref_count: int = 0
-    block_hash: BlockHash | None = None
-    # Links of the free list; both None exactly when the block is not in it.
-    prev_free: Block | None = field(default=None, repr=False)
-    next_free: Block | None = field(default=None, repr=False)
-
-
-class FreeBlockList:
-    """Intrusive doubly-linked list of free blocks with O(1) append, pop and removal."""
-
-    def __init__(self, blocks: Sequence[Block]) -> None:
-        self._head = Block(block_id=-1, gpu_slot=-1)  # sentinels: no None checks when linking
-        self._tail = Block(block_id=-1, gpu_slot=-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Block]:
-        block = self._head.next_free
-        while block is not self._tail:
-            yield block
-            block = block.next_free
-
-    def append(self, block: Block) -> None:
-        self._link(block, self._tail.prev_free, self._tail)
-
-    def appendleft(self, block: Block) -> None:
-        self._link(block, self._head, self._head.next_free)
-
-    def popleft(self) -> Block:
-        if self._len == 0:
-            raise IndexError("no free block")
-        block = self._head.next_free
-        self.remove(block)
-        return block
-
-    def remove(self, block: Block) -> None:
-        if block.prev_free is None:
-            raise ValueError(f"block {block.block_id} is not in the free list")
-        block.prev_free.next_free, block.next_free.prev_free = block.next_free, block.prev_free
-        block.prev_free = block.next_free = None
-        self._len -= 1
-
-    def _link(self, block: Block, before: Block, after: Block) -> None:
-        if block.prev_free is not None:
-            raise ValueError(f"block {block.block_id} is already in the free list")
-        block.prev_free, block.next_free = before, after
-        before.next_free = after.prev_free = block
-        self._len += 1
+from spillway.worker.block_lru import Block, BlockLRU
 
 
 @dataclass(slots=True)
-class _BlockTable:
-    block_ids: list[int]
+class _Table:
+    blocks: list[Block]
+    # [block.gpu_slot for block in blocks], kept as it grows so `slot_table` is one list copy:
+    # a referenced block's GPU slot never changes.
+    slots: list[int]
     # Leading blocks already reported full by `commit` (or taken as cache hits).
     num_committed: int = 0
 
 
 class BlockManager:
-    """GPU blocks of `block_size` tokens and the prefix cache over them (see module doc).
+    """GPU slots of `block_size` tokens, the blocks in them and the prefix cache (module doc).
 
     API: `find_cached_prefix` (lookup, no refs) -> `can_allocate` / `allocate` (refs on the
-    hits, new blocks from the LRU head) -> `commit` (register hashes of full computed
-    blocks) -> `free` (release tail-first). A request's block table covers its tokens in
-    order: token t lives in block `block_table(request_id)[t // block_size]`.
+    hits, new blocks in free or evicted slots) -> `commit` (register hashes of full computed
+    blocks) -> `free` (release tail-first). A request's slot table covers its tokens in
+    order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_gpu_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need blocks and a block size, got {num_gpu_blocks}, {block_size}")
         self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = 0  # no CPU tier yet: no block may own a CPU slot
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(block_id=i, gpu_slot=i) for i in range(num_gpu_blocks)]
-        self._free = FreeBlockList(self.blocks)
+        # Without a CPU tier a block without a GPU slot is free, so one block per GPU slot.
+        self.blocks = [Block(block_id=i) for i in range(num_gpu_blocks)]
+        self._free_block_ids = list(range(num_gpu_blocks - 1, -1, -1))  # a stack: pops 0 first
+        self._free_slots = deque(range(num_gpu_blocks))
+        self._lru = BlockLRU()
         self._cached: dict[BlockHash, Block] = {}
-        self._tables: dict[str, _BlockTable] = {}
+        self._tables: dict[str, _Table] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks without references, cached or not: all of them can be allocated."""
-        return len(self._free)
+        """GPU slots that can be allocated: free ones and those of cached blocks."""
+        return len(self._free_slots) + len(self._lru)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by requests."""
-        return 1.0 - len(self._free) / self.num_gpu_blocks
+        """Fraction of GPU slots held by referenced blocks."""
+        return 1.0 - self.num_free_blocks / self.num_gpu_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def free_block_ids(self) -> list[int]:
-        """The free list in eviction order, head (next to be reused) first."""
-        return [block.block_id for block in self._free]
+    def free_gpu_slots(self) -> list[int]:
+        """The allocatable GPU slots in the order they are taken: free slots, then the slots
+        of cached blocks from the LRU head."""
+        return list(self._free_slots) + [block.gpu_slot for block in self._lru]
 
-    def block_table(self, request_id: str) -> list[int]:
-        """A copy of the request's block ids ([] when it holds none)."""
+    def slot_table(self, request_id: str) -> list[int]:
+        """A copy of the GPU slots of the request's blocks, in token order ([] when none)."""
         table = self._tables.get(request_id)
-        return list(table.block_ids) if table else []
+        return list(table.slots) if table else []
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's logical block ids, in token order ([] when none); for tests and debug."""
+        table = self._tables.get(request_id)
+        return [block.block_id for block in table.blocks] if table else []
 
     def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids of the longest prefix of `block_hashes` in the cache; takes no refs.
-
-        The ids stay valid until the next `allocate` of another request may evict them.
+        """Block ids (not slots) of the longest prefix of `block_hashes` in the cache; takes
+        no refs. The ids stay valid until the next `allocate` of another request may evict them.
         """
         hits: list[int] = []
         if not self.enable_prefix_caching:
@@ -158,30 +123,30 @@ class BlockManager:
     def can_allocate(
         self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
     ) -> bool:
-        return self._num_free_blocks_taken(request_id, num_tokens, cached_blocks) <= len(self._free)
+        return self._num_free_blocks_taken(request_id, num_tokens, cached_blocks) <= self.num_free_blocks
 
     def allocate(
         self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
     ) -> bool:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
 
-        On the request's first allocation `cached_blocks` (from `find_cached_prefix`) become
-        the head of its table, with a reference each; then new blocks are popped from the LRU
-        head, dropping the hashes they held. Returns False, changing nothing, when there are
-        not enough free blocks.
+        On the request's first allocation `cached_blocks` (block ids from `find_cached_prefix`)
+        become the head of its table, with a reference each; then new blocks get free slots,
+        or the slots of evicted cached blocks. Returns False, changing nothing, when there are
+        not enough allocatable slots.
         """
         if not self.can_allocate(request_id, num_tokens, cached_blocks):
             return False
         table = self._tables.get(request_id)
         if table is None:
-            table = self._tables[request_id] = _BlockTable(list(cached_blocks), len(cached_blocks))
-            for block_id in cached_blocks:
-                self._take_cached(self.blocks[block_id])
-        for _ in range(self._num_blocks_needed(num_tokens) - len(table.block_ids)):
-            block = self._free.popleft()
-            self._evict(block)
-            block.ref_count = 1
-            table.block_ids.append(block.block_id)
+            hits = [self.blocks[block_id] for block_id in cached_blocks]
+            for block in hits:
+                self._take_cached(block)
+            table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))
+        for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
+            block = self._new_block()
+            table.blocks.append(block)
+            table.slots.append(block.gpu_slot)
         return True
 
     def commit(self, request_id: str, block_hashes: Sequence[BlockHash]) -> None:
@@ -192,13 +157,11 @@ class BlockManager:
         only the newly full blocks.
         """
         table = self._tables[request_id]
-        if len(block_hashes) > len(table.block_ids):
-            raise ValueError(
-                f"{request_id}: {len(block_hashes)} hashes for {len(table.block_ids)} blocks"
-            )
+        if len(block_hashes) > len(table.blocks):
+            raise ValueError(f"{request_id}: {len(block_hashes)} hashes for {len(table.blocks)} blocks")
         if self.enable_prefix_caching:
             for i in range(table.num_committed, len(block_hashes)):
-                block = self.blocks[table.block_ids[i]]
+                block = table.blocks[i]
                 if block.block_hash is None and block_hashes[i] not in self._cached:
                     block.block_hash = block_hashes[i]
                     self._cached[block.block_hash] = block
@@ -209,53 +172,74 @@ class BlockManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        for block_id in reversed(table.block_ids):
-            block = self.blocks[block_id]
+        for block in reversed(table.blocks):
             block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    self._free.appendleft(block)
-                else:
-                    self._free.append(block)
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is None:
+                self._free_slots.appendleft(block.gpu_slot)
+                self._free_block(block)
+            else:
+                self._lru.append(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing changed) while blocks are in use."""
-        if len(self._free) != self.num_gpu_blocks:
+        if self.num_free_blocks != self.num_gpu_blocks:
             return False
-        for block in self._cached.values():
+        while self._lru:
+            block = self._lru.popleft()
             block.block_hash = None
+            self._free_slots.append(block.gpu_slot)  # behind the free slots: the order stays
+            self._free_block(block)
         self._cached.clear()
         return True
 
     def check_invariants(self) -> None:
-        """Raise AssertionError on the first broken invariant (see the module doc)."""
-        free_ids = [block.block_id for block in self._free]
-        _check(len(free_ids) == len(self._free), "free list length differs from its count")
-        _check(len(set(free_ids)) == len(free_ids), "a block is in the free list twice")
-        tables = self._tables.values()
-        refs = Counter(block_id for table in tables for block_id in table.block_ids)
+        """Raise AssertionError on the first broken invariant (module doc). O(blocks): for
+        tests and debug mode only."""
+        lru = list(self._lru)
+        _check(len(lru) == len(self._lru), "LRU list length differs from its count")
+        _check(len(set(map(id, lru))) == len(lru), "a block is in the LRU list twice")
+        free_ids = set(self._free_block_ids)
+        _check(len(free_ids) == len(self._free_block_ids), "a block is in the free pool twice")
+        refs = Counter(block.block_id for table in self._tables.values() for block in table.blocks)
         for block in self.blocks:
             name = f"block {block.block_id} (ref_count {block.ref_count})"
             _check(block.ref_count == refs[block.block_id], f"{name}: in {refs[block.block_id]} tables")
-            _check((block.ref_count == 0) == (block.prev_free is not None),
-                   f"{name}: free-list membership disagrees")
+            in_lru = block.ref_count == 0 and block.gpu_slot is not None
+            _check(in_lru == (block.lru_prev is not None), f"{name}: LRU membership disagrees")
+            _check(not in_lru or block.block_hash is not None, f"{name}: cached without a hash")
+            _check(block.ref_count == 0 or block.gpu_slot is not None, f"{name}: referenced without a GPU slot")
+            is_free = block.ref_count == 0 and block.gpu_slot is None and block.cpu_slot is None
+            _check(is_free == (block.block_id in free_ids), f"{name}: free-pool membership disagrees")
+            _check(not is_free or block.block_hash is None, f"{name}: free but holds a hash")
             if block.block_hash is not None:
                 _check(self._cached.get(block.block_hash) is block, f"{name}: hash does not map to it")
-        num_referenced = sum(block.ref_count > 0 for block in self.blocks)
-        _check(num_referenced + len(free_ids) == self.num_gpu_blocks, "referenced + free != total")
         for block_hash, block in self._cached.items():
             _check(block.block_hash == block_hash, f"a hash maps to block {block.block_id} without it")
         _check(self.enable_prefix_caching or not self._cached, "hashes cached with caching off")
-        gpu_slots = [block.gpu_slot for block in self.blocks]
-        cpu_slots = [block.cpu_slot for block in self.blocks if block.cpu_slot is not None]
-        _check(len(set(gpu_slots)) == len(gpu_slots), "a GPU slot is owned twice")
-        _check(len(set(cpu_slots)) == len(cpu_slots), "a CPU slot is owned twice")
+        self._check_slots()
+        num_referenced = sum(block.ref_count > 0 for block in self.blocks)
+        _check(num_referenced + self.num_free_blocks == self.num_gpu_blocks, "referenced + free != total")
         for request_id, table in self._tables.items():
-            ids, num_committed = table.block_ids, table.num_committed
-            _check(len(set(ids)) == len(ids), f"{request_id}: a block appears twice in its table")
-            _check(num_committed <= len(ids), f"{request_id}: more blocks committed than held")
-            _check(all(self.blocks[i].block_hash is None for i in ids[num_committed:]),
+            blocks, num_committed = table.blocks, table.num_committed
+            _check(len(set(map(id, blocks))) == len(blocks), f"{request_id}: a block appears twice in its table")
+            _check(table.slots == [block.gpu_slot for block in blocks], f"{request_id}: slot table is stale")
+            _check(num_committed <= len(blocks), f"{request_id}: more blocks committed than held")
+            _check(all(block.block_hash is None for block in blocks[num_committed:]),
                    f"{request_id}: an uncommitted block holds a hash")
+
+    def _check_slots(self) -> None:
+        owned = [block.gpu_slot for block in self.blocks if block.gpu_slot is not None]
+        free = list(self._free_slots)
+        _check(len(set(owned)) == len(owned), "a GPU slot is owned by two blocks")
+        _check(not set(owned) & set(free), "a GPU slot is owned and free")
+        _check(len(set(free)) == len(free), "a GPU slot is free twice")
+        _check(all(0 <= slot < self.num_gpu_blocks for slot in owned + free), "a GPU slot out of range")
+        _check(len(owned) + len(free) == self.num_gpu_blocks, "GPU slots lost")
+        cpu = [block.cpu_slot for block in self.blocks if block.cpu_slot is not None]
+        _check(len(set(cpu)) == len(cpu), "a CPU slot is owned by two blocks")
+        _check(all(0 <= slot < self.num_cpu_blocks for slot in cpu), "a CPU slot out of range")
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -270,20 +254,37 @@ class BlockManager:
             raise ValueError(f"{request_id}: {len(cached_blocks)} cached blocks, {num_tokens} tokens")
         if any(self.blocks[i].block_hash is None for i in cached_blocks):
             raise ValueError(f"{request_id}: a cached prefix block was evicted since the lookup")
-        num_held = len(table.block_ids) if table else len(cached_blocks)
+        num_held = len(table.blocks) if table else len(cached_blocks)
         num_new = max(0, self._num_blocks_needed(num_tokens) - num_held)
-        # A hit on a free block takes it out of the free list too.
+        # A hit on a cached block takes its slot out of the allocatable ones too.
         return num_new + sum(self.blocks[i].ref_count == 0 for i in cached_blocks)
 
     def _take_cached(self, block: Block) -> None:
         if block.ref_count == 0:
-            self._free.remove(block)
+            self._lru.remove(block)
         block.ref_count += 1
 
-    def _evict(self, block: Block) -> None:
-        if block.block_hash is not None:
-            del self._cached[block.block_hash]
-            block.block_hash = None
+    def _new_block(self) -> Block:
+        slot = self._take_gpu_slot()  # first: an eviction returns a block to the pool
+        block = self.blocks[self._free_block_ids.pop()]
+        block.gpu_slot, block.ref_count = slot, 1
+        return block
+
+    def _take_gpu_slot(self) -> int:
+        """A free GPU slot, else the slot of the LRU head, whose block is evicted."""
+        if self._free_slots:
+            return self._free_slots.popleft()
+        block = self._lru.popleft()
+        slot = block.gpu_slot
+        del self._cached[block.block_hash]
+        block.block_hash = None
+        self._free_block(block)
+        return slot
+
+    def _free_block(self, block: Block) -> None:
+        """Back to the pool: the block has no references and its GPU slot went elsewhere."""
+        block.gpu_slot = None
+        self._free_block_ids.append(block.block_id)
 
 
 def _check(condition: bool, message: str) -> None:

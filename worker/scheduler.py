@@ -245,7 +245,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        block_table = self.block_manager.block_table(request.request_id)
+        block_table = self.block_manager.slot_table(request.request_id)
         sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
         return ScheduledChunk(request, start, num_tokens, block_table, sample)
 

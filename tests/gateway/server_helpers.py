@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,16 +15,11 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from ports import HOST, listening_socket, reserve_ports
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spillway_command() -> list[str]:
@@ -34,11 +28,12 @@ def spillway_command() -> list[str]:
 
 
 class ServerProcess:
-    """`spillway serve` on a free port, its output kept in a log file."""
+    """`spillway serve` on a reserved port (held until `stop`), its output kept in a log file."""
 
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._reservation = reserve_ports(1)
+        (self.port,) = self._reservation.ports
+        self.url = f"http://{HOST}:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="spillway-serve-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             [*spillway_command(), "serve", "--port", str(self.port), *args],
@@ -80,6 +75,7 @@ class ServerProcess:
                 self.process.wait(5)
         self._log.close()
         os.unlink(self._log.name)
+        self._reservation.close()
 
 
 @contextmanager
@@ -94,21 +90,24 @@ def real_server(*args: str):
 
 @contextmanager
 def server_in_thread(app):
-    """Serve an app on a free port from a thread of this process (for fake-worker tests)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    """Serve an app from a thread of this process (for fake-worker tests), on a socket bound
+    here and handed over, so no other process can take the port in between."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the in-process server did not start")
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        yield f"http://{HOST}:{port}"
     finally:
         server.should_exit = True
         thread.join(30)
+        sock.close()
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -7,7 +7,8 @@ import subprocess
 import httpx
 import pytest
 
-from server_helpers import MODEL, ServerProcess, free_port, spillway_command
+from ports import reserve_ports
+from server_helpers import MODEL, ServerProcess, spillway_command
 from spillway.gateway.cli import main
 
 REFUSED = [
@@ -95,19 +96,19 @@ def test_bad_worker_address_is_refused(capsys):
 
 @pytest.mark.slow
 def test_worker_on_another_host_serves_through_tcp():
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    server = ServerProcess("--worker-address", address, "--max-model-len", "1024")
-    worker = subprocess.Popen([*spillway_command(), "worker", "--connect", address, "--max-model-len", "1024"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        server.wait_healthy()
-        reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "ignore_eos": True})
-        assert reply.status_code == 200
-        assert reply.json()["usage"]["completion_tokens"] == 4
-    finally:
-        worker.kill()
-        worker.wait(10)
-        server.stop()
+    with reserve_ports(2) as (port, _):  # the gateway binds port and port + 1
+        address = f"tcp://127.0.0.1:{port}"
+        server = ServerProcess("--worker-address", address, "--max-model-len", "1024")
+        worker = subprocess.Popen([*spillway_command(), "worker", "--connect", address, "--max-model-len", "1024"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            server.wait_healthy()
+            reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "ignore_eos": True})
+            assert reply.status_code == 200
+            assert reply.json()["usage"]["completion_tokens"] == 4
+        finally:
+            worker.kill()
+            worker.wait(10)
+            server.stop()

@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from fake_worker import FakeWorkerProcess, fake_worker_main
-from server_helpers import MODEL, free_port, scrape, server_in_thread, sse_events
+from ports import reserve_ports
+from server_helpers import MODEL, scrape, server_in_thread, sse_events
 from spillway.gateway.app import ServerSettings, build_app
 from spillway.worker.config import WorkerConfig
 from spillway.worker.models import loader
@@ -170,18 +171,25 @@ def start_remote_fake(config: WorkerConfig, address_port: int, script: list[int]
     return process
 
 
-def remote_gateway(files, heartbeat_timeout_s: float) -> tuple[int, WorkerConfig, ServerSettings]:
-    """A free port, the worker's config, and settings of a gateway waiting for a worker there."""
-    port = free_port()
+@pytest.fixture
+def worker_port():
+    """A port for a remote worker's address; it and the next one (the gateway binds both)
+    stay reserved for the test, so nothing else takes them before or between gateways."""
+    with reserve_ports(2) as (port, _):
+        yield port
+
+
+def remote_gateway(files, port: int, heartbeat_timeout_s: float) -> tuple[WorkerConfig, ServerSettings]:
+    """The worker's config, and settings of a gateway waiting for a worker at `port`."""
     config = worker_config(files)
     settings = ServerSettings(worker=config, served_model_names=[MODEL], worker_address=f"tcp://127.0.0.1:{port}",
                               heartbeat_timeout_s=heartbeat_timeout_s)
-    return port, config, settings
+    return config, settings
 
 
-def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
-    port, config, settings = remote_gateway(files, heartbeat_timeout_s=1.5)
-    first = start_remote_fake(config, port, script)
+def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script, worker_port):
+    config, settings = remote_gateway(files, worker_port, heartbeat_timeout_s=1.5)
+    first = start_remote_fake(config, worker_port, script)
     try:
         with server_in_thread(build_app(settings)) as url:
             reply = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3}).json()
@@ -191,7 +199,7 @@ def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
             while httpx.get(url + "/health").status_code == 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            second = start_remote_fake(config, port, script)
+            second = start_remote_fake(config, worker_port, script)
             try:
                 deadline = time.monotonic() + 30
                 while httpx.get(url + "/health").status_code != 200:
@@ -205,11 +213,11 @@ def test_remote_worker_over_tcp_is_replaced_when_it_falls_silent(files, script):
         first.kill()
 
 
-def test_a_restarted_gateway_takes_back_a_running_remote_worker(files, script):
+def test_a_restarted_gateway_takes_back_a_running_remote_worker(files, script, worker_port):
     """The worker outlives its gateway; the next gateway on the same address attaches to it
     (HELLO -> Ready) instead of waiting for a worker that will never announce itself again."""
-    port, config, settings = remote_gateway(files, heartbeat_timeout_s=5.0)
-    worker = start_remote_fake(config, port, script)
+    config, settings = remote_gateway(files, worker_port, heartbeat_timeout_s=5.0)
+    worker = start_remote_fake(config, worker_port, script)
     try:
         for _ in range(2):  # the first gateway, then its successor
             deadline = time.monotonic() + 20

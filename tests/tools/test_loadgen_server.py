@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # the repository root holds `tools`
 
+from ports import reserve_ports  # noqa: E402
 from tools.loadgen.cli import main  # noqa: E402
 
 STARTUP_TIMEOUT_S = 600
@@ -39,19 +39,13 @@ RUNS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     spillway = Path(sys.executable).parent / "spillway"
     command = [str(spillway)] if spillway.exists() else [sys.executable, "-m", "spillway.gateway.cli"]
-    with tempfile.TemporaryFile() as log:
+    # The port stays reserved while the server runs, so nothing else takes it first.
+    with reserve_ports(1) as (port,), tempfile.TemporaryFile() as log:
+        url = f"http://127.0.0.1:{port}"
         # --enable-reasoning: the reasoning workload sends thinking_budget, refused without a parser.
         process = subprocess.Popen([*command, "serve", "--port", str(port), "--enable-reasoning"], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)

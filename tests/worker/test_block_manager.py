@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
 from spillway.protocol.messages import BlockHash
+from spillway.worker.block_lru import Block
 from spillway.worker.block_manager import BlockManager
 
 
@@ -18,21 +19,29 @@ def make_manager(num_gpu_blocks: int = 8, block_size: int = 4, enable_prefix_cac
     return BlockManager(num_gpu_blocks, block_size, enable_prefix_caching)
 
 
+def block_in_slot(manager: BlockManager, slot: int) -> Block | None:
+    owners = [block for block in manager.blocks if block.gpu_slot == slot]
+    assert len(owners) <= 1
+    return owners[0] if owners else None
+
+
 def ref_counts(manager: BlockManager) -> list[int]:
-    return [block.ref_count for block in manager.blocks]
+    """Per GPU slot: the references to the block in it (0 for a free slot)."""
+    blocks = [block_in_slot(manager, slot) for slot in range(manager.num_gpu_blocks)]
+    return [block.ref_count if block else 0 for block in blocks]
 
 
 def test_fresh_blocks_come_in_id_order_and_only_as_many_as_needed():
     manager = make_manager()
     assert manager.allocate("a", 10)
-    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.slot_table("a") == [0, 1, 2]
     assert manager.allocate("b", 1)
-    assert manager.block_table("b") == [3]
+    assert manager.slot_table("b") == [3]
     assert manager.allocate("a", 12)  # still fits in three blocks
-    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.slot_table("a") == [0, 1, 2]
     assert manager.allocate("a", 13)
-    assert manager.block_table("a") == [0, 1, 2, 4]
-    assert manager.free_block_ids() == [5, 6, 7]
+    assert manager.slot_table("a") == [0, 1, 2, 4]
+    assert manager.free_gpu_slots() == [5, 6, 7]
     assert manager.num_free_blocks == 3
     assert manager.usage == 5 / 8
     manager.check_invariants()
@@ -45,9 +54,9 @@ def test_release_is_tail_first_and_unhashed_blocks_go_to_the_head():
     manager.allocate("b", 4)  # [3]
     manager.free("a")
     # 2 can never be hit: reused first. 1 covers more tokens than 0: evicted before it.
-    assert manager.free_block_ids() == [2, 4, 5, 6, 7, 1, 0]
+    assert manager.free_gpu_slots() == [2, 4, 5, 6, 7, 1, 0]
     manager.free("b")
-    assert manager.free_block_ids() == [3, 2, 4, 5, 6, 7, 1, 0]
+    assert manager.free_gpu_slots() == [3, 2, 4, 5, 6, 7, 1, 0]
     manager.check_invariants()
 
 
@@ -56,14 +65,14 @@ def test_freed_blocks_stay_findable_and_are_hit():
     manager.allocate("a", 8)
     manager.commit("a", [h("a0"), h("a1")])
     manager.free("a")
-    assert manager.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert manager.free_gpu_slots() == [2, 3, 4, 5, 6, 7, 1, 0]
     assert manager.find_cached_prefix([h("a0"), h("a1"), h("x")]) == [0, 1]
     assert manager.find_cached_prefix([h("a1")]) == [1]
     assert manager.find_cached_prefix([h("x"), h("a0")]) == []
     assert manager.allocate("b", 11, cached_blocks=[0, 1])
-    assert manager.block_table("b") == [0, 1, 2]
+    assert manager.slot_table("b") == [0, 1, 2]
     assert ref_counts(manager) == [1, 1, 1, 0, 0, 0, 0, 0]
-    assert manager.free_block_ids() == [3, 4, 5, 6, 7]
+    assert manager.free_gpu_slots() == [3, 4, 5, 6, 7]
     manager.check_invariants()
 
 
@@ -72,10 +81,10 @@ def test_allocating_the_lru_head_evicts_its_hash():
     manager.allocate("a", 16)
     manager.commit("a", [h("a0"), h("a1"), h("a2"), h("a3")])
     manager.free("a")
-    assert manager.free_block_ids() == [3, 2, 1, 0]
+    assert manager.free_gpu_slots() == [3, 2, 1, 0]
     assert manager.allocate("b", 4)
-    assert manager.block_table("b") == [3]
-    assert manager.blocks[3].block_hash is None
+    assert manager.slot_table("b") == [3]
+    assert block_in_slot(manager, 3).block_hash is None
     assert manager.num_cached_blocks == 3
     assert manager.find_cached_prefix([h("a3")]) == []
     assert manager.find_cached_prefix([h("a0"), h("a1"), h("a2"), h("a3")]) == [0, 1, 2]
@@ -88,13 +97,13 @@ def test_two_requests_with_the_same_prefix_share_blocks():
     manager.commit("a", [h("p0"), h("p1")])
     cached = manager.find_cached_prefix([h("p0"), h("p1")])
     assert manager.allocate("b", 10, cached_blocks=cached)
-    assert manager.block_table("b") == [0, 1, 3]
+    assert manager.slot_table("b") == [0, 1, 3]
     assert ref_counts(manager)[:4] == [2, 2, 1, 1]
     manager.free("a")
     assert ref_counts(manager)[:4] == [1, 1, 0, 1]
-    assert manager.free_block_ids() == [2, 4, 5, 6, 7]
+    assert manager.free_gpu_slots() == [2, 4, 5, 6, 7]
     manager.free("b")
-    assert manager.free_block_ids() == [3, 2, 4, 5, 6, 7, 1, 0]
+    assert manager.free_gpu_slots() == [3, 2, 4, 5, 6, 7, 1, 0]
     manager.check_invariants()
 
 
@@ -107,15 +116,15 @@ def test_allocate_is_all_or_nothing():
     # 5 blocks: the 2 free hits leave only block 3 for the 3 new ones.
     assert not manager.can_allocate("b", 20, cached_blocks=[0, 1])
     assert not manager.allocate("b", 20, cached_blocks=[0, 1])
-    assert manager.block_table("b") == []
-    assert manager.free_block_ids() == [3, 1, 0]
+    assert manager.slot_table("b") == []
+    assert manager.free_gpu_slots() == [3, 1, 0]
     assert ref_counts(manager) == [0, 0, 1, 0]
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0, 1]
     assert not manager.allocate("c", 20)
-    assert manager.block_table("c") == [2]
+    assert manager.slot_table("c") == [2]
     assert manager.allocate("b", 12, cached_blocks=[0, 1])
-    assert manager.block_table("b") == [0, 1, 3]
-    assert manager.free_block_ids() == []
+    assert manager.slot_table("b") == [0, 1, 3]
+    assert manager.free_gpu_slots() == []
     manager.check_invariants()
 
 
@@ -126,9 +135,9 @@ def test_commit_keeps_the_existing_block_for_a_known_hash():
     manager.commit("a", [h("x")])
     manager.commit("b", [h("x")])
     assert manager.find_cached_prefix([h("x")]) == [0]
-    assert manager.blocks[1].block_hash is None
+    assert manager.block_ids("b") == [1] and manager.blocks[1].block_hash is None
     manager.free("b")
-    assert manager.free_block_ids()[0] == 1
+    assert manager.free_gpu_slots()[0] == 1
     manager.check_invariants()
 
 
@@ -179,7 +188,64 @@ def test_with_prefix_caching_off_nothing_is_cached():
     manager.free("a")
     assert manager.find_cached_prefix([h("a0")]) == []
     assert manager.num_cached_blocks == 0
-    assert manager.free_block_ids() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert manager.free_gpu_slots() == [0, 1, 2, 3, 4, 5, 6, 7]
+    manager.check_invariants()
+
+
+def test_after_a_reset_blocks_sit_in_slots_other_than_their_ids():
+    manager = make_manager(num_gpu_blocks=4)
+    manager.allocate("a", 16)
+    manager.commit("a", [h("a0"), h("a1"), h("a2"), h("a3")])
+    manager.free("a")
+    assert manager.reset_prefix_cache()
+    # The cached slots keep their LRU order behind the free ones; their blocks go back to the
+    # pool last-evicted first, so slots and block ids are handed out in different orders.
+    assert manager.free_gpu_slots() == [3, 2, 1, 0]
+    assert manager.allocate("b", 8)
+    assert manager.slot_table("b") == [3, 2]
+    assert manager.block_ids("b") == [0, 1]
+    manager.commit("b", [h("b0"), h("b1")])
+    manager.free("b")
+    assert manager.free_gpu_slots() == [1, 0, 2, 3]
+    assert manager.find_cached_prefix([h("b0"), h("b1")]) == [0, 1]  # block ids, not slots
+    assert manager.allocate("c", 12, cached_blocks=[0, 1])
+    assert manager.slot_table("c") == [3, 2, 1]
+    assert manager.block_ids("c") == [0, 1, 2]
+    assert ref_counts(manager) == [0, 1, 1, 1]
+    assert manager.free_gpu_slots() == [0]
+    manager.check_invariants()
+
+
+def test_an_evicted_block_gives_its_slot_to_the_new_block_and_leaves_the_cache():
+    manager = make_manager(num_gpu_blocks=4)
+    manager.allocate("a", 16)
+    manager.commit("a", [h("a0"), h("a1"), h("a2"), h("a3")])
+    manager.free("a")
+    assert manager.reset_prefix_cache()
+    manager.allocate("b", 16)  # blocks 0..3 in slots 3..0
+    manager.commit("b", [h("b0"), h("b1"), h("b2"), h("b3")])
+    manager.free("b")
+    assert manager.free_gpu_slots() == [0, 1, 2, 3]  # the LRU: b3 in slot 0 goes first
+    assert manager.allocate("c", 6)
+    assert manager.slot_table("c") == [0, 1]
+    assert manager.block_ids("c") == [3, 2]  # the evicted blocks, reused with their slots
+    assert manager.find_cached_prefix([h("b0"), h("b1"), h("b2"), h("b3")]) == [0, 1]
+    assert [manager.blocks[i].gpu_slot for i in (0, 1)] == [3, 2]
+    assert manager.num_cached_blocks == 2
+    assert manager.num_free_blocks == 2 and manager.usage == 0.5
+    manager.check_invariants()
+
+
+def test_a_free_block_owns_no_slot_and_a_cached_one_keeps_its_slot():
+    manager = make_manager(num_gpu_blocks=4)
+    manager.allocate("a", 6)  # blocks 0, 1; only block 0 is full
+    manager.commit("a", [h("a0")])
+    manager.free("a")
+    assert [(b.gpu_slot, b.cpu_slot, b.ref_count) for b in manager.blocks] == [
+        (0, None, 0), (None, None, 0), (None, None, 0), (None, None, 0)]
+    assert manager.free_gpu_slots() == [1, 2, 3, 0]
+    assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 1
+    assert manager.usage == 0.0
     manager.check_invariants()
 
 
@@ -192,20 +258,53 @@ def _map_hash_to_wrong_block(manager: BlockManager) -> None:
 
 
 def _hash_without_entry(manager: BlockManager) -> None:
-    manager.blocks[5].block_hash = h("ghost")
+    manager.blocks[2].block_hash = h("ghost")
 
 
 def _block_twice_in_a_table(manager: BlockManager) -> None:
-    manager._tables["a"].block_ids.append(0)
+    manager._tables["a"].blocks.append(manager.blocks[0])
+    manager._tables["a"].slots.append(0)
     manager.blocks[0].ref_count += 1
 
 
+def _stale_slot_table(manager: BlockManager) -> None:
+    manager._tables["a"].slots[2] = 5
+
+
 def _shared_gpu_slot(manager: BlockManager) -> None:
-    manager.blocks[6].gpu_slot = 0
+    manager.blocks[1].gpu_slot = 0
 
 
-def _free_block_dropped_from_the_list(manager: BlockManager) -> None:
-    manager._free.remove(manager.blocks[7])
+def _gpu_slot_out_of_range(manager: BlockManager) -> None:
+    manager.blocks[1].gpu_slot = 8
+
+
+def _owned_slot_also_free(manager: BlockManager) -> None:
+    manager._free_slots.append(1)
+
+
+def _free_slot_lost(manager: BlockManager) -> None:
+    manager._free_slots.pop()
+
+
+def _shared_cpu_slot(manager: BlockManager) -> None:
+    manager.blocks[0].cpu_slot = manager.blocks[1].cpu_slot = 0
+
+
+def _cpu_slot_without_a_cpu_tier(manager: BlockManager) -> None:
+    manager.blocks[0].cpu_slot = 0
+
+
+def _referenced_block_without_a_gpu_slot(manager: BlockManager) -> None:
+    manager.blocks[2].gpu_slot = None
+
+
+def _cached_block_dropped_from_the_lru(manager: BlockManager) -> None:
+    manager._lru.remove(manager.blocks[3])
+
+
+def _free_block_dropped_from_the_pool(manager: BlockManager) -> None:
+    manager._free_block_ids.remove(7)
 
 
 @pytest.mark.parametrize(
@@ -215,14 +314,25 @@ def _free_block_dropped_from_the_list(manager: BlockManager) -> None:
         (_map_hash_to_wrong_block, "hash"),
         (_hash_without_entry, "does not map"),
         (_block_twice_in_a_table, "twice in its table"),
-        (_shared_gpu_slot, "GPU slot"),
-        (_free_block_dropped_from_the_list, "free-list membership"),
+        (_stale_slot_table, "slot table is stale"),
+        (_shared_gpu_slot, "GPU slot is owned by two blocks"),
+        (_gpu_slot_out_of_range, "GPU slot out of range"),
+        (_owned_slot_also_free, "owned and free"),
+        (_free_slot_lost, "GPU slots lost"),
+        (_shared_cpu_slot, "CPU slot is owned by two blocks"),
+        (_cpu_slot_without_a_cpu_tier, "CPU slot out of range"),
+        (_referenced_block_without_a_gpu_slot, "referenced without a GPU slot"),
+        (_cached_block_dropped_from_the_lru, "LRU membership"),
+        (_free_block_dropped_from_the_pool, "free-pool membership"),
     ],
 )
 def test_check_invariants_catches_a_corrupted_state(corrupt, message):
     manager = make_manager()
-    manager.allocate("a", 8)
+    manager.allocate("a", 10)  # blocks 0, 1 committed, block 2 partial
     manager.commit("a", [h("a0"), h("a1")])
+    manager.allocate("b", 4)  # block 3, cached once b is gone
+    manager.commit("b", [h("b0")])
+    manager.free("b")
     manager.check_invariants()
     corrupt(manager)
     with pytest.raises(AssertionError, match=message):
@@ -236,8 +346,9 @@ ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random requests over a tiny vocabulary (so prefixes collide) and a tiny pool.
 
-    A simulated KV pool records the tokens written into each block; a prefix hit must
-    return blocks holding exactly the request's tokens, and only unshared blocks are written.
+    A simulated KV pool records the tokens written into each GPU slot; a prefix hit must
+    return blocks whose slots hold exactly the request's tokens, and only unshared blocks are
+    written. `reset` makes block ids and slots part ways, so a mix-up of the two shows.
     """
 
     def __init__(self) -> None:
@@ -253,18 +364,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         hashes = block_hashes(tokens, BLOCK_SIZE, ROOT)
         cached = self.manager.find_cached_prefix(hashes[: (len(tokens) - 1) // BLOCK_SIZE])
         for i, block_id in enumerate(cached):
-            assert self.kv[block_id] == tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            slot = self.manager.blocks[block_id].gpu_slot
+            assert self.kv[slot] == tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
         request_id = f"r{self.next_id}"
         self.next_id += 1
         num_cached = len(cached) * BLOCK_SIZE
-        free_before = self.manager.free_block_ids()
+        free_before = self.manager.free_gpu_slots()
         if self.manager.allocate(request_id, min(len(tokens), num_cached + first_chunk), cached):
             self.sequences[request_id] = tokens
             self.num_computed[request_id] = num_cached
             self._compute(request_id, min(len(tokens), num_cached + first_chunk))
         else:
-            assert self.manager.free_block_ids() == free_before
-            assert self.manager.block_table(request_id) == []
+            assert self.manager.free_gpu_slots() == free_before
+            assert self.manager.slot_table(request_id) == []
 
     @precondition(lambda self: self.sequences)
     @rule(data=st.data(), num_tokens=st.integers(1, 6))
@@ -296,10 +408,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_free_blocks == 10
 
     def _compute(self, request_id: str, num_tokens: int) -> None:
-        tokens, table = self.sequences[request_id], self.manager.block_table(request_id)
-        assert len(table) == -(-num_tokens // BLOCK_SIZE)
+        tokens, table = self.sequences[request_id], self.manager.slot_table(request_id)
+        block_ids = self.manager.block_ids(request_id)
+        assert len(table) == len(block_ids) == -(-num_tokens // BLOCK_SIZE)
         for index in range(self.num_computed[request_id] // BLOCK_SIZE, len(table)):
-            assert self.manager.blocks[table[index]].ref_count == 1  # never write a shared block
+            assert self.manager.blocks[block_ids[index]].ref_count == 1  # never write a shared block
             self.kv[table[index]] = tuple(tokens[index * BLOCK_SIZE : min(num_tokens, (index + 1) * BLOCK_SIZE)])
         self.num_computed[request_id] = num_tokens
         self.manager.commit(request_id, block_hashes(tokens[:num_tokens], BLOCK_SIZE, ROOT))

@@ -172,7 +172,9 @@ def test_a_shared_system_prompt_hits_across_different_questions():
     assert chunks(plan_b) == [("a", 11, 1, table_a, True), ("b", 8, 6, table_a[:2] + [3, 4], True),
                               ("c", 0, 10, [5, 6, 7], True)]
     assert [r.num_cached_tokens for r in results[1:]] == [8, 0]
-    assert [harness.manager.blocks[b].ref_count for b in table_a] == [2, 2, 1]
+    blocks_a = [harness.manager.blocks[i] for i in harness.manager.block_ids("a")]
+    assert [block.gpu_slot for block in blocks_a] == table_a
+    assert [block.ref_count for block in blocks_a] == [2, 2, 1]
     assert harness.scheduler.prefix_cache_hits == 8
 
 
@@ -254,7 +256,7 @@ def test_abort_between_schedule_and_update_drops_the_chunk():
     harness.scheduler.abort(["a"])
     results = harness.scheduler.update(plan, {"a": 1, "b": 2})
     assert [(r.request.request_id, r.new_token_ids) for r in results] == [("b", [2])]
-    assert harness.manager.block_table("a") == []
+    assert harness.manager.slot_table("a") == []
     harness.manager.check_invariants()
 
 
