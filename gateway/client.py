@@ -89,16 +89,17 @@ class EngineClient:
     """Multiplexes every HTTP request over one worker link."""
 
     def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
-                 max_pending: int = 1024, ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None) -> None:
+                 max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True) -> None:
         self._metrics = metrics
-        self._max_pending = max_pending
+        self._max_pending = max_pending  # None: no bound (the offline API queues in the worker)
         self._routes: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
         self._stats_waiters: list[asyncio.Future] = []
         self.last_stats: Stats | None = None
         self.link = WorkerLink(start_worker, on_step=self._on_step, on_lost=self._on_lost,
-                               ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+                               ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                               replace_lost_worker=replace_lost_worker)
 
     async def start(self) -> Ready:
         return await self.link.start()
@@ -123,7 +124,7 @@ class EngineClient:
         """Send the sub-requests of one HTTP request; their deltas arrive on the stream."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not ready: its worker is starting or restarting")
-        if len(self._routes) + len(generates) > self._max_pending:
+        if self._max_pending is not None and len(self._routes) + len(generates) > self._max_pending:
             raise EngineOverloaded(f"{len(self._routes)} sequences are in flight; the limit is {self._max_pending}")
         stream = RequestStream(self, [g.request_id for g in generates])
         now = time.monotonic()
@@ -155,13 +156,29 @@ class EngineClient:
         """Ask the worker for fresh Stats; the last known ones if it does not answer in time."""
         if not self.healthy:
             return self.last_stats
-        waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(waiter)
-        self.link.send(Control(ControlCommand.STATS))
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
+            return await self.stats(timeout_s)
         except (asyncio.TimeoutError, WorkerLost):
             return self.last_stats
+
+    async def stats(self, timeout_s: float | None = None) -> Stats:
+        """Fresh Stats from the worker, answered after every message sent before this call.
+
+        Raises EngineUnavailable, WorkerLost, or TimeoutError after `timeout_s`.
+        """
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not ready: its worker is starting, restarting or gone")
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        self._flush_aborts()  # the answer must come after the aborts already made
+        self.link.send(Control(ControlCommand.STATS))
+        return await asyncio.wait_for(waiter, timeout_s)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the worker's cached prefixes (blocks in use stay); `stats()` after it waits for it."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not ready: its worker is starting, restarting or gone")
+        self.link.send(Control(ControlCommand.RESET_PREFIX_CACHE))
 
     # ---- called by the link -------------------------------------------------------------------
 
