@@ -89,16 +89,17 @@ class EngineClient:
     """Multiplexes every HTTP request over one worker link."""
 
     def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
-                 max_pending: int = 1024, ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None) -> None:
+                 max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
+                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True) -> None:
         self._metrics = metrics
-        self._max_pending = max_pending
+        self._max_pending = max_pending  # None: no bound (the offline API queues in the worker)
         self._routes: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
-        self._stats_waiters: list[asyncio.Future] = []
+        self._stats_waiters: list[tuple[asyncio.Future, bool]] = []  # (waiter, wants the check)
         self.last_stats: Stats | None = None
         self.link = WorkerLink(start_worker, on_step=self._on_step, on_lost=self._on_lost,
-                               ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+                               ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                               replace_lost_worker=replace_lost_worker)
 
     async def start(self) -> Ready:
         return await self.link.start()
@@ -123,7 +124,7 @@ class EngineClient:
         """Send the sub-requests of one HTTP request; their deltas arrive on the stream."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not ready: its worker is starting or restarting")
-        if len(self._routes) + len(generates) > self._max_pending:
+        if self._max_pending is not None and len(self._routes) + len(generates) > self._max_pending:
             raise EngineOverloaded(f"{len(self._routes)} sequences are in flight; the limit is {self._max_pending}")
         stream = RequestStream(self, [g.request_id for g in generates])
         now = time.monotonic()
@@ -155,13 +156,31 @@ class EngineClient:
         """Ask the worker for fresh Stats; the last known ones if it does not answer in time."""
         if not self.healthy:
             return self.last_stats
-        waiter = asyncio.get_running_loop().create_future()
-        self._stats_waiters.append(waiter)
-        self.link.send(Control(ControlCommand.STATS))
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
+            return await self.stats(timeout_s)
         except (asyncio.TimeoutError, WorkerLost):
             return self.last_stats
+
+    async def stats(self, timeout_s: float | None = None, check_invariants: bool = False) -> Stats:
+        """Fresh Stats from the worker, answered after every message sent before this call;
+        `check_invariants`: the worker also walks its block manager (O(blocks)) and the answer
+        says whether it held (`invariants_ok`).
+
+        Raises EngineUnavailable, WorkerLost, or TimeoutError after `timeout_s`.
+        """
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not ready: its worker is starting, restarting or gone")
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append((waiter, check_invariants))
+        self._flush_aborts()  # the answer must come after the aborts already made
+        self.link.send(Control(ControlCommand.CHECK_INVARIANTS if check_invariants else ControlCommand.STATS))
+        return await asyncio.wait_for(waiter, timeout_s)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the worker's cached prefixes (blocks in use stay); `stats()` after it waits for it."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is not ready: its worker is starting, restarting or gone")
+        self.link.send(Control(ControlCommand.RESET_PREFIX_CACHE))
 
     # ---- called by the link -------------------------------------------------------------------
 
@@ -170,10 +189,14 @@ class EngineClient:
             self.last_stats = msg.stats
             if self._metrics is not None:
                 self._metrics.on_stats(msg.stats)
-            waiters, self._stats_waiters = self._stats_waiters, []
-            for waiter in waiters:
-                if not waiter.done():
+            checked = msg.stats.invariants_ok is not None
+            waiting = []
+            for waiter, wants_check in self._stats_waiters:
+                if wants_check and not checked:
+                    waiting.append((waiter, wants_check))  # a routine report: the checked one follows
+                elif not waiter.done():
                     waiter.set_result(msg.stats)
+            self._stats_waiters = waiting
         now = time.monotonic()
         for delta in msg.outputs:
             tracked = self._routes.get(delta.request_id)
@@ -199,7 +222,7 @@ class EngineClient:
             tracked.stream.open_ids.clear()
             tracked.stream.put(WorkerLost(reason))
         waiters, self._stats_waiters = self._stats_waiters, []
-        for waiter in waiters:
+        for waiter, _ in waiters:
             if not waiter.done():
                 waiter.set_exception(WorkerLost(reason))
 

@@ -76,13 +76,16 @@ class StopStringMatcher:
         self.longest = max((len(s) for s in self.stop_strings), default=0)
         self.text = ""
         self.num_emitted = 0
+        # Text pushed unchecked (before min_tokens) is emitted at once and is never part of a
+        # match, not even the start of one that the checked text completes.
+        self.checked_from = 0
         self.stop: str | None = None
 
     def push(self, new_text: str, check: bool = True) -> str:
         """Add text; `check=False` (before min_tokens) lets stop strings pass through."""
         if self.stop is not None or not new_text:
             return ""
-        search_from = max(0, len(self.text) - self.longest + 1)
+        search_from = max(self.checked_from, len(self.text) - self.longest + 1)
         self.text += new_text
         if not self.stop_strings:
             return self._emit_to(len(self.text))
@@ -95,6 +98,7 @@ class StopStringMatcher:
                 assert position >= self.num_emitted, "a held-back prefix was emitted"
                 return self._emit_to(end)
             return self._emit_to(len(self.text) - self._held_back())
+        self.checked_from = len(self.text)
         return self._emit_to(len(self.text))
 
     def flush(self) -> str:
@@ -122,7 +126,7 @@ class StopStringMatcher:
         """Length of the longest end of the text that begins some stop string."""
         held = 0
         for stop in self.stop_strings:
-            for length in range(min(len(stop) - 1, len(self.text)), held, -1):
+            for length in range(min(len(stop) - 1, len(self.text) - self.checked_from), held, -1):
                 if self.text.endswith(stop[:length]):
                     held = length
                     break

@@ -1,6 +1,8 @@
 """The offline API: `LLM`, `SamplingParams`, `RequestOutput`, as vLLM users know them.
 
-`LLM` drives a worker process over the same protocol as the server: there is one engine.
+`LLM` runs the server's client and per-request generation code (EngineClient, Generation) on
+an event loop of its own (gateway/offline.py): one engine, one driver. Detokenization, stop
+strings, `min_tokens` and the reasoning split behave offline exactly as they do in the server.
 """
 
 from __future__ import annotations
@@ -12,30 +14,26 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from spillway.gateway import openai as api
+from spillway.gateway.client import EngineUnavailable, WorkerLost
+from spillway.gateway.jobs import Job, Prompt
+from spillway.gateway.offline import EngineThread, run_generations
 from spillway.gateway.offline_inputs import (
     NOT_YET,
     check_engine_args,
     normalize_params,
+    check_prompt,
     normalize_prompts,
     require_tokenizer,
 )
-from spillway.gateway.outputs import RequestOutput, SampleState, completion_output
-from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers, thinking_policy
+from spillway.gateway.outputs import RequestOutput, completion_output
+from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.sampling_params import SamplingParams
+from spillway.gateway.serving import Generation
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.hashing import block_hashes, root_hash
-from spillway.protocol.messages import (
-    Abort,
-    Control,
-    ControlCommand,
-    FinishReason,
-    Generate,
-    RequestDelta,
-    Stats,
-    StepOutputs,
-    WorkerError,
-)
+from spillway.protocol.messages import Stats
 from spillway.worker.config import WorkerConfig
 from spillway.worker.models import loader
 
@@ -108,26 +106,28 @@ class LLM:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
         )
-        self._worker = WorkerProcess(self.config)
-        self._finalizer = weakref.finalize(self, self._worker.close)
+        self._markers: ReasoningMarkers | None = None
+        if enable_reasoning or reasoning_parser or reasoning_config:
+            if self._hf_tokenizer is None:
+                raise ValueError("a reasoning parser needs the model's tokenizer")
+            self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
+        config = self.config
+        self._engine = EngineThread(lambda: WorkerProcess(config))
+        self._finalizer = weakref.finalize(self, self._engine.close)
         try:
-            self.ready = self._worker.wait_ready()
+            self.ready = self._engine.start()
         except WorkerStartError as exc:
             self._finalizer()
             raise ValueError(f"the engine could not start: {exc}") from exc
+        except BaseException:
+            self._finalizer()
+            raise
         root = root_hash(self.ready.hash_seed, self.ready.model)
         self._tokenizer = (
             PromptTokenizer(self._hf_tokenizer, block_size, root, chat_template) if self._hf_tokenizer else None
         )
         self._root = root
-        self._markers: ReasoningMarkers | None = None
-        if enable_reasoning or reasoning_parser or reasoning_config:
-            if self._hf_tokenizer is None:
-                self._finalizer()
-                raise ValueError("a reasoning parser needs the model's tokenizer")
-            self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
         self._ids = itertools.count()
-        self.last_stats: Stats | None = None
 
     # ---- public API -----------------------------------------------------------------------
 
@@ -166,28 +166,31 @@ class LLM:
         for conversation in conversations:
             if not conversation or not all(isinstance(m, dict) and "role" in m for m in conversation):
                 raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
-            text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
-            items.append((text, tok.encode_chat(conversation, add_generation_prompt=add_generation_prompt,
-                                                chat_template=chat_template,
-                                                chat_template_kwargs=chat_template_kwargs)))
+            items.append(tok.chat_prompt(conversation, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs))
+        for _, token_ids in items:
+            check_prompt(token_ids, self.ready.max_model_len, self.ready.vocab_size)
         params = normalize_params(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
 
     def reset_prefix_cache(self) -> None:
-        self._worker.send(Control(ControlCommand.RESET_PREFIX_CACHE))
-        self.stats()
+        """Drop every cached prefix; returns once the worker has done so."""
+        self._call(self._reset_prefix_cache)
+
+    async def _reset_prefix_cache(self) -> None:
+        self._engine.client.reset_prefix_cache()
+        await self._engine.client.stats()
 
     def stats(self) -> Stats:
         """The worker's counters (cache usage, prefix hits, preemptions); checks its invariants."""
-        self._worker.send(Control(ControlCommand.CHECK_INVARIANTS))
-        while True:
-            msg = self._recv()
-            if isinstance(msg, StepOutputs) and msg.stats is not None:
-                self.last_stats = msg.stats
-                return msg.stats
+        return self._call(self._engine.client.stats, None, True)
+
+    @property
+    def last_stats(self) -> Stats | None:
+        return self._engine.client.last_stats
 
     def shutdown(self) -> None:
+        """Stop the worker and this LLM's event loop thread; the LLM is unusable afterwards."""
         self._finalizer()
 
     def __enter__(self) -> LLM:
@@ -201,105 +204,60 @@ class LLM:
     def _require_tokenizer(self) -> PromptTokenizer:
         return require_tokenizer(self._tokenizer)
 
+    def _call(self, function, *args):
+        """Run a coroutine function on the engine's loop; engine failures as RuntimeError."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM has been shut down")
+        try:
+            return self._engine.call(function, *args)
+        except WorkerLost as exc:
+            raise RuntimeError(f"the engine stopped: {exc}") from None
+        except EngineUnavailable:
+            reason = self._engine.client.link.lost_reason or "it is not running"
+            raise RuntimeError(f"the engine cannot take requests: {reason}") from None
+        except api.ApiError as exc:  # the worker refused a request
+            raise ValueError(exc.message) from None
+
     def _run(self, items, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        batch = next(self._ids)
-        pending: dict[str, SampleState] = {}
         if self._markers is None and any(p.thinking_budget is not None for p in params):
             raise ValueError("thinking_budget needs a reasoning parser: LLM(..., enable_reasoning=True)")
-        for index, ((_, token_ids), p) in enumerate(zip(items, params)):
-            thinking = None if self._markers is None else thinking_policy(self._markers, token_ids, p.thinking_budget)
-            max_tokens = self.ready.max_model_len - len(token_ids)
-            if p.max_tokens is not None:
-                max_tokens = min(max_tokens, p.max_tokens)
-            hashes = block_hashes(token_ids, self.ready.block_size, self._root)
-            for sample in range(p.n):
-                request_id = f"offline-{batch}-{index}-{sample}"
-                seed = None if p.seed is None else p.seed + sample
-                pending[request_id] = SampleState(index, sample, p, logprobs=[] if p.logprobs is not None else None,
-                                               thinking=thinking)
-                self._worker.send(Generate(
-                    request_id=request_id, prompt_token_ids=token_ids, block_hashes=hashes,
-                    params=p.to_wire(max_tokens, seed),
-                    thinking=thinking if p.thinking_budget is not None else None,
-                ))
+        batch = next(self._ids)
+        jobs, placement = self._jobs(f"offline-{batch}", items, params)
+        generations = [Generation(job, self._engine.client, self._tokenizer, self._block_hashes, self._markers,
+                                  keep_whole_text=True) for job in jobs]
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr)
         try:
-            self._collect(pending, items, bar)
-        except BaseException:
-            self._worker.send(Abort([rid for rid, s in pending.items() if s.finish_reason is None]))
-            raise
+            logprobs = self._call(run_generations, generations, lambda: bar.update(1))
         finally:
             bar.close()
-        return self._outputs(items, params, pending, batch)
-
-    def _collect(self, pending: dict[str, SampleState], items, bar) -> None:
-        open_samples = [0] * len(items)
-        for state in pending.values():
-            open_samples[state.prompt_index] += 1
-        unfinished = len(pending)
-        while unfinished:
-            msg = self._recv()
-            if msg.stats is not None:
-                self.last_stats = msg.stats
-            for delta in msg.outputs:
-                state = pending.get(delta.request_id)
-                if state is None or state.finish_reason is not None:
-                    continue  # a late delta for a sample this side already finished
-                if delta.error is not None:
-                    self._worker.send(Abort([rid for rid, s in pending.items() if s.finish_reason is None]))
-                    raise ValueError(delta.error)
-                self._apply(delta.request_id, state, delta)
-                if state.finish_reason is not None:
-                    unfinished -= 1
-                    open_samples[state.prompt_index] -= 1
-                    if open_samples[state.prompt_index] == 0:
-                        bar.update(1)
-
-    def _apply(self, request_id: str, state: SampleState, delta: RequestDelta) -> None:
-        if delta.num_cached_tokens >= 0:
-            state.num_cached_tokens = delta.num_cached_tokens
-        state.token_ids.extend(delta.new_token_ids)
-        if state.logprobs is not None and delta.logprobs:
-            state.logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            state.finish_reason = delta.finish_reason.value
-            if delta.finish_reason is FinishReason.STOP and state.token_ids:
-                last = state.token_ids[-1]
-                state.stop_reason = last if last in state.params.stop_token_ids else None
-        if state.params.stop_strings and self._tokenizer is not None:
-            self._check_stop_strings(request_id, state)
-
-    def _check_stop_strings(self, request_id: str, state: SampleState) -> None:
-        text = self._tokenizer.decode(state.token_ids, state.params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in state.params.stop_strings if s in text]
-        if not hits:
-            return
-        position, stop = min(hits)
-        state.text = text[: position + (len(stop) if state.params.include_stop_str_in_output else 0)]
-        state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
-        self._worker.send(Abort([request_id]))
-
-    def _recv(self) -> StepOutputs:
-        while True:
-            msg = self._worker.recv(timeout_ms=1000)
-            match msg:
-                case StepOutputs():
-                    return msg
-                case WorkerError(message=message):
-                    raise RuntimeError(f"the engine failed: {message}")
-                case None if not self._worker.alive:
-                    raise RuntimeError(f"the engine process died (exit code {self._worker.process.exitcode})")
-
-    def _outputs(self, items, params, pending: dict[str, SampleState], batch: int) -> list[RequestOutput]:
         results = []
-        for index, ((text, token_ids), p) in enumerate(zip(items, params)):
-            samples = [pending[f"offline-{batch}-{index}-{s}"] for s in range(p.n)]
-            completions = [completion_output(state, self._tokenizer, self._markers) for state in samples]
-            results.append(RequestOutput(
-                request_id=f"offline-{batch}-{index}",
-                prompt=text,
-                prompt_token_ids=token_ids,
-                outputs=completions,
-                num_cached_tokens=samples[0].num_cached_tokens,
-            ))
+        for index, ((text, token_ids), (job_index, prompt_index)) in enumerate(zip(items, placement)):
+            generation, n = generations[job_index], params[index].n
+            samples = generation.samples[prompt_index * n:(prompt_index + 1) * n]
+            want_logprobs = params[index].logprobs is not None
+            completions = [completion_output(sample, i, logprobs[job_index][sample.index] if want_logprobs else None,
+                                             self._tokenizer, self._markers) for i, sample in enumerate(samples)]
+            results.append(RequestOutput(request_id=f"offline-{batch}-{index}", prompt=text, prompt_token_ids=token_ids,
+                                         outputs=completions, num_cached_tokens=samples[0].num_cached_tokens))
         return results
+
+    def _jobs(self, batch_id: str, items, params: list[SamplingParams]) -> tuple[list[Job], list[tuple[int, int]]]:
+        """One Job per distinct SamplingParams object, and where each prompt went: (job, prompt)."""
+        jobs: list[Job] = []
+        job_of: dict[int, int] = {}  # id(params) -> index in jobs
+        placement = []
+        for (text, token_ids), p in zip(items, params):
+            if id(p) not in job_of:
+                job_of[id(p)] = len(jobs)
+                jobs.append(Job(request_id=f"{batch_id}-{len(jobs)}", chat=False, model=self.ready.model,
+                                prompts=[], params=p, max_tokens=[]))
+            job = jobs[job_of[id(p)]]
+            # Offline, max_tokens past the context end is cut there, not refused.
+            room = self.ready.max_model_len - len(token_ids)
+            job.max_tokens.append(room if p.max_tokens is None else min(room, p.max_tokens))
+            placement.append((job_of[id(p)], len(job.prompts)))
+            job.prompts.append(Prompt(token_ids, text))
+        return jobs, placement
+
+    def _block_hashes(self, token_ids: list[int], cache_salt: str | None):
+        return block_hashes(token_ids, self.ready.block_size, self._root, cache_salt)

@@ -1,15 +1,14 @@
 """What `LLM.generate` and `LLM.chat` return, with vLLM's field names (vllm.outputs), and
-how a sample's collected tokens become one."""
+how a finished sample of the server's Generation becomes one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter
-from spillway.gateway.sampling_params import SamplingParams
+from spillway.gateway.reasoning import ReasoningMarkers
+from spillway.gateway.serving import Sample
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.protocol.messages import TokenLogprobs
-from spillway.protocol.reasoning import ThinkingPolicy
 
 
 @dataclass(slots=True)
@@ -47,53 +46,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-@dataclass(slots=True)
-class SampleState:
-    """One sample (one of a prompt's n) of a generate call, as its deltas arrive."""
-
-    prompt_index: int
-    sample_index: int
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None
-    thinking: ThinkingPolicy | None = None
-
-
-def completion_output(state: SampleState, tokenizer: PromptTokenizer | None,
-                      markers: ReasoningMarkers | None) -> CompletionOutput:
-    """A finished sample as vLLM's `CompletionOutput`; with a thinking policy, the text is
-    also split into reasoning and answer."""
-    text = state.text
-    if text is None:
-        text = tokenizer.decode(state.token_ids, state.params.skip_special_tokens) if tokenizer else ""
-    logprobs, cumulative = None, None
-    if state.logprobs is not None:
-        logprobs = [_logprob_dict(entry, tokenizer) for entry in state.logprobs]
-        cumulative = sum(entry.logprob for entry in state.logprobs)
-    completion = CompletionOutput(index=state.sample_index, text=text, token_ids=list(state.token_ids),
-                                  cumulative_logprob=cumulative, logprobs=logprobs,
-                                  finish_reason=state.finish_reason, stop_reason=state.stop_reason)
-    if state.thinking is not None:
-        _split_reasoning(completion, state, tokenizer, markers)
+def completion_output(sample: Sample, sample_index: int, logprobs: list[TokenLogprobs] | None,
+                      tokenizer: PromptTokenizer | None, markers: ReasoningMarkers | None) -> CompletionOutput:
+    """A finished sample of a Generation (run with `keep_whole_text`) as vLLM's `CompletionOutput`;
+    with a reasoning parser, its text also split into reasoning and answer."""
+    decoded, cumulative = None, None
+    if logprobs is not None:
+        decoded = [_logprob_dict(entry, tokenizer) for entry in logprobs]
+        cumulative = sum(entry.logprob for entry in logprobs)
+    completion = CompletionOutput(index=sample_index, text=sample.text, token_ids=list(sample.token_ids),
+                                  cumulative_logprob=cumulative, logprobs=decoded,
+                                  finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
+    if sample.splitter is not None:
+        completion.reasoning_content = sample.reasoning.text or None
+        completion.content = sample.output.text
+        completion.num_reasoning_tokens = sample.splitter.num_reasoning_tokens
+        if sample.splitter.policy.prompt_opened:
+            # The chat template wrote the start marker; the raw text shows it, as the model saw it.
+            completion.text = markers.start_text + completion.text
     return completion
-
-
-def _split_reasoning(completion: CompletionOutput, state: SampleState, tokenizer: PromptTokenizer,
-                     markers: ReasoningMarkers) -> None:
-    splitter = ReasoningSplitter(state.thinking)
-    reasoning, content = splitter.feed(state.token_ids)
-    held_reasoning, held_content = splitter.flush()
-    skip = state.params.skip_special_tokens
-    completion.reasoning_content = tokenizer.decode(reasoning + held_reasoning, skip) or None
-    completion.content = tokenizer.decode(content + held_content, skip)
-    completion.num_reasoning_tokens = splitter.num_reasoning_tokens
-    if state.thinking.prompt_opened:
-        # The chat template wrote the start marker; the raw text shows it, as the model saw it.
-        completion.text = markers.start_text + completion.text
 
 
 def _logprob_dict(entry: TokenLogprobs, tokenizer: PromptTokenizer | None) -> dict[int, Logprob]:

@@ -6,7 +6,8 @@
 
 With a reasoning parser every sample's token ids also run through a ReasoningSplitter; a chat
 choice detokenizes its reasoning and its content as two streams (stop strings apply to the
-content), and the markers belong to neither.
+content), and the markers belong to neither. The offline API (`keep_whole_text`) splits every
+sample so, and keeps its whole text too (see WholeText).
 
 Choice i of a request with n samples per prompt is sample i % n of prompt i // n.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
@@ -25,8 +26,24 @@ from spillway.gateway.jobs import Job
 from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, thinking_policy
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.protocol.messages import FinishReason, Generate, RequestDelta, TokenLogprobs
+from spillway.protocol.reasoning import Phase
 
 UINT64_MASK = 2**64 - 1
+
+
+@dataclass(slots=True)
+class WholeText:
+    """A split sample's whole text, thinking and markers included, with stop strings cutting it
+    where they cut the content: every token goes through `head` until the answer begins, and
+    from there on the whole text continues as the content does (from `content_from`).
+
+    A stop string can only end the content before thinking starts (the whole text is then the
+    content) or after it ends (the head is complete by then).
+    """
+
+    head: OutputText
+    text: str | None = None  # the head's text, once the answer has begun
+    content_from: int = 0  # where the answer begins in the content's text
 
 
 @dataclass(slots=True)
@@ -39,10 +56,21 @@ class Sample:
     output: OutputText  # the content with a reasoning parser (chat), else the whole text
     splitter: ReasoningSplitter | None = None  # with a reasoning parser
     reasoning: OutputText | None = None  # the reasoning text (chat with a reasoning parser)
+    whole: WholeText | None = None  # split samples of the offline API
+    token_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        """The whole output text so far (markers and thinking included)."""
+        if self.whole is None:
+            return self.output.text
+        if self.whole.text is None:
+            return self.whole.head.text
+        return self.whole.text + self.output.text[self.whole.content_from:]
 
 
 @dataclass(slots=True)
@@ -63,9 +91,10 @@ class Generation:
     """Runs one Job on the worker and turns its deltas into per-choice text updates."""
 
     def __init__(self, job: Job, client: EngineClient, tokenizer: PromptTokenizer | None,
-                 block_hashes, markers: ReasoningMarkers | None = None) -> None:
+                 block_hashes, markers: ReasoningMarkers | None = None, *, keep_whole_text: bool = False) -> None:
         self.job = job
         self.markers = markers
+        self.keep_whole_text = keep_whole_text
         self.client = client
         self.tokenizer = tokenizer
         self._block_hashes = block_hashes
@@ -92,9 +121,12 @@ class Generation:
                 sample = Sample(len(self.samples), prompt_index, request_id, output)
                 if policy is not None:
                     sample.splitter = ReasoningSplitter(policy)
-                    if job.chat:
+                    if job.chat or self.keep_whole_text:
                         sample.reasoning = OutputText(hf_tokenizer, prompt.token_ids,
                                                       skip_special_tokens=params.skip_special_tokens)
+                    if self.keep_whole_text:
+                        sample.whole = WholeText(OutputText(hf_tokenizer, prompt.token_ids,
+                                                            skip_special_tokens=params.skip_special_tokens))
                 self.samples.append(sample)
                 self._by_id[request_id] = sample
                 generates.append(Generate(
@@ -139,32 +171,56 @@ class Generation:
             sample.num_cached_tokens = delta.num_cached_tokens
         new_ids = delta.new_token_ids
         sample.num_tokens += len(new_ids)
-        content_ids = new_ids
-        if sample.splitter is not None:
-            reasoning_ids, split_content = sample.splitter.feed(new_ids)
-            if delta.finish_reason is not None:
-                held_reasoning, held_content = sample.splitter.flush()
-                reasoning_ids, split_content = reasoning_ids + held_reasoning, split_content + held_content
-            if sample.reasoning is not None:
-                update.reasoning_text += sample.reasoning.push(reasoning_ids)
-                # min_tokens counts every output token, thinking included.
-                sample.output.num_tokens += len(new_ids) - len(split_content)
-                content_ids = split_content
-        update.text += sample.output.push(content_ids)
+        sample.token_ids.extend(new_ids)
+        start, whole = 0, sample.whole
+        while whole is not None and whole.text is None and start < len(new_ids):
+            # Token by token until the answer begins, so the head ends exactly at its start.
+            whole.head.push(new_ids[start:start + 1])
+            self._route(update, sample, new_ids[start:start + 1])
+            start += 1
+            if sample.splitter.state.phase is Phase.ANSWER:
+                whole.text, whole.content_from = whole.head.text + whole.head.finish(), len(sample.output.matcher.text)
+        self._route(update, sample, new_ids[start:])
+        if delta.finish_reason is not None and sample.splitter is not None:
+            self._route_held(update, sample)
         if delta.logprobs:
             update.logprobs.extend(delta.logprobs)
         if sample.output.stop is not None:
+            if whole is not None and whole.text is None:  # no thinking yet: the whole text is the content
+                whole.text = ""
             self._finish(sample, FinishReason.STOP.value, sample.output.stop)
             self._stream.finish(sample.request_id, FinishReason.STOP.value)
         elif delta.finish_reason is not None:
             if sample.reasoning is not None:
                 update.reasoning_text += sample.reasoning.finish()
+            if whole is not None and whole.text is None:
+                whole.head.finish()
             update.text += sample.output.finish()
             stop_reason = None
             if delta.finish_reason is FinishReason.STOP and delta.new_token_ids:
                 last = delta.new_token_ids[-1]
                 stop_reason = last if last in self.job.params.stop_token_ids else None
             self._finish(sample, delta.finish_reason.value, stop_reason)
+
+    def _route(self, update: Update, sample: Sample, token_ids: list[int]) -> None:
+        """Output tokens to the sample's text: its content (and reasoning, when split)."""
+        content_ids = token_ids
+        if sample.splitter is not None:
+            reasoning_ids, split_content = sample.splitter.feed(token_ids)
+            if sample.reasoning is not None:
+                update.reasoning_text += sample.reasoning.push(reasoning_ids)
+                # min_tokens counts every output token, thinking included.
+                sample.output.num_tokens += len(token_ids) - len(split_content)
+                content_ids = split_content
+        update.text += sample.output.push(content_ids)
+
+    def _route_held(self, update: Update, sample: Sample) -> None:
+        """At the end: tokens held as a possible marker are what they would be without one."""
+        reasoning_ids, content_ids = sample.splitter.flush()
+        if sample.reasoning is not None:
+            update.reasoning_text += sample.reasoning.push(reasoning_ids)
+            sample.output.num_tokens -= len(content_ids)  # counted when they arrived
+            update.text += sample.output.push(content_ids)
 
     def _finish(self, sample: Sample, reason: str, stop_reason: int | str | None) -> None:
         sample.finish_reason, sample.stop_reason = reason, stop_reason

@@ -43,9 +43,13 @@ class PromptTokenizer:
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[dict], **kwargs) -> list[int]:
+        return self.chat_prompt(messages, **kwargs)[1]
+
+    def chat_prompt(self, messages: Sequence[dict], **kwargs) -> tuple[str, list[int]]:
+        """The conversation rendered by the chat template once: its text and its token ids."""
         text = self.apply_chat_template(messages, **kwargs)
         # The template already placed the special tokens it wants.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

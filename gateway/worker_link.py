@@ -49,8 +49,9 @@ class WorkerLink:
 
     def __init__(self, start_worker: Callable[[], object], *, on_step: Callable[[StepOutputs], None],
                  on_lost: Callable[[str], None], ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None) -> None:
+                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True) -> None:
         self._start_worker = start_worker
+        self._replace_lost_worker = replace_lost_worker  # False: a lost worker closes the link
         self._on_step = on_step
         self._on_lost = on_lost
         self._ready_timeout_s = ready_timeout_s
@@ -58,6 +59,7 @@ class WorkerLink:
         self.state = LinkState.STARTING
         self.ready: Ready | None = None
         self.num_restarts = 0
+        self.lost_reason: str | None = None
         self._handle = None
         self._reader: asyncio.Task | None = None
         self._flusher: asyncio.Task | None = None
@@ -194,6 +196,14 @@ class WorkerLink:
 
     def _lose(self, handle, reason: str) -> None:
         if handle is not self._handle or self.state is not LinkState.READY:
+            return
+        self.lost_reason = reason
+        if not self._replace_lost_worker:
+            logger.error("%s; in-flight requests fail", reason)
+            self.state = LinkState.CLOSED
+            old = self._detach()
+            self._on_lost(reason)
+            self._restarter = asyncio.create_task(asyncio.to_thread(old.close), name="spillway-worker-close")
             return
         logger.error("%s; in-flight requests fail and a new worker is starting", reason)
         self.state = LinkState.RESTARTING

@@ -87,3 +87,14 @@ def test_min_tokens_lets_early_stop_strings_pass(tokenizer):
     text = "".join(output.push([t]) for t in ids) + output.finish()
     assert output.stop == ","
     assert text == "a, b"
+
+
+def test_a_stop_string_never_begins_in_text_before_min_tokens():
+    # "ab": "a" passed before min_tokens was reached, so the checked "b" cannot complete a match
+    # (before, the match began inside text already emitted).
+    matcher = StopStringMatcher(["ab"])
+    assert matcher.push("xa", check=False) == "xa"
+    assert matcher.push("b a", check=True) == "b "
+    assert matcher.stop is None
+    assert matcher.push("b!") == ""
+    assert matcher.stop == "ab" and matcher.text[:matcher.num_emitted] == "xab "
