@@ -12,19 +12,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from spillway.gateway.offline_inputs import (
-    NOT_YET,
-    check_engine_args,
-    normalize_params,
-    normalize_prompts,
-    require_tokenizer,
-)
+from spillway.gateway.engine_args import NOT_YET_NAMES, engine_config, refusals
+from spillway.gateway.offline_inputs import normalize_params, normalize_prompts, require_tokenizer
 from spillway.gateway.outputs import RequestOutput, SampleState, completion_output
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers, thinking_policy
 from spillway.gateway.sampling_params import SamplingParams
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
-from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.protocol import model_files
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -36,8 +31,6 @@ from spillway.protocol.messages import (
     StepOutputs,
     WorkerError,
 )
-from spillway.worker.config import WorkerConfig
-from spillway.worker.models import loader
 
 class LLM:
     """An engine for offline batch generation.
@@ -76,24 +69,18 @@ class LLM:
         **unsupported,
     ) -> None:
         for name in unsupported:
-            if name in NOT_YET:
-                raise ValueError(f"LLM({name}=...) needs {NOT_YET[name]}, which Spillway does not have yet")
-            raise ValueError(f"LLM() got an unknown argument {name!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+            if name not in NOT_YET_NAMES:
+                raise ValueError(f"LLM() got an unknown argument {name!r}")
+        problems = refusals({**unsupported, "tensor_parallel_size": tensor_parallel_size},
+                            lambda name, value: f"LLM({name}={value!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
-        check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                           kv_cache_dtype)
-        files = loader.resolve_model(model, load_format)  # ValueError for unknown models
-        try:
-            self._hf_tokenizer = loader.load_tokenizer(files)
-        except loader.TokenizerNotFoundError:
-            self._hf_tokenizer = None  # token-id prompts only
-        self.config = WorkerConfig(
-            model=str(files.path),
-            served_model_name=served_model_name or files.name,
-            load_format=files.load_format,
+        self.config, files = engine_config(
+            model,
+            load_format=load_format,
+            served_model_name=served_model_name,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             device=device,
@@ -108,6 +95,10 @@ class LLM:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
         )
+        try:
+            self._hf_tokenizer = model_files.load_tokenizer(files)
+        except model_files.TokenizerNotFoundError:
+            self._hf_tokenizer = None  # token-id prompts only
         self._worker = WorkerProcess(self.config)
         self._finalizer = weakref.finalize(self, self._worker.close)
         try:
@@ -115,11 +106,8 @@ class LLM:
         except WorkerStartError as exc:
             self._finalizer()
             raise ValueError(f"the engine could not start: {exc}") from exc
-        root = root_hash(self.ready.hash_seed, self.ready.model)
-        self._tokenizer = (
-            PromptTokenizer(self._hf_tokenizer, block_size, root, chat_template) if self._hf_tokenizer else None
-        )
-        self._root = root
+        self._hasher = PromptHasher.of(self.ready)
+        self._tokenizer = PromptTokenizer(self._hf_tokenizer, chat_template) if self._hf_tokenizer else None
         self._markers: ReasoningMarkers | None = None
         if enable_reasoning or reasoning_parser or reasoning_config:
             if self._hf_tokenizer is None:
@@ -211,7 +199,7 @@ class LLM:
             max_tokens = self.ready.max_model_len - len(token_ids)
             if p.max_tokens is not None:
                 max_tokens = min(max_tokens, p.max_tokens)
-            hashes = block_hashes(token_ids, self.ready.block_size, self._root)
+            hashes = self._hasher(token_ids)
             for sample in range(p.n):
                 request_id = f"offline-{batch}-{index}-{sample}"
                 seed = None if p.seed is None else p.seed + sample

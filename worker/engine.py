@@ -18,8 +18,9 @@ from spillway.protocol.messages import (
     Stats,
     PROTOCOL_VERSION,
 )
-from spillway.worker import envs
-from spillway.worker.config import WorkerConfig, resolve_device_settings
+from spillway.protocol import envs
+from spillway.protocol.config import WorkerConfig
+from spillway.worker.config import resolve_device_settings
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -43,7 +44,7 @@ class Engine:
         self.config = config
         self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
         torch.manual_seed(config.seed)
-        use_programmatic_launch(envs.programmatic_launch())
+        use_programmatic_launch(config.programmatic_launch)
         files = loader.resolve_model(config.model, config.load_format)
         self.model_name = config.served_model_name or files.name
         hf_config = loader.load_config(files)
@@ -101,7 +102,7 @@ class Engine:
         if self.device.type == "cpu":
             packed = pack_linear_layers(model)
             logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
-        elif self.device.type == "cuda" and envs.input_major_weights():
+        elif self.device.type == "cuda" and self.config.input_major_weights:
             store_weights_input_major(model)
             torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
         return model.eval()

@@ -6,7 +6,7 @@ import threading
 import time
 
 from spillway.gateway.worker_process import WorkerProcess
-from spillway.worker.config import WorkerConfig
+from spillway.protocol.config import WorkerConfig
 
 
 class ExitingProcess:
