@@ -63,8 +63,8 @@ def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: b
     from spillway.worker.engine import Engine
 
     return Engine(worker_config_from_env(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
-                                         max_model_len=max_model_len, max_num_seqs=1, num_gpu_blocks_override=num_blocks,
-                                         enforce_eager=enforce_eager))
+                                         max_model_len=max_model_len, max_num_seqs=1,
+                                         num_gpu_blocks_override=num_blocks, enforce_eager=enforce_eager))
 
 
 def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:

@@ -185,9 +185,9 @@ def test_markers_never_reach_the_text(fake_reasoning_url, script):
     message = reply["choices"][0]["message"]
     assert message["reasoning_content"] == message["reasoning"] == "\nThink 思考 😀 about it."
     assert message["content"] == "\n\nThe answer 世界 is here. Done 👍🏽."
-    think = len(model_files.load_tokenizer(model_files.resolve_model(None))(
-        "<think>\nThink 思考 😀 about it.", add_special_tokens=False)["input_ids"])
-    start = len(model_files.load_tokenizer(model_files.resolve_model(None))("<think>", add_special_tokens=False)["input_ids"])
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
+    think = len(tok("<think>\nThink 思考 😀 about it.", add_special_tokens=False)["input_ids"])
+    start = len(tok("<think>", add_special_tokens=False)["input_ids"])
     assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == think - start
 
     raw = chat(fake_reasoning_url, script, stream=True, stream_options={"include_usage": True}).content

@@ -44,7 +44,8 @@ def test_a_plain_script_without_a_main_guard_runs(tmp_path):
     script.write_text('from spillway.gateway import LLM, SamplingParams\n'
                       'llm = LLM()\n'
                       'print(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)\n')
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                            cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "RuntimeError" not in result.stderr
     assert result.stdout.strip() != ""
