@@ -16,7 +16,7 @@ import time
 from spillway.gateway import engine_args
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
 from spillway.gateway.reasoning import PARSERS
-from spillway.gateway.worker_process import WorkerStartError
+from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.config import KV_CACHE_DTYPES
 from spillway.protocol.model_files import LOAD_FORMATS
 
@@ -192,6 +192,8 @@ def serve_command(args: argparse.Namespace) -> int:
         except WorkerStartError as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C while the model loads: the worker is closed already
+            return 1
     settings = ServerSettings(
         worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
         max_body_bytes=args.max_request_body_bytes,
@@ -212,8 +214,6 @@ def serve_command(args: argparse.Namespace) -> int:
 def _local_workers(config):
     """Start a worker and wait until it is ready (WorkerStartError if it cannot start); returns
     the app's `start_worker`, which hands out that worker first, then new ones."""
-    from spillway.gateway.worker_process import WorkerProcess
-
     worker = WorkerProcess(config)
     started = time.monotonic()
     last_report = started
