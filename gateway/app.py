@@ -29,11 +29,10 @@ from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
 from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
 from spillway.gateway.serving import Generation
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
-from spillway.protocol.hashing import block_hashes, root_hash
-from spillway.worker.config import WorkerConfig
-from spillway.worker.models import loader
+from spillway.protocol import model_files
+from spillway.protocol.config import WorkerConfig
 
 logger = logging.getLogger("spillway.gateway")
 
@@ -73,17 +72,13 @@ class Gateway:
         self.client = client
         self.metrics = metrics
         self.served_names = settings.served_model_names or [ready.model]
-        self.root = root_hash(ready.hash_seed, ready.model)
-        self.tokenizer = (PromptTokenizer(hf_tokenizer, ready.block_size, self.root, settings.chat_template)
-                          if hf_tokenizer is not None else None)
+        self.block_hashes = PromptHasher.of(ready)
+        self.tokenizer = PromptTokenizer(hf_tokenizer, settings.chat_template) if hf_tokenizer is not None else None
         self.markers = _reasoning_markers(settings, hf_tokenizer)
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
                                reasoning=self.markers is not None)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
-
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None):
-        return block_hashes(token_ids, self.client.ready.block_size, self.root, cache_salt)
 
     def run(self, job) -> GenerationResponse:
         num_samples = len(job.prompts) * job.params.n
@@ -111,16 +106,17 @@ def _reasoning_markers(settings: ServerSettings, hf_tokenizer) -> ReasoningMarke
 
 
 def _load_tokenizer(config: WorkerConfig):
-    files = loader.resolve_model(config.model, config.load_format)
+    files = model_files.resolve_model(config.model, config.load_format)
     try:
-        return loader.load_tokenizer(files)
-    except loader.TokenizerNotFoundError:
+        return model_files.load_tokenizer(files)
+    except model_files.TokenizerNotFoundError:
         logger.warning("model %s has no tokenizer: only token-id prompts will work", files.name)
         return None
 
 
 def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
-    """The Starlette app; `start_worker` (tests) replaces starting a local worker process."""
+    """The Starlette app; `start_worker` replaces starting a local worker process (`spillway
+    serve` hands over the one it started first; tests give fakes)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

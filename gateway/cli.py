@@ -11,24 +11,14 @@ import json
 import logging
 import os
 import sys
+import time
 
+from spillway.gateway import engine_args
+from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
 from spillway.gateway.reasoning import PARSERS
-from spillway.worker.config import KV_CACHE_DTYPES, resolve_device_settings
-
-# vLLM flags for features Spillway lacks: (flag, attribute, the value that asks for nothing, feature).
-_NOT_YET = [
-    ("--cpu-offload-gb", "cpu_offload_gb", 0, "the CPU KV tier"),
-    ("--swap-space", "swap_space", 0, "the CPU KV tier"),
-    ("--speculative-model", "speculative_model", None, "speculative decoding"),
-    ("--num-speculative-tokens", "num_speculative_tokens", 0, "speculative decoding"),
-    ("--speculative-draft-tensor-parallel-size", "speculative_draft_tensor_parallel_size", None,
-     "speculative decoding"),
-    ("--speculative-config", "speculative_config", None, "speculative decoding"),
-    ("--quantization", "quantization", None, "quantised execution"),
-    ("--enable-lora", "enable_lora", False, "LoRA adapters"),
-]
-_PARALLEL = [("--tensor-parallel-size", "tensor_parallel_size", "tensor parallelism"),
-             ("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism")]
+from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
+from spillway.protocol.config import KV_CACHE_DTYPES
+from spillway.protocol.model_files import LOAD_FORMATS
 
 
 def _positive_int(text: str) -> int:
@@ -52,13 +42,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", help="same as the positional MODEL")
     engine.add_argument("--served-model-name", nargs="+", help="names the API answers to (first one reported)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    engine.add_argument("--dtype", default="auto", choices=DTYPES)
     engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3, unscaled, CUDA only")
-    engine.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    engine.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     engine.add_argument("--device", default="auto", help="auto (CUDA if present, else the CPU), cpu, cuda, cuda:N")
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    engine.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
     engine.add_argument("--max-model-len", type=_positive_int)
     engine.add_argument("--max-num-seqs", type=_positive_int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=_positive_int)
@@ -127,34 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def refusals(args: argparse.Namespace) -> list[str]:
     """Messages for every flag that asks for a feature Spillway does not have yet."""
-    messages = []
-    for flag, attribute, off, feature in _NOT_YET:
-        value = getattr(args, attribute)
-        if value is not None and value != off:
-            messages.append(f"{flag} needs {feature}, which Spillway does not have yet")
-    for flag, attribute, feature in _PARALLEL:
-        if getattr(args, attribute) != 1:
-            messages.append(f"{flag} > 1 needs {feature}, which Spillway does not have yet")
-    return messages
+    return engine_args.refusals(vars(args), _flag)
+
+
+def _flag(name: str, value: object) -> str:
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
 
 
 def worker_config(args: argparse.Namespace):
-    """Resolve the model (converting a GGUF file once) and build the worker's configuration."""
-    from spillway.worker.config import WorkerConfig
-    from spillway.worker.models import loader
-
+    """Check the engine flags, resolve the model (converting a GGUF file once) and build the
+    worker's configuration; returns it with the served model names."""
     if args.model is not None and args.model_tag is not None and args.model != args.model_tag:
         raise ValueError(f"two different models given: {args.model_tag!r} and --model {args.model!r}")
-    files = loader.resolve_model(args.model or args.model_tag, args.load_format)
-    names = args.served_model_name or [files.name]
-    return WorkerConfig(
-        model=str(files.path), served_model_name=names[0], load_format=files.load_format, dtype=args.dtype,
+    config, files = engine_config(
+        args.model or args.model_tag, load_format=args.load_format,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-    ), names
+    )
+    return config, args.served_model_name or [files.name]
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -195,11 +180,20 @@ def serve_command(args: argparse.Namespace) -> int:
         reasoning_config = _read_reasoning_config(args.reasoning_config)
         if args.worker_address is not None:
             worker_addresses(args.worker_address)
-        else:
-            resolve_device_settings(config)  # the worker runs here: its device must suit them
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 1
+    start_worker = None
+    if args.worker_address is None:
+        # The first worker starts before the server: settings its device cannot run (no CUDA,
+        # an fp8 cache on the CPU) end the command with the worker's own message.
+        try:
+            start_worker = _local_workers(config)
+        except WorkerStartError as exc:
+            print(f"spillway serve: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C while the model loads: the worker is closed already
+            return 1
     settings = ServerSettings(
         worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
         max_body_bytes=args.max_request_body_bytes,
@@ -208,7 +202,7 @@ def serve_command(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config,
     )
     loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = uvicorn.Server(uvicorn.Config(build_app(settings), host=args.host, port=args.port, loop=loop,
+    server = uvicorn.Server(uvicorn.Config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
                                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
     try:
         server.run()
@@ -217,13 +211,37 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
+def _local_workers(config):
+    """Start a worker and wait until it is ready (WorkerStartError if it cannot start); returns
+    the app's `start_worker`, which hands out that worker first, then new ones."""
+    worker = WorkerProcess(config)
+    started = time.monotonic()
+    last_report = started
+
+    def on_wait() -> None:
+        nonlocal last_report
+        if time.monotonic() - last_report >= 5.0:
+            last_report = time.monotonic()
+            logging.getLogger("spillway.gateway").info("waiting for the worker to load the model (%.0f s)",
+                                                       last_report - started)
+
+    try:
+        worker.wait_ready(on_wait=on_wait)
+    except BaseException:
+        worker.close()
+        raise
+    started_workers = [worker]
+    return lambda: started_workers.pop() if started_workers else WorkerProcess(config)
+
+
 def worker_command(args: argparse.Namespace) -> int:
     from spillway.gateway.remote_worker import worker_addresses
+    from spillway.worker.config import resolve_device_settings
     from spillway.worker.main import run_worker
 
     try:
         config, _ = worker_config(args)
-        resolve_device_settings(config)
+        resolve_device_settings(config)  # this is the worker: say what its device cannot run, then stop
         inbox, outbox = worker_addresses(args.connect)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway worker: {exc}", file=sys.stderr)

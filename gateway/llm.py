@@ -16,26 +16,18 @@ from tqdm import tqdm
 
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineUnavailable, WorkerLost
+from spillway.gateway.engine_args import NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.offline import EngineThread, run_generations
-from spillway.gateway.offline_inputs import (
-    NOT_YET,
-    check_engine_args,
-    normalize_params,
-    check_prompt,
-    normalize_prompts,
-    require_tokenizer,
-)
+from spillway.gateway.offline_inputs import check_prompt, normalize_params, normalize_prompts, require_tokenizer
 from spillway.gateway.outputs import RequestOutput, completion_output
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.serving import Generation
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
-from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.protocol import model_files
 from spillway.protocol.messages import Stats
-from spillway.worker.config import WorkerConfig
-from spillway.worker.models import loader
 
 class LLM:
     """An engine for offline batch generation.
@@ -74,24 +66,18 @@ class LLM:
         **unsupported,
     ) -> None:
         for name in unsupported:
-            if name in NOT_YET:
-                raise ValueError(f"LLM({name}=...) needs {NOT_YET[name]}, which Spillway does not have yet")
-            raise ValueError(f"LLM() got an unknown argument {name!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+            if name not in NOT_YET_NAMES:
+                raise ValueError(f"LLM() got an unknown argument {name!r}")
+        problems = refusals({**unsupported, "tensor_parallel_size": tensor_parallel_size},
+                            lambda name, value: f"LLM({name}={value!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
-        check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                           kv_cache_dtype)
-        files = loader.resolve_model(model, load_format)  # ValueError for unknown models
-        try:
-            self._hf_tokenizer = loader.load_tokenizer(files)
-        except loader.TokenizerNotFoundError:
-            self._hf_tokenizer = None  # token-id prompts only
-        self.config = WorkerConfig(
-            model=str(files.path),
-            served_model_name=served_model_name or files.name,
-            load_format=files.load_format,
+        self.config, files = engine_config(
+            model,
+            load_format=load_format,
+            served_model_name=served_model_name,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             device=device,
@@ -106,6 +92,10 @@ class LLM:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
         )
+        try:
+            self._hf_tokenizer = model_files.load_tokenizer(files)
+        except model_files.TokenizerNotFoundError:
+            self._hf_tokenizer = None  # token-id prompts only
         self._markers: ReasoningMarkers | None = None
         if enable_reasoning or reasoning_parser or reasoning_config:
             if self._hf_tokenizer is None:
@@ -122,11 +112,8 @@ class LLM:
         except BaseException:
             self._finalizer()
             raise
-        root = root_hash(self.ready.hash_seed, self.ready.model)
-        self._tokenizer = (
-            PromptTokenizer(self._hf_tokenizer, block_size, root, chat_template) if self._hf_tokenizer else None
-        )
-        self._root = root
+        self._hasher = PromptHasher.of(self.ready)
+        self._tokenizer = PromptTokenizer(self._hf_tokenizer, chat_template) if self._hf_tokenizer else None
         self._ids = itertools.count()
 
     # ---- public API -----------------------------------------------------------------------
@@ -223,7 +210,7 @@ class LLM:
             raise ValueError("thinking_budget needs a reasoning parser: LLM(..., enable_reasoning=True)")
         batch = next(self._ids)
         jobs, placement = self._jobs(f"offline-{batch}", items, params)
-        generations = [Generation(job, self._engine.client, self._tokenizer, self._block_hashes, self._markers,
+        generations = [Generation(job, self._engine.client, self._tokenizer, self._hasher, self._markers,
                                   keep_whole_text=True) for job in jobs]
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr)
         try:
@@ -259,5 +246,3 @@ class LLM:
             job.prompts.append(Prompt(token_ids, text))
         return jobs, placement
 
-    def _block_hashes(self, token_ids: list[int], cache_salt: str | None):
-        return block_hashes(token_ids, self.ready.block_size, self._root, cache_salt)

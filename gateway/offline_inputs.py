@@ -1,40 +1,10 @@
-"""What `LLM` accepts: its engine arguments, prompts and sampling parameters, checked and put in
-one form, with a clear ValueError for anything else."""
+"""What `LLM` accepts: its prompts and sampling parameters, checked and put in one form, with a
+clear ValueError for anything else (its engine arguments: engine_args.py)."""
 
 from __future__ import annotations
 
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import PromptTokenizer
-from spillway.worker.config import KV_CACHE_DTYPES
-
-# vLLM arguments whose features Spillway does not have yet: refused, never silently ignored.
-NOT_YET = {
-    "cpu_offload_gb": "the CPU KV tier",
-    "swap_space": "the CPU KV tier",
-    "speculative_model": "speculative decoding",
-    "speculative_config": "speculative decoding",
-    "num_speculative_tokens": "speculative decoding",
-    "quantization": "quantised execution",
-    "enable_lora": "LoRA adapters",
-}
-
-
-def check_engine_args(block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                      kv_cache_dtype) -> None:
-    """`LLM`'s engine arguments, checked before a worker is started."""
-    if block_size not in (8, 16, 32, 64, 128):
-        raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {block_size!r}")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
-    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
-                                               or max_num_batched_tokens < 1):
-        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
 
 
 def require_tokenizer(tokenizer: PromptTokenizer | None) -> PromptTokenizer:

@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 import zmq
 
 from spillway.gateway.worker_process import WorkerStartError, check_handshake
+from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Control, ControlCommand, Ready, WorkerError, encoder, worker_decoder
-from spillway.worker.config import WorkerConfig
 
 
 def worker_addresses(address: str) -> tuple[str, str]:

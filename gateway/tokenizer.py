@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from spillway.protocol.hashing import block_hashes
-from spillway.protocol.messages import BlockHash
+from spillway.protocol.hashing import block_hashes, root_hash
+from spillway.protocol.messages import BlockHash, Ready
+
+
+@dataclass(frozen=True, slots=True)
+class PromptHasher:
+    """The prefix block hashes of prompts, chained from the worker's root: the one place the
+    gateway and `LLM` hash (a model without a tokenizer still takes token-id prompts)."""
+
+    block_size: int
+    root: BlockHash
+
+    @classmethod
+    def of(cls, ready: Ready) -> PromptHasher:
+        """Hashes the worker that sent `ready` will find: its block size, hash seed and model name."""
+        return cls(ready.block_size, root_hash(ready.hash_seed, ready.model))
+
+    def __call__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+        return block_hashes(token_ids, self.block_size, self.root, cache_salt)
 
 
 class PromptTokenizer:
     """Wraps a Hugging Face tokenizer with what the gateway needs from it."""
 
-    def __init__(self, tokenizer, block_size: int, root: BlockHash, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.block_size = block_size
-        self.root = root
         self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
@@ -53,6 +69,3 @@ class PromptTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
-        return block_hashes(token_ids, self.block_size, self.root, cache_salt)

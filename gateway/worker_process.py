@@ -1,16 +1,25 @@
-"""Start a worker process and talk to it over two ZeroMQ sockets (the gateway binds both)."""
+"""Start a local worker process and talk to it over two ZeroMQ sockets (the gateway binds both).
+
+The worker is its own program, `python -m spillway.worker`, started with subprocess: never
+through multiprocessing, whose spawn re-imports the user's main module, so that a plain script
+(`llm = LLM()` at top level, no `__main__` guard) works. Its configuration travels on its stdin
+as msgpack (protocol/config.py); the pipe stays open while this process lives, and the worker
+exits at its EOF, so a worker never outlives its gateway, however the gateway ends.
+"""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import weakref
 
-import msgspec
 import zmq
 
+from spillway.protocol.config import WorkerConfig, WorkerLaunch, encode_launch
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,
     Control,
@@ -21,7 +30,8 @@ from spillway.protocol.messages import (
     encoder,
     worker_decoder,
 )
-from spillway.worker.config import WorkerConfig
+
+WORKER_COMMAND = (sys.executable, "-m", "spillway.worker")
 
 
 class WorkerStartError(RuntimeError):
@@ -38,11 +48,69 @@ def check_handshake(ready: Ready, config: WorkerConfig) -> None:
         raise WorkerStartError("worker hash seed differs from the gateway's")
 
 
-class WorkerProcess:
-    """A local worker process started with multiprocessing's spawn, and its sockets."""
+class ChildProcess:
+    """A started worker program, seen as multiprocessing shows a process: `pid`, `exitcode`,
+    `is_alive()`, `join()`, `terminate()`, and `sentinel`, an FD readable once it has exited."""
 
-    def __init__(self, config: WorkerConfig, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, command: list[str], launch: WorkerLaunch) -> None:
+        # The child holds the write end of this pipe and never writes: the read end turns
+        # readable (EOF) when the child has exited, as multiprocessing's sentinel does.
+        self.sentinel, child_end = os.pipe()
+        try:
+            self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,))
+        finally:
+            os.close(child_end)
+        self.pid = self._popen.pid
+        try:
+            self._popen.stdin.write(encode_launch(launch))
+            self._popen.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died at once: wait_ready reports its exit code
+        # Closing stdin (or exiting) tells the worker its gateway is gone; ends it at exit too.
+        self._finalizer = weakref.finalize(self, _stop, self._popen, self.sentinel)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def release(self) -> None:
+        """Close the pipes; a worker still running sees EOF and exits."""
+        self._finalizer()
+
+
+def _stop(popen: subprocess.Popen, sentinel: int) -> None:
+    try:
+        popen.stdin.close()
+    except OSError:  # the worker is gone, its pipe broken
+        pass
+    try:
+        popen.wait(5)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+    os.close(sentinel)
+
+
+class WorkerProcess:
+    """A local worker process and its sockets."""
+
+    def __init__(self, config: WorkerConfig, ctx: zmq.Context | None = None,
+                 command: list[str] | tuple[str, ...] = WORKER_COMMAND) -> None:
         self.config = config
+        self.ready: Ready | None = None
         self._ctx = ctx or zmq.Context.instance()
         self._dir = tempfile.mkdtemp(prefix="spillway-")  # 0700: only this user reaches the sockets
         inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
@@ -54,24 +122,22 @@ class WorkerProcess:
         self.from_worker.bind(outbox)
         self._encoder = encoder()
         self._decoder = worker_decoder()
-        from spillway.worker.main import spawn_entry
-
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=spawn_entry,
-            args=(msgspec.msgpack.encode(config), inbox, outbox, os.getpid()),
-            name="spillway-worker",
-            daemon=True,
-        )
-        self.process.start()
+        launch = WorkerLaunch(config=config, inbox=inbox, outbox=outbox, parent_pid=os.getpid())
+        self._child = ChildProcess(list(command), launch)
+        self.process = self._child
 
     def wait_ready(self, timeout_s: float = 600.0, on_wait=None) -> Ready:
-        """Block until the worker says Ready; raise with the worker's reason if it cannot start."""
+        """Block until the worker says Ready (at once if it has); raise with the worker's reason
+        if it cannot start."""
+        if self.ready is not None:
+            return self.ready
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self.recv(timeout_ms=500)
             match msg:
                 case Ready():
                     check_handshake(msg, self.config)
+                    self.ready = msg
                     return msg
                 case WorkerError(message=message):
                     self.close()
@@ -110,6 +176,7 @@ class WorkerProcess:
             if self.process.is_alive():
                 self.process.terminate()
                 self.process.join(5)
+        self._child.release()
         self.to_worker.close()
         self.from_worker.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
-from spillway.worker.config import KV_CACHE_DTYPES  # noqa: E402
+from spillway.protocol.config import KV_CACHE_DTYPES  # noqa: E402
 from tools import bench_table  # noqa: E402
 from tools.bench_ceilings import bench_ms, copy_bandwidth, machine, matmul_rate, read_bandwidth  # noqa: E402
 from tools.bench_hf import hf_generate_batch, hf_static_compile_ms_per_token  # noqa: E402
@@ -59,12 +59,12 @@ TARGETS = {
 
 def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
     """An engine for one request at a time, its KV pool fixed (no profiling run)."""
-    from spillway.worker.config import WorkerConfig
+    from spillway.protocol.config import worker_config_from_env
     from spillway.worker.engine import Engine
 
-    return Engine(WorkerConfig(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
-                               max_model_len=max_model_len, max_num_seqs=1, num_gpu_blocks_override=num_blocks,
-                               enforce_eager=enforce_eager))
+    return Engine(worker_config_from_env(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
+                                         max_model_len=max_model_len, max_num_seqs=1,
+                                         num_gpu_blocks_override=num_blocks, enforce_eager=enforce_eager))
 
 
 def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:

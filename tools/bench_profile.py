@@ -117,13 +117,13 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from spillway.protocol.messages import Generate, SamplingParams
-    from spillway.worker.config import WorkerConfig
+    from spillway.protocol.config import worker_config_from_env
     from spillway.worker.engine import Engine
 
-    engine = Engine(WorkerConfig(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
-                                 kv_cache_dtype=args.kv_cache_dtype,
-                                 max_model_len=args.input_len + args.output_len + 16,
-                                 max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
+    engine = Engine(worker_config_from_env(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+                                           kv_cache_dtype=args.kv_cache_dtype,
+                                           max_model_len=args.input_len + args.output_len + 16,
+                                           max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     batch = prompts[: args.max_num_seqs]
     for i, prompt in enumerate(batch):

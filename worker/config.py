@@ -1,37 +1,14 @@
-"""The worker's start-up configuration: built by the gateway, sent to the worker as msgpack."""
+"""The worker's side of its configuration: device, dtype and KV cache dtype resolved on this
+machine (torch). The configuration itself is a wire message (protocol/config.py)."""
 
 from __future__ import annotations
 
-import msgspec
 import torch
 
-from spillway.protocol.hashing import DEFAULT_HASH_SEED
+from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig
 
-# "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-
-
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker needs to start. Built by the gateway, sent to the worker process."""
-
-    model: str | None = None
-    served_model_name: str | None = None
-    load_format: str = "auto"
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
-    # Plan the next decode step while the device runs this one; None: on for CUDA.
-    async_scheduling: bool | None = None
-    hash_seed: bytes = DEFAULT_HASH_SEED
+__all__ = ["KV_CACHE_DTYPES", "WorkerConfig", "resolve_device", "resolve_device_settings", "resolve_dtype",
+           "resolve_kv_cache_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:

@@ -21,10 +21,11 @@ from spillway.protocol.messages import (
     Stats,
     PROTOCOL_VERSION,
 )
+from spillway.protocol import envs
+from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
-from spillway.worker import envs
 from spillway.worker.block_manager import BlockManager
-from spillway.worker.config import WorkerConfig, resolve_device_settings
+from spillway.worker.config import resolve_device_settings
 from spillway.worker.executor import Executor, load_model
 from spillway.worker.model_runner import ModelRunner
 from spillway.worker.models import loader
@@ -43,13 +44,14 @@ class Engine:
         self.config = config
         self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
         torch.manual_seed(config.seed)
-        use_programmatic_launch(envs.programmatic_launch())
+        use_programmatic_launch(config.programmatic_launch)
         files = loader.resolve_model(config.model, config.load_format)
         self.model_name = config.served_model_name or files.name
         hf_config = loader.load_config(files)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
-        model = load_model(hf_config, files, device=self.device, dtype=self.dtype, seed=config.seed)
+        model = load_model(hf_config, files, device=self.device, dtype=self.dtype, seed=config.seed,
+                           input_major_weights=config.input_major_weights)
         window = getattr(model, "sliding_window", None)
         if window is not None and self.max_model_len > window:
             # Sliding-window attention is not implemented: stay within one window, exactly.

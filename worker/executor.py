@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spillway.worker import envs
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, num_blocks_for_memory
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
@@ -47,7 +46,7 @@ class PackedStep:
 
 
 def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,
-               seed: int) -> nn.Module:
+               seed: int, input_major_weights: bool = True) -> nn.Module:
     """The model with its weights (random ones for the dummy format), laid out for `device`."""
     model = model_class_for(hf_config).build(hf_config, device=device, dtype=dtype)
     if files.load_format == "dummy":
@@ -57,7 +56,7 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
     if device.type == "cpu":
         packed = pack_linear_layers(model)
         logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
-    elif device.type == "cuda" and envs.input_major_weights():
+    elif device.type == "cuda" and input_major_weights:
         store_weights_input_major(model)
         torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
     return model.eval()

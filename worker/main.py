@@ -11,12 +11,14 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 import traceback
 
 import msgspec
 import zmq
 
+from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -29,7 +31,6 @@ from spillway.protocol.messages import (
     encoder,
     gateway_decoder,
 )
-from spillway.worker.config import WorkerConfig
 from spillway.worker.engine import Engine
 
 logger = logging.getLogger("spillway.worker")
@@ -38,11 +39,14 @@ STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 1000
 
 
-def spawn_entry(config_bytes: bytes, inbox: str, outbox: str, parent_pid: int | None) -> None:
-    """Target of the spawned process; the config travels as msgpack, never pickled."""
+def local_main() -> int:
+    """`python -m spillway.worker`: a worker started by a gateway or `LLM` on this host
+    (gateway/worker_process.py). Its configuration arrives on stdin as msgpack, never pickled;
+    the pipe's EOF (the gateway gone) ends the process, even mid-load."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
-    raise SystemExit(run_worker(config, inbox, outbox, parent_pid))
+    launch = read_launch(sys.stdin.fileno())
+    exit_when_gateway_closes(sys.stdin.fileno())
+    return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid)
 
 
 def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None) -> int:

@@ -6,15 +6,16 @@ Its KV usage is one block per running request, so tests can see usage return to 
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
-import tempfile
+import sys
 import time
 
 import msgspec
 import zmq
 
 from spillway.gateway.worker_process import WorkerProcess
+from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -31,7 +32,6 @@ from spillway.protocol.messages import (
     gateway_decoder,
     worker_decoder,
 )
-from spillway.worker.config import WorkerConfig
 
 NUM_BLOCKS = 64
 
@@ -55,6 +55,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     gateway_session = None
     running: dict[str, tuple[Generate, int, int]] = {}  # (request, cached tokens, produced)
     queries = hits = 0
+    checked = False  # a CHECK_INVARIANTS waits for the next report
     seen_hashes: set[bytes] = set()
     step = 0
     last_stats = 0.0
@@ -88,6 +89,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                         pending.clear()
                         gateway_session = session
                         out.send(enc.encode(ready))
+                case Control(command=ControlCommand.CHECK_INVARIANTS):
+                    want_stats = checked = True  # as the real worker: this report says the check held
                 case Control():
                     want_stats = True
         was_busy = bool(running)
@@ -117,30 +120,23 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                 last_stats = now
                 stats = Stats(num_running=len(running), gpu_cache_usage=len(running) / NUM_BLOCKS,
                               num_gpu_blocks=NUM_BLOCKS, num_free_gpu_blocks=NUM_BLOCKS - len(running),
-                              prefix_cache_queries=queries, prefix_cache_hits=hits, num_steps=step)
+                              prefix_cache_queries=queries, prefix_cache_hits=hits, num_steps=step,
+                              invariants_ok=True if checked else None)
+                checked = False
             out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))
             step += 1
 
 
 class FakeWorkerProcess(WorkerProcess):
-    """WorkerProcess's sockets and handshake, with the fake loop as the process."""
+    """WorkerProcess's start, sockets and handshake, with this file's fake loop as the program."""
 
     def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
                  eos_token_id: int = 2, vocab_size: int = 49152) -> None:
-        self.config = config
-        self._ctx = zmq.Context.instance()
-        self._dir = tempfile.mkdtemp(prefix="spillway-fake-")
-        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self.to_worker = self._ctx.socket(zmq.PUSH)
-        self.to_worker.setsockopt(zmq.LINGER, 0)
-        self.to_worker.bind(inbox)
-        self.from_worker = self._ctx.socket(zmq.PULL)
-        self.from_worker.setsockopt(zmq.LINGER, 0)
-        self.from_worker.bind(outbox)
-        self._encoder = encoder()
-        self._decoder = worker_decoder()
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=fake_worker_main,
-            args=(msgspec.msgpack.encode(config), inbox, outbox, script, step_s, eos_token_id, vocab_size),
-            daemon=True)
-        self.process.start()
+        fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size})
+        super().__init__(config, command=[sys.executable, __file__, fake])
+
+
+if __name__ == "__main__":  # started by FakeWorkerProcess, as the real worker is: the launch on stdin
+    launch = read_launch(sys.stdin.fileno())
+    exit_when_gateway_closes(sys.stdin.fileno())
+    fake_worker_main(msgspec.msgpack.encode(launch.config), launch.inbox, launch.outbox, **json.loads(sys.argv[1]))

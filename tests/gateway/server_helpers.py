@@ -56,12 +56,12 @@ class ServerProcess:
         raise TimeoutError(f"spillway serve was not healthy within {timeout_s} s:\n{self.log()[-4000:]}")
 
     def worker_pid(self) -> int:
-        """The worker process: the server's child started by multiprocessing's spawn (from any
+        """The worker process: the server's child `python -m spillway.worker` (started from any
         of the server's threads, hence every task's children)."""
         children = [int(pid) for task in Path(f"/proc/{self.process.pid}/task").iterdir()
                     for pid in (task / "children").read_text().split()]
         workers = [pid for pid in children
-                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                   if b"\0-m\0spillway.worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 1, children
         return workers[0]
 

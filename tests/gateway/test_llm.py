@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.worker.models import loader
+from spillway.protocol import model_files
 
 PROMPT_LENGTHS = [1, 5, 16, 17, 63, 129, 300, 600]
 MAX_TOKENS = 20
@@ -23,12 +23,12 @@ def natural_text() -> str:
 
 @pytest.fixture(scope="module")
 def files():
-    return loader.resolve_model(None)
+    return model_files.resolve_model(None)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(files):
-    return loader.load_tokenizer(files)
+    return model_files.load_tokenizer(files)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from spillway.gateway import LLM, SamplingParams
 from spillway.gateway import llm as llm_module
-from spillway.worker.models import loader
+from spillway.protocol import model_files
 
 REASONING = " The answer is 4. Stop here, then"
 ANSWER = " It is 4. Stop. More text follows."
@@ -24,7 +24,7 @@ COUNTING = " one, two, three, four, five, six, seven."
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return loader.load_tokenizer(loader.resolve_model(None))
+    return model_files.load_tokenizer(model_files.resolve_model(None))
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 
 from spillway.gateway import LLM, SamplingParams
 from spillway.gateway.reasoning import resolve_markers
-from spillway.worker.models import loader
+from spillway.protocol import model_files
 
 BUDGETS = [0, 1, 7, 64]
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
@@ -17,7 +17,7 @@ QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by st
 
 @pytest.fixture(scope="module")
 def smol_template():
-    tok = loader.load_tokenizer(loader.resolve_model(None))
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
     # The model's own template, opening thinking at the start of the reply.
     return tok.chat_template + "{% if add_generation_prompt %}{{ '<think>\n' }}{% endif %}"
 
@@ -100,7 +100,7 @@ def tiny_thinker(tmp_path_factory):
     </think> as single tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = loader.load_tokenizer(loader.resolve_model(None))
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
     tok.add_tokens(["<think>", "</think>"], special_tokens=False)
     think, end_think = tok.convert_tokens_to_ids(["<think>", "</think>"])
     torch.manual_seed(0)

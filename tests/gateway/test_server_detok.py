@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway.detok import IncrementalDetokenizer, OutputText, StopStringMatcher
-from spillway.worker.models import loader
+from spillway.protocol import model_files
 
 MIXED = "Hello 世界! Emoji: 😀👍🏽 and 你好，朋友。 Done: ünïcödé ✓"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return loader.load_tokenizer(loader.resolve_model(None))
+    return model_files.load_tokenizer(model_files.resolve_model(None))
 
 
 def encode(tokenizer, text: str) -> list[int]:

@@ -17,8 +17,8 @@ from fake_worker import FakeWorkerProcess, fake_worker_main
 from ports import reserve_ports
 from server_helpers import MODEL, scrape, server_in_thread, sse_events
 from spillway.gateway.app import ServerSettings, build_app
-from spillway.worker.config import WorkerConfig
-from spillway.worker.models import loader
+from spillway.protocol.config import WorkerConfig
+from spillway.protocol import model_files
 
 MIXED = "Hello 世界! Emoji: 😀👍🏽 and 你好，朋友。 Done."
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}
@@ -26,12 +26,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}
 
 @pytest.fixture(scope="module")
 def files():
-    return loader.resolve_model(None)
+    return model_files.resolve_model(None)
 
 
 @pytest.fixture(scope="module")
 def script(files) -> list[int]:
-    return loader.load_tokenizer(files)(MIXED, add_special_tokens=False)["input_ids"]
+    return model_files.load_tokenizer(files)(MIXED, add_special_tokens=False)["input_ids"]
 
 
 def worker_config(files) -> WorkerConfig:

@@ -17,8 +17,8 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, real_server, server_in_thread, sse_events
 from spillway.gateway.app import ServerSettings, build_app
-from spillway.worker.config import WorkerConfig
-from spillway.worker.models import loader
+from spillway.protocol.config import WorkerConfig
+from spillway.protocol import model_files
 
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
 GREEDY = dict(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
@@ -39,7 +39,7 @@ def assert_clean(text: str | None) -> None:
 
 @pytest.fixture(scope="module")
 def template_file(tmp_path_factory):
-    tok = loader.load_tokenizer(loader.resolve_model(None))
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
     # The model's own template, opening thinking at the start of the reply; with
     # enable_thinking false it writes an empty, closed thinking block instead.
     template = tok.chat_template + (
@@ -118,7 +118,7 @@ def test_enable_thinking_false_makes_everything_content(client):
 
 @pytest.mark.slow
 def test_completions_keep_the_raw_text(server):
-    tok = loader.load_tokenizer(loader.resolve_model(None))
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
     # Token ids, so the prompt ends in the start marker exactly as the tokenizer spells it alone.
     prompt = [tok(text, add_special_tokens=False)["input_ids"] for text in
               ("Question: why is the sky blue?\nAnswer:", "<think>", "\n")]
@@ -147,12 +147,12 @@ def test_bad_budget_is_a_400(server, field, value):
 
 @pytest.fixture(scope="module")
 def files():
-    return loader.resolve_model(None)
+    return model_files.resolve_model(None)
 
 
 @pytest.fixture(scope="module")
 def script(files) -> list[int]:
-    return loader.load_tokenizer(files)(SCRIPTED, add_special_tokens=False)["input_ids"]
+    return model_files.load_tokenizer(files)(SCRIPTED, add_special_tokens=False)["input_ids"]
 
 
 def fake_server(files, script, **settings):
@@ -185,9 +185,9 @@ def test_markers_never_reach_the_text(fake_reasoning_url, script):
     message = reply["choices"][0]["message"]
     assert message["reasoning_content"] == message["reasoning"] == "\nThink 思考 😀 about it."
     assert message["content"] == "\n\nThe answer 世界 is here. Done 👍🏽."
-    think = len(loader.load_tokenizer(loader.resolve_model(None))(
-        "<think>\nThink 思考 😀 about it.", add_special_tokens=False)["input_ids"])
-    start = len(loader.load_tokenizer(loader.resolve_model(None))("<think>", add_special_tokens=False)["input_ids"])
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
+    think = len(tok("<think>\nThink 思考 😀 about it.", add_special_tokens=False)["input_ids"])
+    start = len(tok("<think>", add_special_tokens=False)["input_ids"])
     assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == think - start
 
     raw = chat(fake_reasoning_url, script, stream=True, stream_options={"include_usage": True}).content

@@ -6,7 +6,7 @@ import threading
 import time
 
 from spillway.gateway.worker_process import WorkerProcess
-from spillway.worker.config import WorkerConfig
+from spillway.protocol.config import WorkerConfig
 
 
 class ExitingProcess:
@@ -33,13 +33,15 @@ def test_closing_does_not_hang_when_the_worker_has_gone():
     assert not closing.is_alive(), "close() blocked sending to a worker that had gone"
 
 
-def _deltas(worker: WorkerProcess, seconds: float) -> tuple[list, list]:
-    """(request deltas, Ready messages) the worker sends within `seconds`."""
+def _deltas(worker: WorkerProcess, until, timeout_s: float = 120.0) -> tuple[list, list]:
+    """(request deltas, Ready messages) the worker sends until `until(deltas, readies)` holds:
+    a condition, not a fixed time, so a slow (loaded) machine only makes the test slower."""
     from spillway.protocol.messages import Ready, StepOutputs
 
     deltas, readies = [], []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    while not until(deltas, readies):
+        assert time.monotonic() < deadline, (deltas, readies)
         msg = worker.recv(timeout_ms=100)
         if isinstance(msg, StepOutputs):
             deltas.extend(msg.outputs)
@@ -60,19 +62,18 @@ def test_hello_from_a_new_gateway_gets_ready_again_and_drops_the_old_gateways_re
         ready = worker.wait_ready(300)
         assert len(ready.worker_session) == 8
         worker.send(generate("old", 1500))
-        deltas, _ = _deltas(worker, 1.0)
-        assert any(d.request_id == "old" and d.new_token_ids for d in deltas), "the old request never ran"
+        _deltas(worker, lambda deltas, _: any(d.request_id == "old" and d.new_token_ids for d in deltas))
 
         worker.send(Control(ControlCommand.HELLO, session=b"gateway2"))
-        deltas, readies = _deltas(worker, 2.0)
-        assert [r.worker_session for r in readies] == [ready.worker_session]
-        late = [d for d in deltas if d.request_id == "old"]
         # Deltas of the step under way when the HELLO came may still arrive; none after the Ready.
+        _, readies = _deltas(worker, lambda _, readies: readies)
+        assert [r.worker_session for r in readies] == [ready.worker_session]
         worker.send(Control(ControlCommand.HELLO, session=b"gateway2"))  # the same gateway again: no answer
         worker.send(generate("new", 3))
-        deltas, readies = _deltas(worker, 3.0)
+        deltas, readies = _deltas(worker, lambda deltas, _: any(d.request_id == "new" and d.finish_reason
+                                                                for d in deltas))
         assert readies == []
-        assert not [d for d in deltas if d.request_id == "old"], late
+        assert not [d for d in deltas if d.request_id == "old"]
         new = [d for d in deltas if d.request_id == "new"]
         assert sum(len(d.new_token_ids) for d in new) == 3 and new[-1].finish_reason is not None
     finally:

@@ -13,7 +13,7 @@ from triton.runtime.jit import JITFunction
 
 import spillway.kernels
 from spillway.kernels import utils
-from spillway.worker import envs
+from spillway.protocol import envs
 
 CUDA = torch.device("cuda", 0)
 

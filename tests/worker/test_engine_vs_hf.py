@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
+from spillway.protocol import model_files
 from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.cpu_linear import pack_linear_layers
@@ -44,7 +45,7 @@ def test_default_model_logits_match_hf():
     config = loader.load_config(files)
     model = build_model(config, device=torch.device("cpu"), dtype=torch.float32)
     model.load_weights(loader.iter_weights(files))
-    tok = loader.load_tokenizer(files)
+    tok = model_files.load_tokenizer(files)
     ids = tok("The quick brown fox jumps over the lazy dog. " * 80, add_special_tokens=False)["input_ids"]
     prompts = [ids[i: i + n] for i, n in enumerate([1, 7, 16, 33, 100, 257, 600, 31])]
     decode_tokens = [42, 7, 1000, 3, 9, 77, 5, 11]

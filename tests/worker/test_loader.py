@@ -11,17 +11,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spillway.worker.models import loader, model_cache
-from spillway.worker.models.loader import (
+from spillway.protocol import model_cache, model_files
+from spillway.protocol.model_files import (
     ModelFiles,
     TokenizerNotFoundError,
     default_model_path,
-    init_dummy_weights,
-    iter_weights,
     load_config,
     load_tokenizer,
     resolve_model,
 )
+from spillway.worker.models.loader import init_dummy_weights, iter_weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +48,7 @@ def own_cache_dir(tmp_path, monkeypatch) -> Path:
 def write_folder(path: Path, tensors: dict[str, torch.Tensor] | None = None, **files: str) -> Path:
     """A model folder with the built-in SmolLM2 config, optional weights and extra files."""
     path.mkdir(parents=True, exist_ok=True)
-    config = loader.BUILTIN_CONFIGS_DIR / "smollm2-135m.json"
+    config = model_files.BUILTIN_CONFIGS_DIR / "smollm2-135m.json"
     (path / "config.json").write_text(config.read_text())
     if tensors is not None:
         save_file(tensors, path / "model.safetensors")
@@ -126,6 +125,26 @@ def test_converted_weights_equal_transformers_own_gguf_loading(default_files):
     assert torch.equal(converted[q_proj], reference[q_proj])
     for name, tensor in converted.items():
         assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("declared", ["TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "Qwen2Tokenizer",
+                                      "LlamaTokenizerFast", "NoSuchTokenizer"])
+def test_tokenizer_is_loaded_as_auto_tokenizer_loads_it(default_files, tmp_path, declared):
+    """Without AutoTokenizer (its module imports torch), the same class and the same ids."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        (folder / name).write_bytes((default_files.path / name).read_bytes())
+    tokenizer_config = json.loads((default_files.path / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "tokenizer_class": declared}))
+    ours = load_tokenizer(ModelFiles("m", folder, "dummy"))
+    theirs = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert type(ours) is type(theirs)
+    text = "Hello world, <|im_start|> 123  tabs\tand ünïcode 日本"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
 
 
 @pytest.mark.slow
@@ -320,7 +339,7 @@ def test_builtin_folder_follows_a_changed_config(own_cache_dir, tmp_path, monkey
     configs = tmp_path / "configs"
     configs.mkdir()
     (configs / "tiny.json").write_text('{"model_type": "llama", "hidden_size": 64}')
-    monkeypatch.setattr(loader, "BUILTIN_CONFIGS_DIR", configs)
+    monkeypatch.setattr(model_files, "BUILTIN_CONFIGS_DIR", configs)
     files = resolve_model("tiny", load_format="dummy")
     (configs / "tiny.json").write_text('{"model_type": "llama", "hidden_size": 128}')
     assert resolve_model("tiny", load_format="dummy").path == files.path
@@ -330,7 +349,7 @@ def test_builtin_folder_follows_a_changed_config(own_cache_dir, tmp_path, monkey
 def test_init_dummy_weights_gives_finite_varied_logits():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig.from_json_file(loader.BUILTIN_CONFIGS_DIR / "smollm2-135m.json")
+    config = LlamaConfig.from_json_file(model_files.BUILTIN_CONFIGS_DIR / "smollm2-135m.json")
     model = LlamaForCausalLM(config).eval()
     init_dummy_weights(model, seed=0)
     params = dict(model.named_parameters())

@@ -1,6 +1,6 @@
 """The on-disk model cache: GGUF files dequantised once into HF folders, built atomically.
 
-`loader.resolve_model` decides what goes where (see its module docstring); this module does
+`model_files.resolve_model` decides what goes where (see its module docstring); this module does
 the work: the content hash of a GGUF file (remembered by path, size and mtime), the
 conversion, and `building`, which publishes a folder only once it is complete.
 """
@@ -11,17 +11,15 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import xxhash
 
-from spillway.worker import envs
-
-if TYPE_CHECKING:
-    import torch
+from spillway.protocol import envs
 
 
 def gguf_content_hash(gguf_path: Path) -> str:
@@ -56,44 +54,21 @@ def _hash_file(path: Path) -> str:
 
 
 def convert_gguf(gguf_path: Path, dest: Path) -> None:
-    """Dequantise a GGUF file into an HF folder (transformers undoes llama.cpp's Q/K order)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
-    )
-    config = model.config
-    del config.quantization_config  # the saved weights are plain float32
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(dest)
-    model.generation_config.save_pretrained(dest)
-    save_gguf_tokenizer(gguf_path, dest)
-    save_file(_unshared(model.state_dict()), dest / "model.safetensors", metadata={"format": "pt"})
+    """Dequantise a GGUF file into an HF folder (config, generation config, tokenizer, float32
+    model.safetensors), in a child interpreter: the conversion needs torch, this process may not."""
+    _run_converter("model", gguf_path, dest)
 
 
 def save_gguf_tokenizer(gguf_path: Path, dest: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=str(gguf_path), local_files_only=True
-    )
-    tokenizer.save_pretrained(dest)
+    """Write the GGUF file's tokenizer (and chat template) into `dest`, in a child interpreter."""
+    _run_converter("tokenizer", gguf_path, dest)
 
 
-def _unshared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop tensors that alias an earlier one (tied lm_head), as HF checkpoints do."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    result = {}
-    for name, tensor in state_dict.items():
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            result[name] = tensor.contiguous()
-    return result
-
-
+def _run_converter(what: str, gguf_path: Path, dest: Path) -> None:
+    command = [sys.executable, "-m", "spillway.worker.models.gguf_convert", what, str(gguf_path), str(dest)]
+    result = subprocess.run(command, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise ValueError(f"converting {gguf_path} failed (exit code {result.returncode}; its error is above)")
 
 
 @contextlib.contextmanager

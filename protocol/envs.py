@@ -27,11 +27,13 @@ def cpu_kvcache_space_gb() -> float | None:
 
 def programmatic_launch() -> bool:
     """Launch the Triton kernels with programmatic dependent launch where the GPU supports it
-    (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves)."""
+    (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves). Read into WorkerConfig by
+    `worker_config_from_env`; the worker uses its config's field."""
     return os.environ.get("SPILLWAY_PDL", "1") not in ("", "0", "false")
 
 
 def input_major_weights() -> bool:
     """Store the decoder's projection weights input-major on a GPU (worker/models/gpu_linear.py;
-    SPILLWAY_INPUT_MAJOR_WEIGHTS=0 keeps nn.Linear's row-major storage, e.g. to measure it)."""
+    SPILLWAY_INPUT_MAJOR_WEIGHTS=0 keeps nn.Linear's row-major storage, e.g. to measure it).
+    Read into WorkerConfig by `worker_config_from_env`; the worker uses its config's field."""
     return os.environ.get("SPILLWAY_INPUT_MAJOR_WEIGHTS", "1") not in ("", "0", "false")

@@ -1,0 +1,77 @@
+"""Engine arguments, checked once for `spillway serve | worker` and `LLM(...)`: the features
+Spillway refuses (never accepts and ignores), the limits every value must keep, and the
+WorkerConfig they become."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, worker_config_from_env
+from spillway.protocol.model_files import ModelFiles, resolve_model
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+# vLLM arguments whose features Spillway does not have yet: (argument, the value that asks for
+# nothing, feature). A value of None is never a request either.
+NOT_YET = (
+    ("cpu_offload_gb", 0, "the CPU KV tier"),
+    ("swap_space", 0, "the CPU KV tier"),
+    ("speculative_model", None, "speculative decoding"),
+    ("num_speculative_tokens", 0, "speculative decoding"),
+    ("speculative_draft_tensor_parallel_size", None, "speculative decoding"),
+    ("speculative_config", None, "speculative decoding"),
+    ("quantization", None, "quantised execution"),
+    ("enable_lora", False, "LoRA adapters"),
+    ("tensor_parallel_size", 1, "tensor parallelism"),
+    ("pipeline_parallel_size", 1, "pipeline parallelism"),
+)
+NOT_YET_NAMES = frozenset(name for name, _, _ in NOT_YET)
+
+
+def refusals(values: Mapping[str, object], spell: Callable[[str, object], str]) -> list[str]:
+    """A message for every argument in `values` that asks for a feature Spillway lacks;
+    `spell(name, value)` writes the argument as its caller's user gave it."""
+    messages = []
+    for name, off, feature in NOT_YET:
+        value = values.get(name)
+        if value is not None and value != off:
+            messages.append(f"{spell(name, value)} needs {feature}, which Spillway does not have yet")
+    return messages
+
+
+def check_engine_args(*, block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
+                      kv_cache_dtype, dtype) -> None:
+    """ValueError for a value no worker takes, before one is started."""
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
+    if not _is_int(max_num_seqs) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+    if max_model_len is not None and (not _is_int(max_model_len) or max_model_len < 2):
+        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
+    if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def engine_config(model: str | None, *, load_format: str = "auto", served_model_name: str | None = None,
+                  **settings) -> tuple[WorkerConfig, ModelFiles]:
+    """Check the arguments, resolve the model (converting a GGUF file once) and build the
+    worker's configuration, its kernel switches from this process's environment."""
+    defaults = WorkerConfig()
+    check_engine_args(**{name: settings.get(name, getattr(defaults, name)) for name in (
+        "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
+        "kv_cache_dtype", "dtype")})
+    files = resolve_model(model, load_format)  # ValueError for unknown models
+    config = worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
+                                    load_format=files.load_format, **settings)
+    return config, files

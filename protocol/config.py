@@ -1,0 +1,115 @@
+"""A worker's start-up configuration, and how a local worker receives it.
+
+The gateway (or `LLM`) builds a `WorkerConfig`; a local worker is started as its own program
+(`python -m spillway.worker`) and reads one `WorkerLaunch` from its stdin:
+
+    stdin:  4-byte big-endian length || msgpack(WorkerLaunch)   then nothing until EOF
+
+The gateway keeps the pipe open while it lives, so EOF on it means the gateway is gone (or
+closed the worker): the worker exits then, even while it is still loading the model.
+This module imports only msgspec and the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+
+import msgspec
+
+from spillway.protocol import envs
+from spillway.protocol.hashing import DEFAULT_HASH_SEED
+
+# "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+logger = logging.getLogger("spillway.worker")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker needs to start. Built by the gateway, sent to the worker process."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
+    # Plan the next decode step while the device runs this one; None: on for CUDA.
+    async_scheduling: bool | None = None
+    hash_seed: bytes = DEFAULT_HASH_SEED
+    # Kernel switches, on by default; off only to measure what they save (SPILLWAY_PDL=0,
+    # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).
+    programmatic_launch: bool = True  # Triton kernels with programmatic dependent launch
+    input_major_weights: bool = True  # projection weights stored input-major on a GPU
+
+
+def worker_config_from_env(**settings) -> WorkerConfig:
+    """A WorkerConfig whose kernel switches come from the environment of the process that
+    configures the worker; explicit `settings` win. The worker uses its config's fields only."""
+    switches = {"programmatic_launch": envs.programmatic_launch(),
+                "input_major_weights": envs.input_major_weights()}
+    return WorkerConfig(**{**switches, **settings})
+
+
+class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True):
+    """What a local worker reads on its stdin: its configuration and where its gateway listens."""
+
+    config: WorkerConfig
+    inbox: str  # gateway -> worker (the gateway binds it)
+    outbox: str  # worker -> gateway
+    parent_pid: int
+
+
+_LENGTH = struct.Struct(">I")
+
+
+def encode_launch(launch: WorkerLaunch) -> bytes:
+    """The length-prefixed frame: the pipe stays open after it, so the length says where it ends."""
+    payload = msgspec.msgpack.encode(launch)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def read_launch(fd: int) -> WorkerLaunch:
+    """The launch frame from `fd` (the worker's stdin), read unbuffered: the rest of the pipe
+    belongs to `exit_when_gateway_closes`."""
+    header = _read_exactly(fd, _LENGTH.size)
+    return msgspec.msgpack.decode(_read_exactly(fd, _LENGTH.unpack(header)[0]), type=WorkerLaunch)
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the gateway closed the launch pipe before the whole configuration arrived")
+        data += chunk
+    return data
+
+
+def exit_when_gateway_closes(fd: int) -> None:
+    """Watch the launch pipe `fd` from a daemon thread; at EOF (the gateway exited, however it died),
+    end this process at once, whatever its main thread is doing (loading a model, a step).
+
+    Not PR_SET_PDEATHSIG: it fires when the *thread* that started the child exits, and gateways
+    start workers from pool threads. os.read, not sys.stdin: a thread blocked in a buffered
+    reader holds its lock, which the interpreter's shutdown then waits for in vain."""
+
+    def watch() -> None:
+        while os.read(fd, 1 << 12):
+            pass
+        logger.warning("the gateway process is gone; worker exiting")
+        os._exit(0)
+
+    threading.Thread(target=watch, name="spillway-gateway-watch", daemon=True).start()

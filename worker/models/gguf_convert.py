@@ -1,0 +1,62 @@
+"""`python -m spillway.worker.models.gguf_convert model|tokenizer GGUF DEST`: the torch side of
+the model cache (protocol/model_cache.py runs it as a child, so its caller never imports torch).
+
+    model:     DEST gets config.json, generation_config.json, the tokenizer and model.safetensors
+               (float32; transformers undoes llama.cpp's Q/K order while dequantising)
+    tokenizer: DEST gets the tokenizer files and chat template only
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+
+def convert_model(gguf_path: Path, dest: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
+    )
+    config = model.config
+    del config.quantization_config  # the saved weights are plain float32
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(dest)
+    model.generation_config.save_pretrained(dest)
+    save_tokenizer(gguf_path, dest)
+    save_file(_unshared(model.state_dict()), dest / "model.safetensors", metadata={"format": "pt"})
+
+
+def save_tokenizer(gguf_path: Path, dest: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=str(gguf_path), local_files_only=True)
+    tokenizer.save_pretrained(dest)
+
+
+def _unshared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop tensors that alias an earlier one (tied lm_head), as HF checkpoints do."""
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    result = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            result[name] = tensor.contiguous()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] not in ("model", "tokenizer"):
+        print("usage: python -m spillway.worker.models.gguf_convert model|tokenizer GGUF DEST", file=sys.stderr)
+        return 2
+    what, gguf_path, dest = argv[0], Path(argv[1]), Path(argv[2])
+    (convert_model if what == "model" else save_tokenizer)(gguf_path, dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
