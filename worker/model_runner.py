@@ -35,13 +35,13 @@ from spillway.worker.step_inputs import StepInputs, StepLayout
 class ChunkInput:
     """New tokens of one request at positions `start .. start + len(token_ids) - 1`.
 
-    The KV of positions before `start` is already in the blocks of `block_table`, which
+    The KV of positions before `start` is already in the GPU slots of `slot_table`, which
     covers at least `start + len(token_ids)` tokens.
     """
 
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    slot_table: list[int]
 
 
 @dataclass(slots=True)

@@ -73,7 +73,7 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
             token_ids = [0]  # a placeholder: the feed overwrites it on the device
         else:
             token_ids = request.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
-        chunks.append(ChunkInput(token_ids, chunk.start, chunk.block_table))
+        chunks.append(ChunkInput(token_ids, chunk.start, chunk.slot_table))
         if chunk.sample:
             sample_rows.append(row)
     return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies)

@@ -245,9 +245,9 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        block_table = self.block_manager.slot_table(request.request_id)
+        slot_table = self.block_manager.slot_table(request.request_id)
         sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
-        return ScheduledChunk(request, start, num_tokens, block_table, sample)
+        return ScheduledChunk(request, start, num_tokens, slot_table, sample)
 
     def _hash_full_blocks(self, request: Request) -> None:
         hashes = request.block_hashes

@@ -120,11 +120,11 @@ class StepInputs:
 
         input_ids[:] = list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
         for seq, (chunk, count) in enumerate(zip(chunks, needed)):
-            if len(chunk.block_table) < count:
+            if len(chunk.slot_table) < count:
                 raise ValueError(
-                    f"a block table of {len(chunk.block_table)} blocks cannot hold {ends[seq]} tokens"
+                    f"a block table of {len(chunk.slot_table)} blocks cannot hold {ends[seq]} tokens"
                 )
-            tables[seq, :count] = chunk.block_table[:count]
+            tables[seq, :count] = chunk.slot_table[:count]
             tables[seq, count:] = 0
         lens = np.asarray(query_lens)
         query_start_loc[0] = 0
@@ -149,7 +149,7 @@ class StepInputs:
 
     def stage_decode(self, chunks, bucket: int) -> None:
         """Write one-token chunks into `decode_layout(bucket)`, rows past len(chunks) padded."""
-        longest = max(len(chunk.block_table) for chunk in chunks)
+        longest = max(len(chunk.slot_table) for chunk in chunks)
         if longest > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {longest} blocks exceeds the limit of {self.max_blocks_per_seq}")
         self._stage_decode_rows(chunks, bucket)
@@ -161,7 +161,7 @@ class StepInputs:
             bucket, bucket, self.max_blocks_per_seq)
         for seq, chunk in enumerate(chunks):
             start = chunk.start
-            table = chunk.block_table
+            table = chunk.slot_table
             if len(table) <= start // block_size:
                 raise ValueError(f"a block table of {len(table)} blocks cannot hold {start + 1} tokens")
             input_ids[seq] = chunk.token_ids[0]

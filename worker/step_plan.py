@@ -20,7 +20,7 @@ class ScheduledChunk:
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_tokens: int
-    block_table: list[int]  # a snapshot covering start + num_tokens tokens
+    slot_table: list[int]  # GPU slots of its blocks, a snapshot covering start + num_tokens tokens
     sample: bool  # the chunk reaches the request's last token: sample the next one
     # Proposed tokens after the chunk's last one, verified in the same forward (speculative
     # decoding; none yet). They are never committed unless accepted.

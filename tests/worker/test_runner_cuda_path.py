@@ -197,9 +197,9 @@ def test_decode_tokens_fed_from_the_device_give_the_same_logits():
         runner.graphs = graphs
         expected = runner.execute(real).clone()
         for feed in (in_order, permuted):
-            placeholders = [ChunkInput([0] if row in feed.rows else c.token_ids, c.start, c.block_table)
+            placeholders = [ChunkInput([0] if row in feed.rows else c.token_ids, c.start, c.slot_table)
                             for row, c in enumerate(real)]
             got = runner.execute(placeholders, feed)
             assert (got - expected).abs().max().item() < 1e-5
-        unfed = runner.execute([ChunkInput([0], c.start, c.block_table) for c in real])
+        unfed = runner.execute([ChunkInput([0], c.start, c.slot_table) for c in real])
         assert (unfed - expected).abs().max().item() > 1e-3  # the placeholder alone would not do

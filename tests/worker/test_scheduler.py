@@ -61,11 +61,11 @@ class Harness:
         for chunk in plan.chunks:
             tokens, end = chunk.request.all_token_ids, chunk.start + chunk.num_tokens
             assert chunk.start == chunk.request.num_computed_tokens
-            assert len(chunk.block_table) == -(-end // self.block_size)
+            assert len(chunk.slot_table) == -(-end // self.block_size)
             for pos in range(chunk.start):
-                assert self.kv[self._slot(chunk.block_table, pos)] == tokens[pos], (chunk, pos)
+                assert self.kv[self._slot(chunk.slot_table, pos)] == tokens[pos], (chunk, pos)
             for pos in range(chunk.start, end):
-                self.kv[self._slot(chunk.block_table, pos)] = tokens[pos]
+                self.kv[self._slot(chunk.slot_table, pos)] = tokens[pos]
             if chunk.sample:
                 sampled[chunk.request.request_id] = fake_token(chunk.request)
         assert plan.num_batched_tokens == sum(chunk.num_tokens for chunk in plan.chunks)
@@ -84,12 +84,12 @@ class Harness:
             self.step()
         raise AssertionError("requests did not finish")
 
-    def _slot(self, block_table: list[int], pos: int) -> tuple[int, int]:
-        return block_table[pos // self.block_size], pos % self.block_size
+    def _slot(self, slot_table: list[int], pos: int) -> tuple[int, int]:
+        return slot_table[pos // self.block_size], pos % self.block_size
 
 
 def chunks(plan: StepPlan) -> list[tuple]:
-    return [(c.request.request_id, c.start, c.num_tokens, c.block_table, c.sample) for c in plan.chunks]
+    return [(c.request.request_id, c.start, c.num_tokens, c.slot_table, c.sample) for c in plan.chunks]
 
 
 def test_chunked_prefill_splits_exactly_under_the_budget():
@@ -151,7 +151,7 @@ def test_a_prefix_hit_always_recomputes_the_last_prompt_token(num_prompt_tokens,
     harness.run()
     harness.add("b", prompt, max_tokens=2)
     plan, results = harness.step()
-    ((_, start, num_tokens, block_table, sample),) = chunks(plan)
+    ((_, start, num_tokens, slot_table, sample),) = chunks(plan)
     assert (start, num_tokens, sample) == (num_cached, num_prompt_tokens - num_cached, True)
     assert results[0].num_cached_tokens == num_cached
     assert harness.results["a"][0].num_cached_tokens == 0
@@ -168,7 +168,7 @@ def test_a_shared_system_prompt_hits_across_different_questions():
     harness.add("b", system + [60, 61, 62, 63, 64])
     harness.add("c", [1] + system)
     plan_b, results = harness.step()
-    table_a = plan_a.chunks[0].block_table
+    table_a = plan_a.chunks[0].slot_table
     assert chunks(plan_b) == [("a", 11, 1, table_a, True), ("b", 8, 6, table_a[:2] + [3, 4], True),
                               ("c", 0, 10, [5, 6, 7], True)]
     assert [r.num_cached_tokens for r in results[1:]] == [8, 0]

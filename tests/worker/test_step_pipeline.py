@@ -87,7 +87,7 @@ def test_pack_step_is_plain_data_with_the_pending_tokens_fed_from_the_step_befor
     # The step in flight sampled b in row 0 and a in row 1 of its token ids.
     previous = LaunchedStep(plan, torch.tensor([40, 30]), None, None, {"b": 0, "a": 1}, {})
     packed = pack_step(ahead, previous)
-    assert [(c.token_ids, c.start, c.block_table) for c in packed.chunks] == [
+    assert [(c.token_ids, c.start, c.slot_table) for c in packed.chunks] == [
         ([0], 4, [0, 3]), ([0], 7, [1, 2]), ([10, 11], 0, [4])]
     assert (packed.feed_rows, packed.feed_sources, packed.sample_rows) == ([0, 1], [1, 0], [0, 1, 2])
     wire = msgspec.msgpack.encode(packed)  # what a driver would broadcast to N executors
