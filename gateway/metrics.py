@@ -92,7 +92,9 @@ class GatewayMetrics:
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Time from arrival to the last token.", _E2E_BUCKETS)
         self.invariants_ok = gauge("spillway:kv_invariants_ok",
-                                   "1 if the worker's block manager invariants held when last checked.")
+                                   "1 if the worker's block manager invariants held when last checked, 0 if "
+                                   "not, NaN until a check (debug mode, or a CHECK_INVARIANTS control).")
+        self.invariants_ok.set(float("nan"))  # a routine report does not walk the blocks
         self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
         self._last: Stats | None = None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from spillway.gateway.metrics import GatewayMetrics
 from spillway.protocol.messages import Stats
 
@@ -12,6 +14,8 @@ def gauge_value(metrics: GatewayMetrics) -> float:
 
 def test_a_report_that_did_not_check_leaves_the_gauge_as_the_last_check_set_it():
     metrics = GatewayMetrics("m")
+    metrics.on_stats(Stats(num_running=1))
+    assert math.isnan(gauge_value(metrics))  # never checked: neither held (1) nor broken (0)
     metrics.on_stats(Stats(invariants_ok=True))
     metrics.on_stats(Stats(num_running=2))  # a routine report: invariants_ok is None
     assert gauge_value(metrics) == 1
