@@ -170,11 +170,18 @@ def interrupt_main_after(seconds: float) -> threading.Timer:
 def test_an_interrupt_aborts_the_batch_in_the_worker(fake_llm, tokenizer):
     script = encode(tokenizer, COUNTING)
     llm = fake_llm(script, step_s=0.05)
-    timer = interrupt_main_after(0.5)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[100], [101], [102]], greedy(200), use_tqdm=False)
-    timer.join()
+    # Ctrl-C as Python delivers it by default, whatever handler an earlier test left behind.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = interrupt_main_after(0.5)
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            outputs = llm.generate([[100], [101], [102]], greedy(200), use_tqdm=False)
+            pytest.fail(f"the batch ran to its end in {time.monotonic() - started:.2f} s, "
+                        f"{[len(o.outputs[0].token_ids) for o in outputs]} tokens, without the interrupt")
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     assert time.monotonic() - started < 5  # not after the 10 s the batch would take
     # Without the abort the three requests would run for another 9 s. (Stats sent by the worker
     # on its own, just before it read the abort, may answer the first ask.)
