@@ -82,6 +82,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def descendants(pid: int) -> list[int]:
+    """The process ids under `pid` (Linux /proc), children first."""
+    found = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no memory
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> None:
+    """Return once none of `pids` runs; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {pids} still run after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 class Server:
     """`spillway serve FOLDER --load-format dummy` with the given flags, on a free port."""
 
@@ -122,13 +157,18 @@ class Server:
         return cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
+        """Stop the gateway and wait for its worker too: the next engine sizes its KV cache
+        from the device memory this one leaves free."""
         if self.process.poll() is None:
+            children = descendants(self.process.pid)
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(30)
-            except subprocess.TimeoutExpired:
+                wait_gone(children, 30)
+            except (subprocess.TimeoutExpired, TimeoutError):
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
+                wait_gone(children, 10)
         self.log.close()
 
     def __enter__(self) -> Server:

@@ -130,7 +130,8 @@ def client(url: str, concurrency: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0), trust_env=False)
 
 
-async def stream_all(url: str, prompts: list[list[int]], max_tokens: int, model: str) -> tuple[list[StreamTiming], float]:
+async def stream_all(url: str, prompts: list[list[int]], max_tokens: int,
+                     model: str) -> tuple[list[StreamTiming], float]:
     """Every prompt sent at once; the timings and the wall seconds from the first send to the last end."""
     async with client(url, len(prompts)) as http:
         started = time.perf_counter()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tools import bench_serve  # noqa: E402
-from tools.serve_process import TOKENIZER_FILES, build_model_folder, cpu_seconds  # noqa: E402
+from tools.serve_process import TOKENIZER_FILES, build_model_folder, cpu_seconds, descendants, wait_gone  # noqa: E402
 from tools.serve_stream import StreamError, StreamTiming, completion_body, split_events  # noqa: E402
 
 
@@ -145,6 +147,23 @@ def test_cpu_seconds_of_this_process_grow():
     before = cpu_seconds(os.getpid())
     sum(i * i for i in range(300_000))
     assert cpu_seconds(os.getpid()) > before
+
+
+def test_stop_waits_for_the_grandchildren():
+    parent = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(children := descendants(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 2
+        with pytest.raises(TimeoutError, match="still run"):
+            wait_gone(children, 0.2)
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+        wait_gone(children, 10)
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_export_tokenizer_writes_the_files(tmp_path):
