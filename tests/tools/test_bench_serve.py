@@ -195,3 +195,15 @@ def test_end_to_end_on_the_cpu_prints_every_row_with_finite_figures(tmp_path):
     assert "cached tokens [0]" in rows[1]["note"]
     assert "cached tokens served [32], offline [32]" in rows[2]["note"]
     assert rows[5]["unit"] == "output tok/s" and "gateway CPU" in rows[5]["note"]
+
+
+def test_qwen3_32b_is_a_builtin_name_the_engine_builds():
+    """bench_engine's `--decode qwen3-32b` resolves the name as every built-in config."""
+    from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model
+    from spillway.worker.models.spec import DecoderSpec
+
+    assert "qwen3-32b" in builtin_config_names()
+    spec = DecoderSpec.from_config(load_config(resolve_model("qwen3-32b", load_format="dummy")))
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.intermediate_size, spec.vocab_size, spec.rope_theta, spec.rms_norm_eps, spec.tie_word_embeddings,
+            spec.qk_norm) == (5120, 64, 64, 8, 128, 25600, 151936, 1e6, 1e-6, False, True)
