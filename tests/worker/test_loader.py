@@ -305,6 +305,7 @@ def test_non_gguf_file_and_folder_without_config_are_refused(tmp_path):
     ("name", "model_type", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "vocab"),
     [
         ("qwen3-8b", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
+        ("qwen3-32b", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936),
         ("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936),
         ("llama-3-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256),
         pytest.param(
@@ -327,7 +328,7 @@ def test_builtin_configs_give_real_dummy_configs(
         next(iter_weights(files))
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-0.6b", "llama-3-8b"])
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "qwen3-0.6b", "llama-3-8b"])
 def test_builtin_configs_without_tokenizer_say_so(name):
     files = resolve_model(name, load_format="dummy")
     assert [p.name for p in files.path.iterdir()] == ["config.json"]

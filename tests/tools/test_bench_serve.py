@@ -1,0 +1,209 @@
+"""tools/bench_serve.py: its SSE timing parser on canned events, its command-line pieces, and one
+end-to-end run on the CPU (smollm2-135m shape, dummy weights, a few requests of a few tokens)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools import bench_serve  # noqa: E402
+from tools.serve_process import TOKENIZER_FILES, build_model_folder, cpu_seconds, descendants, wait_gone  # noqa: E402
+from tools.serve_stream import StreamError, StreamTiming, completion_body, split_events  # noqa: E402
+
+
+def chunk(text: str, completion: int | None, prompt: int = 7, cached: int = 0, finish: str | None = None) -> str:
+    event = {"id": "cmpl-1", "object": "text_completion", "choices": [
+        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}]}
+    if completion is not None:
+        event["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                          "prompt_tokens_details": {"cached_tokens": cached}}
+    return json.dumps(event)
+
+
+def usage_only(completion: int, prompt: int = 7, cached: int = 0) -> str:
+    return json.dumps({"id": "cmpl-1", "choices": [], "usage": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached}}})
+
+
+def test_continuous_usage_gives_each_event_its_token_count_and_gaps():
+    timing = StreamTiming(start=10.0)
+    timing.feed(10.5, chunk("a", 1, cached=4))
+    timing.feed(10.6, chunk("bc", 3, cached=4))  # two tokens in one event
+    timing.feed(10.9, chunk("d", 4, cached=4))
+    timing.feed(11.0, chunk("", 5, cached=4, finish="length"))  # a held-back token arrives with the finish
+    timing.feed(11.0, usage_only(5, cached=4))
+    timing.feed(11.0, "[DONE]")
+    timing.check(5)
+    assert timing.ttft == 0.5
+    assert timing.event_tokens == [1, 2, 1, 1]
+    assert [round(g, 6) for g in timing.gaps] == [0.1, 0.3, 0.1]
+    assert (timing.prompt_tokens, timing.completion_tokens, timing.cached_tokens) == (7, 5, 4)
+    assert timing.tokens_exact
+
+
+def test_usage_at_the_end_only_counts_one_token_per_text_event():
+    timing = StreamTiming(start=0.0)
+    timing.feed(0.25, chunk("a", None))
+    timing.feed(0.5, chunk("", None))  # no text, no usage: carries nothing countable
+    timing.feed(0.75, chunk("b", None))
+    timing.feed(1.0, usage_only(3))
+    timing.feed(1.0, "[DONE]")
+    timing.check(3)  # the events' count cannot be checked against usage here
+    assert (timing.ttft, timing.gaps, timing.event_tokens, timing.tokens_exact) == (0.25, [0.5], [1, 1], False)
+
+
+@pytest.mark.parametrize(("events", "expected", "message"), [
+    ([chunk("a", 1)], 1, "without \\[DONE\\]"),
+    ([chunk("a", 1), usage_only(1), "[DONE]"], 2, "usage reports 1 completion tokens, not 2"),
+])
+def test_check_refuses_an_incomplete_stream(events, expected, message):
+    timing = StreamTiming(start=0.0)
+    for event in events:
+        timing.feed(1.0, event)
+    with pytest.raises(StreamError, match=message):
+        timing.check(expected)
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    ('{"error": {"message": "worker lost", "code": 503}}', "error event"),
+    ("not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_bad_events_raise(payload, message):
+    with pytest.raises(StreamError, match=message):
+        StreamTiming(start=0.0).feed(1.0, payload)
+
+
+def test_an_event_after_done_raises():
+    timing = StreamTiming(start=0.0)
+    timing.feed(1.0, "[DONE]")
+    with pytest.raises(StreamError, match="after \\[DONE\\]"):
+        timing.feed(1.0, chunk("a", 1))
+
+
+def test_split_events_keeps_the_incomplete_tail():
+    payloads, rest = split_events(b'data: {"a": 1}\n\ndata: [DONE]\r\n\r\ndata: {"b"')
+    assert (payloads, rest) == (['{"a": 1}', "[DONE]"], b'data: {"b"')
+    payloads, rest = split_events(rest + b": 2}\n\n")
+    assert (payloads, rest) == (['{"b": 2}'], b"")
+
+
+def test_completion_body_asks_for_exact_lengths_and_usage_on_every_chunk():
+    assert completion_body([5, 6], 3, "bench") == {
+        "model": "bench", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert [bench_serve.percentile(values, q) for q in (0, 50, 90, 100)] == pytest.approx([1.0, 2.5, 3.7, 4.0])
+    assert math.isnan(bench_serve.percentile([], 50))
+
+
+def test_rows_by_name_or_number():
+    assert bench_serve.parse_rows("5,ttft,3") == ["ttft", "itl", "small"]
+    with pytest.raises(Exception, match="unknown row '6'"):
+        bench_serve.parse_rows("6")
+
+
+def test_engine_flags_reach_serve_and_llm_alike():
+    args = bench_serve.build_parser().parse_args(
+        ["--kv-cache-dtype", "fp8", "--max-num-seqs", "512", "--enforce-eager", "--no-async-scheduling"])
+    settings = bench_serve.engine_settings(args)
+    assert settings == {"kv_cache_dtype": "fp8", "max_num_seqs": 512, "enforce_eager": True,
+                        "async_scheduling": False}
+    assert bench_serve.serve_flags(settings) == ["--kv-cache-dtype", "fp8", "--max-num-seqs", "512",
+                                                 "--enforce-eager", "--no-async-scheduling"]
+
+
+def test_model_folder_has_the_config_with_the_tokenizer_vocabulary(tmp_path):
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    for name in TOKENIZER_FILES:
+        (tokenizer / name).write_text(name)
+    folder = build_model_folder("qwen3-32b", tokenizer, tmp_path / "models")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (49152, 1, 2)
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (5120, 64, 25600)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json", *TOKENIZER_FILES])
+    assert (folder / "tokenizer.json").read_text() == "tokenizer.json"
+    with pytest.raises(ValueError, match="no built-in config 'qwen9'"):
+        build_model_folder("qwen9", tokenizer, tmp_path / "models")
+
+
+def test_cpu_seconds_of_this_process_grow():
+    before = cpu_seconds(os.getpid())
+    sum(i * i for i in range(300_000))
+    assert cpu_seconds(os.getpid()) > before
+
+
+def test_stop_waits_for_the_grandchildren():
+    parent = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(children := descendants(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 2
+        with pytest.raises(TimeoutError, match="still run"):
+            wait_gone(children, 0.2)
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+        wait_gone(children, 10)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_export_tokenizer_writes_the_files(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--export-tokenizer",
+                           str(tmp_path / "tok")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == sorted(TOKENIZER_FILES)
+    assert json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_end_to_end_on_the_cpu_prints_every_row_with_finite_figures(tmp_path):
+    results = tmp_path / "rows.jsonl"
+    command = [sys.executable, str(ROOT / "tools" / "bench_serve.py"), "--model", "smollm2-135m",
+               "--repeats", "2", "--short-prompt-len", "16", "--long-prompt-len", "32", "--warm-new-tokens", "16",
+               "--itl-tokens", "4", "--itl-streams", "1", "--num-requests", "3", "--input-len", "16",
+               "--output-len", "4", "--small-num-requests", "2", "--small-input-len", "8", "--small-output-len", "4",
+               "--max-model-len", "128", "--results", str(results)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["name"] for r in rows] == [
+        "smollm2-135m TTFT idle, 16-token prompt", "smollm2-135m TTFT 32 cold", "smollm2-135m TTFT 32 cached + 16",
+        "smollm2-135m TTFT 32 cold, caching on", "smollm2-135m ITL one stream, 4 tokens",
+        "smollm2-135m throughput 3 x (16/4)", "smollm2-135m throughput 2 x (8/4)"]
+    for r in rows:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("value", "baseline", "ratio")), r
+        assert r["name"] in done.stdout
+    # The cached request hit the whole 32-token prefix on both sides; the cold ones hit nothing.
+    assert "cached tokens [0]" in rows[1]["note"]
+    assert "cached tokens served [32], offline [32]" in rows[2]["note"]
+    assert rows[5]["unit"] == "output tok/s" and "gateway CPU" in rows[5]["note"]
+
+
+def test_qwen3_32b_is_a_builtin_name_the_engine_builds():
+    """bench_engine's `--decode qwen3-32b` resolves the name as every built-in config."""
+    from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model
+    from spillway.worker.models.spec import DecoderSpec
+
+    assert "qwen3-32b" in builtin_config_names()
+    spec = DecoderSpec.from_config(load_config(resolve_model("qwen3-32b", load_format="dummy")))
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            spec.intermediate_size, spec.vocab_size, spec.rope_theta, spec.rms_norm_eps, spec.tie_word_embeddings,
+            spec.qk_norm) == (5120, 64, 64, 8, 128, 25600, 151936, 1e6, 1e-6, False, True)

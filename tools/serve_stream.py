@@ -1,0 +1,145 @@
+"""The streaming client of tools/bench_serve.py: token-id prompts on /v1/completions, each
+request's server-sent events timed as they arrive.
+
+`StreamTiming` is the parser: fed `(arrival time, raw event payload)`, it keeps the time to the
+first token, the gap before every later event that carried tokens, and how many tokens each
+such event carried. Token counts come from `usage.completion_tokens` on every chunk (the request
+asks for `continuous_usage_stats`): a chunk's tokens are the growth of that count. A server that
+sends usage only at the end gets one token per text-carrying event, and `tokens_exact` is False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+class StreamError(Exception):
+    """The server answered with an error, an error event, or a stream cut short."""
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """One request's events; times in seconds of `time.perf_counter()`."""
+
+    start: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = field(default_factory=list)  # before each token-carrying event after the first
+    event_tokens: list[int] = field(default_factory=list)  # tokens of each token-carrying event
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    tokens_exact: bool = True
+    done: bool = False
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    @property
+    def counted_tokens(self) -> int:
+        return sum(self.event_tokens)
+
+    def feed(self, now: float, payload: str) -> None:
+        """Fold one event's `data:` payload (without the prefix) into the timing."""
+        if self.done:
+            raise StreamError(f"an event after [DONE]: {payload[:200]!r}")
+        if payload == "[DONE]":
+            self.done = True
+            return
+        try:
+            event = json.loads(payload)
+        except json.JSONDecodeError:
+            raise StreamError(f"an event is not JSON: {payload[:200]!r}") from None
+        if not isinstance(event, dict):
+            raise StreamError(f"an event is not a JSON object: {payload[:200]!r}")
+        if "error" in event:
+            raise StreamError(f"error event: {payload[:300]}")
+        choices = event.get("choices") or []
+        usage = event.get("usage")
+        tokens = 0
+        if usage:
+            completion = usage.get("completion_tokens") or 0
+            if choices:
+                tokens = completion - self.counted_tokens
+            self.prompt_tokens = usage.get("prompt_tokens")
+            self.completion_tokens = completion
+            self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        elif any(choice.get("text") for choice in choices):
+            tokens, self.tokens_exact = 1, False  # no usage on this chunk: a count cannot be known
+        if tokens <= 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps.append(now - self.last_token_at)
+        self.last_token_at = now
+        self.event_tokens.append(tokens)
+
+    def check(self, expected_tokens: int) -> None:
+        """StreamError unless the stream ended with [DONE] and carried `expected_tokens`."""
+        if not self.done:
+            raise StreamError(f"the stream ended without [DONE] after {len(self.event_tokens)} token events")
+        if self.completion_tokens != expected_tokens:
+            raise StreamError(f"usage reports {self.completion_tokens} completion tokens, not {expected_tokens}")
+        if self.tokens_exact and self.counted_tokens != expected_tokens:
+            raise StreamError(f"the events carried {self.counted_tokens} tokens, usage says {expected_tokens}")
+
+
+def split_events(buffer: bytes) -> tuple[list[str], bytes]:
+    """Complete SSE events of `buffer` as their `data:` payloads, and the incomplete rest."""
+    payloads = []
+    *complete, rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+    for event in complete:
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                payloads.append(line[5:].strip().decode())
+    return payloads, rest
+
+
+def completion_body(prompt: list[int], max_tokens: int, model: str) -> dict:
+    """A greedy streamed completion of exactly `max_tokens` tokens, usage on every chunk."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+async def stream_completion(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str) -> StreamTiming:
+    """Send one request and time its events; StreamError for anything but a full answer."""
+    timing = StreamTiming(start=time.perf_counter())
+    async with http.stream("POST", "/v1/completions", json=completion_body(prompt, max_tokens, model)) as response:
+        if response.status_code != 200:
+            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        buffer = b""
+        async for chunk in response.aiter_bytes():
+            now = time.perf_counter()
+            payloads, buffer = split_events(buffer + chunk)
+            for payload in payloads:
+                timing.feed(now, payload)
+    timing.check(max_tokens)
+    return timing
+
+
+def client(url: str, concurrency: int) -> httpx.AsyncClient:
+    """An HTTP client for `concurrency` streams at once, no proxies from the environment."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0), trust_env=False)
+
+
+async def stream_all(url: str, prompts: list[list[int]], max_tokens: int,
+                     model: str) -> tuple[list[StreamTiming], float]:
+    """Every prompt sent at once; the timings and the wall seconds from the first send to the last end."""
+    async with client(url, len(prompts)) as http:
+        started = time.perf_counter()
+        timings = await asyncio.gather(*(stream_completion(http, p, max_tokens, model) for p in prompts))
+        return list(timings), time.perf_counter() - started
+
+
+async def stream_each(url: str, prompts: list[list[int]], max_tokens: int, model: str) -> list[StreamTiming]:
+    """One prompt after another, each on an idle server."""
+    async with client(url, 1) as http:
+        return [await stream_completion(http, p, max_tokens, model) for p in prompts]
