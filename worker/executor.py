@@ -109,7 +109,8 @@ class Executor:
         set. The result may be a view of a buffer that the next step overwrites.
         """
         if step.kv_copies.gpu_to_cpu or step.kv_copies.cpu_to_gpu:
-            raise NotImplementedError("KV copies between tiers: there is no CPU tier yet")
+            # Only the CPU tier plans copies; a plan with some cannot be run without it.
+            raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         logits = self.runner.execute(step.chunks, feed)
         if len(step.sample_rows) == len(step.chunks):

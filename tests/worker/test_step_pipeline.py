@@ -12,6 +12,7 @@ from spillway.protocol.messages import Generate, SamplingParams
 from spillway.protocol.reasoning import Phase, ThinkingPolicy
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.executor import PackedStep
+from spillway.worker.step_plan import KVCopies
 from spillway.worker.model_runner import ChunkInput
 from spillway.worker.pipeline import LaunchedStep, pack_step
 from spillway.worker.request import Request, refusal
@@ -185,7 +186,7 @@ def test_triton_metadata_of_an_eager_step_reads_the_staged_views(query_lens, sta
 def test_engine_stats_walk_the_blocks_only_when_asked_or_in_debug_mode(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from spillway.worker.config import WorkerConfig
+    from spillway.protocol.config import WorkerConfig
     from spillway.worker.engine import Engine
 
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -202,3 +203,21 @@ def test_engine_stats_walk_the_blocks_only_when_asked_or_in_debug_mode(tmp_path)
     engine.debug_invariants = True
     assert engine.stats().invariants_ok is True and walks == [1, 1]
     assert engine.stats().num_free_gpu_blocks == 40
+
+
+def test_the_executor_refuses_kv_copies_without_a_cpu_tier(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spillway.protocol.config import WorkerConfig
+    from spillway.worker.engine import Engine
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    engine = Engine(WorkerConfig(model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=2,
+                                 num_gpu_blocks_override=8))
+    step = PackedStep([ChunkInput([1, 2], 0, [0])], [], [], [0])
+    assert engine.executor.execute(step).shape == (1, 64)
+    copying = PackedStep([ChunkInput([1, 2], 0, [0])], [], [], [0], KVCopies(gpu_to_cpu=((0, 0),)))
+    with pytest.raises(ValueError, match="no CPU tier"):
+        engine.executor.execute(copying)
