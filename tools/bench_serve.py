@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,79 +46,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from tools import bench_table  # noqa: E402
 from tools.bench_table import Rows, print_table, row  # noqa: E402
-from tools.serve_process import Server, build_model_folder, default_tokenizer_dir, export_tokenizer  # noqa: E402
+from tools.loadgen.report import percentile  # noqa: E402
+from tools.serve_process import (  # noqa: E402
+    ENGINE_FLAGS, Server, build_model_folder, default_tokenizer_dir, engine_settings, export_tokenizer, machine,
+    raise_open_files_limit, serve_flags,
+)
 from tools.serve_stream import StreamTiming, stream_all, stream_each  # noqa: E402
 
 ROWS = ("ttft", "prefix", "itl", "throughput", "small")
 SMALL_MODEL = "smollm2-135m"
 SERVED_NAME = "bench"
-# Engine flags passed to both `spillway serve` and `LLM`: (name, kind).
-ENGINE_FLAGS = (("dtype", str), ("kv_cache_dtype", str), ("device", str), ("block_size", int),
-                ("max_model_len", int), ("max_num_seqs", int), ("max_num_batched_tokens", int),
-                ("gpu_memory_utilization", float), ("num_gpu_blocks_override", int), ("enforce_eager", bool),
-                ("async_scheduling", "optional-bool"))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between the nearest ranks."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def spread_ms(seconds: list[float]) -> str:
     return "/".join(f"{percentile(seconds, q) * 1e3:,.2f}" for q in (50, 90, 99))
-
-
-def engine_settings(args) -> dict:
-    """The engine flags given on the command line, as `LLM` keyword arguments."""
-    settings = {}
-    for name, kind in ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value is not None and not (kind is bool and value is False):  # a store_true flag not given
-            settings[name] = value
-    return settings
-
-
-def serve_flags(settings: dict) -> list[str]:
-    flags = []
-    for name, value in settings.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            flags.append(flag)
-        elif value is False:  # an optional-bool flag turned off
-            flags.append(flag.replace("--", "--no-", 1))
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def raise_open_files_limit() -> None:
-    """A socket per stream on each side: 1,000 at once pass a soft limit of 1,024. The server,
-    started after this, inherits the raised limit."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
-def machine() -> str:
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        gpu = "no GPU"
-    try:
-        torch = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        torch = "?"
-    return f"{gpu}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch}, Python {platform.python_version()}"
 
 
 # ---- the workload: the same prompts for the server and for LLM ----------------------------

@@ -9,8 +9,10 @@ has the default GGUF, for one that has not.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -176,3 +178,57 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# Engine flags passed to both `spillway serve` and `LLM`: (name, kind).
+ENGINE_FLAGS = (("dtype", str), ("kv_cache_dtype", str), ("device", str), ("block_size", int),
+                ("max_model_len", int), ("max_num_seqs", int), ("max_num_batched_tokens", int),
+                ("gpu_memory_utilization", float), ("num_gpu_blocks_override", int), ("enforce_eager", bool),
+                ("async_scheduling", "optional-bool"))
+
+
+def engine_settings(args) -> dict:
+    """The engine flags given on the command line, as `LLM` keyword arguments."""
+    settings = {}
+    for name, kind in ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not (kind is bool and value is False):  # a store_true flag not given
+            settings[name] = value
+    return settings
+
+
+def serve_flags(settings: dict) -> list[str]:
+    flags = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:  # an optional-bool flag turned off
+            flags.append(flag.replace("--", "--no-", 1))
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def raise_open_files_limit() -> None:
+    """A socket per stream on each side: 1,000 at once pass a soft limit of 1,024. The server,
+    started after this, inherits the raised limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def machine() -> str:
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        gpu = "no GPU"
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "?"
+    return f"{gpu}, {os.cpu_count()} CPUs, {platform.machine()}, torch {torch}, Python {platform.python_version()}"

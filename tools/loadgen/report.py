@@ -18,8 +18,10 @@ RESULTS_VERSION = 1
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks."""
+    """The q-th percentile (0..100) with linear interpolation between closest ranks; NaN of none."""
     ordered = sorted(values)
+    if not ordered:
+        return float("nan")
     position = (len(ordered) - 1) * q / 100
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
