@@ -39,7 +39,7 @@ def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
         request = chunk.request
         min_tokens = request.params.min_tokens
         if not (chunk.num_tokens == 1 and chunk.sample and request.samples_on_device) or (
-                min_tokens and len(request.all_token_ids) - len(request.prompt_token_ids) < min_tokens):
+                min_tokens and request.num_output_tokens < min_tokens):
             return False
     return bool(chunks)
 
