@@ -65,12 +65,19 @@ class DecodeMetadata:
 
 @dataclass(slots=True)
 class PrefillMetadata:
-    """A ragged step's tensors for `paged_prefill_attention`."""
+    """A ragged step's tensors for `paged_prefill_attention`.
+
+    Passed to `forward`/`attend` on its own (with `slot_mapping` set), it is the tensors-only
+    form of a prefill step captured in a CUDA graph: q/k/v have `max_query_len` rows, the
+    padding sequences have no new tokens (equal `query_start_loc` entries) and a context of 0,
+    padding rows have slot -1. Rows past the last sequence's come back unspecified.
+    """
 
     query_start_loc: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     max_query_len: int
+    slot_mapping: torch.Tensor | None = None  # int64 or int32 [rows], -1 for a padded row
 
 
 @dataclass(slots=True)
@@ -134,19 +141,25 @@ class TritonAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata | DecodeMetadata,
+        metadata: AttentionMetadata | DecodeMetadata | PrefillMetadata,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, layer_idx, metadata.slot_mapping)
         return self.attend(layer_idx, q, kv_cache, metadata)
 
     def attend(
-        self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata | DecodeMetadata
+        self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata | DecodeMetadata | PrefillMetadata,
     ) -> torch.Tensor:
         """Attention of q over the cache, this step's k/v already stored in it: the kernels
         read every key and value from the cache, never from k/v."""
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         if isinstance(metadata, DecodeMetadata):
             decode, prefill = metadata, None
+        elif isinstance(metadata, PrefillMetadata):
+            return paged_prefill_attention(
+                q, kv_cache, layer_idx, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                scale, metadata.max_query_len,
+            )
         else:
             assert isinstance(metadata, TritonAttentionMetadata)
             decode, prefill = metadata.decode, metadata.prefill

@@ -1,15 +1,28 @@
-"""CUDA graphs of the decode step, one per batch-size bucket.
+"""CUDA graphs of small steps: decode steps by batch size, prefill/mixed steps by token count.
 
-A decode step launches a few hundred small kernels; replaying them as one graph removes the
-Python and launch cost that would otherwise bound small models. A batch of n sequences runs
-the graph of the smallest bucket >= n, its rows past n padded (token 0, slot -1, context
-length 0): the KV write skips them and attention gives them zeros, so they never touch a
-real sequence, and their logits are dropped.
+A step launches a few hundred small kernels; replaying them as one graph removes the Python
+and launch cost that would otherwise bound small steps (a decode step, a short prompt, the
+few new tokens after a cached prefix).
+
+Decode graphs, one per batch-size bucket: a batch of n one-token sequences runs the graph of
+the smallest bucket >= n, its rows past n padded (token 0, slot -1, context length 0): the
+KV write skips them and attention gives them zeros, so they never touch a real sequence, and
+their logits are dropped.
 
     buckets 1, 2, 4, 8, 16, 24, ... below max_num_seqs, and max_num_seqs itself
 
-Graphs are captured largest first and share one memory pool: only one replays at a time,
-and its logits are consumed (sampled) before the next replay.
+Prefill graphs, one per token bucket up to 512 tokens: any step of at most T tokens in at
+most `prefill_graph_seqs(T)` sequences (prefill chunks, extends after a cached prefix, mixed
+with decodes) runs the graph of the smallest such T. Its rows past the step's tokens are
+padded as above, its sequences past the step's have no new tokens and a context of 0: the
+ragged attention kernel's grid is sized by T and the sequence count alone, and its programs
+for padding exit at once (worker/attention_triton.py). Padded rows produce unspecified values
+that no real row reads (every op but attention is row-wise).
+
+    buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, up to max_num_batched_tokens
+
+All graphs are captured largest first into one memory pool: only one replays at a time, and
+its logits are consumed (sampled) before the next replay.
 """
 
 from __future__ import annotations
@@ -24,6 +37,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+MAX_PREFILL_GRAPH_SEQS = 32
+
+
 def decode_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, then every multiple of 8 below `max_batch_size`, then `max_batch_size` itself.
 
@@ -35,25 +52,39 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     return [size for size in sizes if size < max_batch_size] + [max_batch_size]
 
 
-class DecodeGraphs:
-    """Captured decode steps by bucket; `replay(bucket)` returns that graph's logits buffer."""
+def prefill_buckets(max_num_tokens: int) -> list[int]:
+    """The token buckets of prefill graphs for steps of at most `max_num_tokens` tokens."""
+    return [size for size in PREFILL_TOKEN_BUCKETS if size <= max_num_tokens]
 
-    def __init__(self, buckets: list[int], device: torch.device) -> None:
+
+def prefill_graph_seqs(num_tokens: int, max_num_seqs: int) -> int:
+    """Sequences a prefill graph of `num_tokens` rows holds: every sequence has >= 1 new token,
+    and past 32 the attention grid's padding programs would start to cost."""
+    return min(num_tokens, max_num_seqs, MAX_PREFILL_GRAPH_SEQS)
+
+
+class StepGraphs:
+    """Captured steps by bucket; `replay(bucket)` returns that graph's logits buffer."""
+
+    def __init__(self, buckets: list[int], device: torch.device, kind: str = "decode") -> None:
         self.buckets = sorted(buckets)
         self.device = device
-        self.max_batch_size = self.buckets[-1]
+        self.kind = kind
+        self.max_bucket = self.buckets[-1]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
-    def bucket_for(self, batch_size: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
+    def bucket_for(self, size: int) -> int:
+        """The smallest bucket >= size; size must be <= `max_bucket`."""
+        return self.buckets[bisect.bisect_left(self.buckets, size)]
 
     @torch.inference_mode()
     def capture(self, step_for: Callable[[int], Callable[[], torch.Tensor]],
-                pad: Callable[[int], None]) -> None:
-        """Capture `step_for(bucket)()` for every bucket over inputs that `pad(bucket)` fills."""
+                pad: Callable[[int], None], pool=None) -> None:
+        """Capture `step_for(bucket)()` for every bucket over inputs that `pad(bucket)` fills,
+        into the memory `pool` (a new one when None)."""
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             step = step_for(bucket)
@@ -67,7 +98,7 @@ class DecodeGraphs:
                 self._outputs[bucket] = step()
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured decode graphs for batch sizes %s in %.1f s", self.buckets,
+        logger.info("captured %s graphs for buckets %s in %.1f s", self.kind, self.buckets,
                     time.perf_counter() - started)
 
     def replay(self, bucket: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ A step, on any device:
                CUDA), then one host→device copy
            ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
                (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
-               anything else (prefill, mixed, enforce_eager, CPU): run the model eagerly
+               a prefill/mixed step of at most 512 tokens: the graph of its token bucket;
+               anything else (larger steps, enforce_eager, CPU): run the model eagerly
            ──► float32 logits of each chunk's last token
 
 Nothing on this path reads device memory back; the sampler's copy of the sampled tokens is
@@ -14,7 +15,7 @@ the step's only synchronisation.
 
 On CUDA the executor (worker/executor.py) builds the runner without a KV cache, measures the
 peak of one max_num_batched_tokens step (`profile_peak_memory`), sizes the pool from what is
-left (`allocate_kv_cache`), then captures the decode graphs (`capture_graphs`). An eager step's
+left (`allocate_kv_cache`), then captures the decode and prefill graphs (`capture_graphs`). An eager step's
 attention metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's
 inputs reach the device once.
 """
@@ -128,7 +129,8 @@ class ModelRunner:
             block_size=block_size,
             device=self.device,
         )
-        self.graphs = None  # DecodeGraphs once captured
+        self.graphs = None  # decode StepGraphs (by batch size) once captured
+        self.prefill_graphs = None  # prefill StepGraphs (by token count) once captured
         self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
         self.kv_cache: torch.Tensor | None = None
         if num_blocks is not None:
@@ -154,19 +156,40 @@ class ModelRunner:
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
         graphs = self.graphs
-        if graphs is not None and len(chunks) <= graphs.max_batch_size and all(
-            len(chunk.token_ids) == 1 for chunk in chunks
-        ):
+        num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
             bucket = graphs.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
             if feed is not None:
                 self._feed(self.inputs.decode_layout(bucket).input_ids, feed)
             return graphs.replay(bucket)[: len(chunks)]
-        layout = self.inputs.stage(chunks)
         if feed is not None:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
+        bucket = self._prefill_bucket(num_tokens, len(chunks))
+        if bucket is not None:
+            layout = self.inputs.stage_prefill(chunks, bucket, self._prefill_graph_seqs(bucket))
+            if feed is not None:
+                self._feed(layout.input_ids, feed, layout.last_rows)
+            return self.prefill_graphs.replay(bucket)[: len(chunks)]
+        layout = self.inputs.stage(chunks)
+        if feed is not None:
             self._feed(layout.input_ids, feed, layout.last_rows)
         return self._forward(layout)
+
+    def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest captured prefill bucket that holds the step, or None."""
+        graphs = self.prefill_graphs
+        if graphs is None or num_tokens > graphs.max_bucket:
+            return None
+        for bucket in graphs.buckets[graphs.buckets.index(graphs.bucket_for(num_tokens)):]:
+            if num_seqs <= self._prefill_graph_seqs(bucket):
+                return bucket
+        return None
+
+    def _prefill_graph_seqs(self, bucket: int) -> int:
+        from spillway.worker.cuda_graphs import prefill_graph_seqs
+
+        return prefill_graph_seqs(bucket, self.max_num_seqs)
 
     @staticmethod
     def _feed(input_ids: torch.Tensor, feed: TokenFeed, last_rows: torch.Tensor | None = None) -> None:
@@ -232,13 +255,21 @@ class ModelRunner:
         return peak
 
     def capture_graphs(self, max_batch_size: int) -> None:
-        """Capture the decode step for every batch-size bucket up to `max_batch_size`."""
-        from spillway.worker.cuda_graphs import DecodeGraphs, decode_buckets
+        """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
+        prefill step for every token bucket the step budget allows, into one memory pool."""
+        from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 
         assert self.kv_cache is not None, "allocate the KV cache first"
-        graphs = DecodeGraphs(decode_buckets(min(max_batch_size, self.max_num_seqs)), self.device)
-        graphs.capture(self._decode_step_for, self.inputs.pad_decode)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = StepGraphs(decode_buckets(min(max_batch_size, self.max_num_seqs)), self.device)
+        graphs.capture(self._decode_step_for, self.inputs.pad_decode, pool)
         self.graphs = graphs
+        buckets = prefill_buckets(self.inputs.capacity[0])
+        if buckets:
+            prefill = StepGraphs(buckets, self.device, kind="prefill")
+            prefill.capture(self._prefill_step_for,
+                            lambda bucket: self.inputs.pad_prefill(bucket, self._prefill_graph_seqs(bucket)), pool)
+            self.prefill_graphs = prefill
 
     def _logits_rows(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the decode steps' shared float32 logits buffer.
@@ -269,5 +300,22 @@ class ModelRunner:
         def step() -> torch.Tensor:
             hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
             return model.compute_logits(hidden, out=logits)
+
+        return step
+
+    def _prefill_step_for(self, bucket: int):
+        """A function running a prefill step of `bucket` tokens on the static input views."""
+        from spillway.worker.attention_triton import PrefillMetadata
+
+        num_seqs = self._prefill_graph_seqs(bucket)
+        layout = self.inputs.prefill_layout(bucket, num_seqs)
+        metadata = PrefillMetadata(layout.query_start_loc, layout.context_lens, layout.block_tables, bucket,
+                                   layout.slot_mapping)
+        model, kv_cache, backend = self.model, self.kv_cache, self.backend
+        logits = self._logits_rows(num_seqs)
+
+        def step() -> torch.Tensor:
+            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+            return model.compute_logits(hidden[layout.last_rows], out=logits)
 
         return step

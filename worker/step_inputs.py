@@ -11,8 +11,9 @@ R rows (the step's tokens), S sequences. A padded row has token 0, position 0 an
 a padded sequence has context length 0, so the kernels skip both.
 
 A decode graph of bucket b reads the views of R = S = b and width = max_blocks_per_seq, which
-sit at the same addresses every step. Its block-table rows are written only as far as each
-table goes: entries past a context are never read.
+sit at the same addresses every step; a prefill graph of T tokens and S sequences, those of
+R = T and S. Their block-table rows are written only as far as each table goes: entries past
+a context are never read.
 
 On the CPU the host buffer is the device buffer, and grows when a step needs more room.
 """
@@ -108,33 +109,68 @@ class StepInputs:
 
     def stage(self, chunks) -> StepLayout:
         """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context."""
-        block_size = self.block_size
         query_lens = [len(chunk.token_ids) for chunk in chunks]
+        width = max(-(-(chunk.start + n) // self.block_size) for chunk, n in zip(chunks, query_lens))
+        self._reserve(sum(query_lens), len(chunks), width)
+        return self._stage_rows(chunks, query_lens, sum(query_lens), len(chunks), width, clear_tables=True)
+
+    def prefill_layout(self, num_rows: int, num_seqs: int) -> StepLayout:
+        """The fixed views a prefill graph of `num_rows` tokens in `num_seqs` sequences reads."""
+        return self._layout([], [], num_rows, num_seqs, self.max_blocks_per_seq)
+
+    def pad_prefill(self, num_rows: int, num_seqs: int) -> None:
+        """Every row and sequence of `prefill_layout(num_rows, num_seqs)` padded: what a graph
+        is captured over."""
+        self._stage_rows([], [], num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False)
+
+    def stage_prefill(self, chunks, num_rows: int, num_seqs: int) -> StepLayout:
+        """Write `chunks` into `prefill_layout(num_rows, num_seqs)`, padding the rows and
+        sequences past theirs; returns their (unpadded) layout's lengths over the padded views."""
+        query_lens = [len(chunk.token_ids) for chunk in chunks]
+        if sum(query_lens) > num_rows or len(chunks) > num_seqs:
+            raise ValueError(f"{sum(query_lens)} tokens in {len(chunks)} sequences exceed a graph of "
+                             f"{num_rows} tokens and {num_seqs} sequences")
+        longest = max(len(chunk.slot_table) for chunk in chunks)
+        if longest > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {longest} blocks exceeds the limit of {self.max_blocks_per_seq}")
+        return self._stage_rows(chunks, query_lens, num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False)
+
+    def _stage_rows(self, chunks, query_lens: list[int], num_rows: int, num_seqs: int, width: int, *,
+                    clear_tables: bool) -> StepLayout:
+        """The chunks' rows first, then padding up to `num_rows` rows and `num_seqs` sequences
+        (token 0, position 0, slot -1; no new tokens, context 0, last row 0). `clear_tables`:
+        zero each block-table row past its context (an unpadded step's tables, which the
+        plain-torch backend gathers whole); a graph's wide tables are left as they are."""
+        block_size = self.block_size
         starts = [chunk.start for chunk in chunks]
         ends = [start + n for start, n in zip(starts, query_lens)]
-        needed = [-(-end // block_size) for end in ends]
-        num_rows, num_seqs, width = sum(query_lens), len(chunks), max(needed)
-        self._reserve(num_rows, num_seqs, width)
         input_ids, positions, slots, last_rows, context_lens, query_start_loc, tables = self._host_fields(
             num_rows, num_seqs, width)
+        real_rows, real_seqs = sum(query_lens), len(chunks)
 
-        input_ids[:] = list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
-        for seq, (chunk, count) in enumerate(zip(chunks, needed)):
+        input_ids[:real_rows] = list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
+        for seq, (chunk, end) in enumerate(zip(chunks, ends)):
+            count = -(-end // block_size)
             if len(chunk.slot_table) < count:
-                raise ValueError(
-                    f"a block table of {len(chunk.slot_table)} blocks cannot hold {ends[seq]} tokens"
-                )
+                raise ValueError(f"a block table of {len(chunk.slot_table)} blocks cannot hold {end} tokens")
             tables[seq, :count] = chunk.slot_table[:count]
-            tables[seq, count:] = 0
-        lens = np.asarray(query_lens)
+            if clear_tables:
+                tables[seq, count:] = 0
+        lens = np.asarray(query_lens, dtype=np.int64)
         query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1:])
-        last_rows[:] = query_start_loc[1:] - 1
-        context_lens[:] = ends
-        row_positions = np.arange(num_rows) + np.repeat(np.asarray(starts) - query_start_loc[:-1], lens)
-        positions[:] = row_positions
-        row_blocks = tables[np.repeat(np.arange(num_seqs), lens), row_positions // block_size]
-        slots[:] = row_blocks * block_size + row_positions % block_size
+        np.cumsum(lens, out=query_start_loc[1: real_seqs + 1])
+        query_start_loc[real_seqs + 1:] = real_rows
+        last_rows[:real_seqs] = query_start_loc[1: real_seqs + 1] - 1
+        last_rows[real_seqs:] = 0
+        context_lens[:real_seqs] = ends
+        context_lens[real_seqs:] = 0
+        row_positions = np.arange(real_rows) + np.repeat(np.asarray(starts, dtype=np.int64) - query_start_loc[:real_seqs], lens)
+        positions[:real_rows] = row_positions
+        row_blocks = tables[np.repeat(np.arange(real_seqs), lens), row_positions // block_size]
+        slots[:real_rows] = row_blocks * block_size + row_positions % block_size
+        input_ids[real_rows:] = 0
+        positions[real_rows:] = 0
+        slots[real_rows:] = -1
 
         self._copy(num_rows, num_seqs, width)
         return self._layout(query_lens, starts, num_rows, num_seqs, width)

@@ -1,7 +1,7 @@
 """The CUDA path against Hugging Face on the same random weights (skipped without a GPU).
 
-fp32: the runner's logits (Triton kernels, decode through captured CUDA graphs with padded
-buckets) within 1e-3 of HF's. bf16: the whole engine behind `LLM` generates the same greedy
+fp32: the runner's logits (Triton kernels, prefill, mixed and decode steps through captured
+CUDA graphs with padded buckets) within 1e-3 of HF's. bf16: the whole engine behind `LLM` generates the same greedy
 tokens as HF `generate` (rates printed; see the bf16 test for why random weights diverge).
 """
 
@@ -62,8 +62,11 @@ def test_fp32_logits_match_hf_through_prefill_and_padded_decode_graphs(family, u
     runner = ModelRunner(model, num_blocks=64, block_size=BLOCK, device=CUDA, dtype=torch.float32,
                          max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512)
     runner.kv_cache.normal_()  # leftovers must never be read
+    replayed = []
     if use_graphs:
         runner.capture_graphs(8)
+        replay = runner.prefill_graphs.replay
+        runner.prefill_graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 15, 16, 17, 70)]
     pool = list(range(64))
@@ -81,9 +84,20 @@ def test_fp32_logits_match_hf_through_prefill_and_padded_decode_graphs(family, u
                                for i, s in enumerate(sequences)))
         for s, token in zip(sequences, logits.argmax(-1).tolist()):
             s.append(token)
+    # Mixed: an extend of 7 tokens after the first sequence's cached ones, beside two decodes
+    # (9 tokens in 3 sequences: the prefill graph of 16 tokens).
+    extra = [rng.randrange(512) for _ in range(6)]
+    chunks = [ChunkInput([sequences[0][-1], *extra], len(sequences[0]) - 1, tables[0])] + [
+        ChunkInput([s[-1]], len(s) - 1, t) for s, t in zip(sequences[1:3], tables[1:3])]
+    sequences[0] += extra
+    logits = runner.execute(chunks)
+    worst = max(worst, max((logits[i] - hf_last_logits(hf, s)).abs().max().item()
+                           for i, s in enumerate(sequences[:3])))
     print(f"{family} graphs={use_graphs}: max |logits - HF| = {worst:.2e}")
     assert worst < 1e-3
     assert (runner.graphs is not None) == use_graphs
+    # The 119-token prompt step and the mixed step ran prefill graphs of 128 and 16 tokens.
+    assert replayed == ([128, 16] if use_graphs else [])
 
 
 def agreeing_prefix(tokens: list[int], reference: list[int]) -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.cuda_graphs import DecodeGraphs, decode_buckets
+from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 
@@ -28,18 +28,23 @@ def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the
     assert decode_buckets(8) == [1, 2, 4, 8]
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
     assert decode_buckets(256) == [1, 2, 4, *range(8, 257, 8)]
-    graphs = DecodeGraphs(decode_buckets(12), CPU)
+    graphs = StepGraphs(decode_buckets(12), CPU)
     assert [graphs.bucket_for(n) for n in (1, 3, 8, 9, 12)] == [1, 4, 8, 12, 12]
-    graphs = DecodeGraphs(decode_buckets(256), CPU)
+    graphs = StepGraphs(decode_buckets(256), CPU)
     assert [graphs.bucket_for(n) for n in (5, 17, 200, 249)] == [8, 24, 200, 256]
 
 
-class EagerGraphs(DecodeGraphs):
-    """Runs each bucket's decode step eagerly over the same fixed views a graph would read."""
+class EagerGraphs(StepGraphs):
+    """Runs each bucket's step eagerly over the same fixed views a graph would read: the decode
+    step by batch size, or with `prefill`, the prefill step by token count."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
-        super().__init__(decode_buckets(max_batch_size), CPU)
-        self.steps = {bucket: runner._decode_step_for(bucket) for bucket in self.buckets}
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 0, *, prefill: bool = False) -> None:
+        if prefill:
+            super().__init__(prefill_buckets(runner.inputs.capacity[0]), CPU, kind="prefill")
+        else:
+            super().__init__(decode_buckets(max_batch_size), CPU)
+        step_for = runner._prefill_step_for if prefill else runner._decode_step_for
+        self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 
     def replay(self, bucket: int) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""Prefill graphs on the CPU: token buckets, padded staging, and the prefill step a graph
+captures, run eagerly over its fixed views, giving the eager path's logits and KV.
+
+The GPU tests add the capture and replay themselves (tests/worker/test_gpu_engine.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from spillway.worker.cuda_graphs import StepGraphs, prefill_buckets, prefill_graph_seqs
+from spillway.worker.model_runner import ChunkInput, TokenFeed
+from spillway.worker.step_inputs import StepInputs
+from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
+
+CPU = torch.device("cpu")
+
+
+def test_prefill_buckets_stop_at_the_step_budget_and_hold_at_most_32_sequences():
+    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_buckets(128) == [16, 32, 64, 96, 128]
+    assert prefill_buckets(100) == [16, 32, 64, 96]
+    assert prefill_buckets(8) == []
+    assert [prefill_graph_seqs(t, 512) for t in (16, 32, 64, 512)] == [16, 32, 32, 32]
+    assert prefill_graph_seqs(512, 4) == 4
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences():
+    _, runner, _ = runner_pair("qwen3")
+    runner.max_num_seqs = 64  # sequences per bucket: min(T, 64, 32); only the choice runs here
+    runner.prefill_graphs = StepGraphs(prefill_buckets(128), CPU, kind="prefill")
+    assert runner._prefill_bucket(1, 1) == 16
+    assert runner._prefill_bucket(16, 3) == 16
+    assert runner._prefill_bucket(17, 1) == 32
+    assert runner._prefill_bucket(20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
+    assert runner._prefill_bucket(40, 33) is None  # no bucket holds 33 sequences
+    assert runner._prefill_bucket(128, 2) == 128
+    assert runner._prefill_bucket(129, 1) is None  # beyond the largest bucket: eager
+
+
+def test_padded_staging_writes_the_chunks_then_padding_rows_and_sequences():
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=5, block_size=4, device=CPU)
+    chunks = [ChunkInput([11, 12, 13], 5, [7, 2, 9]), ChunkInput([21], 2, [4])]
+    layout = inputs.stage_prefill(chunks, 16, 4)
+    assert layout.input_ids.tolist() == [11, 12, 13, 21] + [0] * 12
+    assert layout.positions.tolist() == [5, 6, 7, 2] + [0] * 12
+    # position p of a table lives at slot table[p // 4] * 4 + p % 4
+    assert layout.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 4 * 4 + 2] + [-1] * 12
+    assert layout.query_start_loc.tolist() == [0, 3, 4, 4, 4]
+    assert layout.context_lens.tolist() == [8, 3, 0, 0]
+    assert layout.last_rows.tolist() == [2, 3, 0, 0]
+    assert layout.block_tables.shape == (4, 5)
+    assert layout.block_tables[0, :2].tolist() == [7, 2] and layout.block_tables[1, 0].item() == 4
+    # The graph's views are the same memory every step.
+    fixed = inputs.prefill_layout(16, 4)
+    assert fixed.input_ids.data_ptr() == layout.input_ids.data_ptr()
+    assert fixed.block_tables.data_ptr() == layout.block_tables.data_ptr()
+    inputs.pad_prefill(16, 4)
+    assert fixed.slot_mapping.tolist() == [-1] * 16 and fixed.context_lens.tolist() == [0] * 4
+    assert fixed.query_start_loc.tolist() == [0] * 5
+
+
+def test_padded_staging_refuses_what_the_bucket_cannot_hold():
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=4, max_blocks_per_seq=2, block_size=4, device=CPU)
+    for chunks, rows, seqs, message in (
+        ([ChunkInput([1] * 17, 0, [0, 1, 2, 3, 4])], 16, 4, "exceed a graph of 16 tokens"),
+        ([ChunkInput([1], 0, [0])] * 3, 16, 2, "3 sequences exceed"),
+        ([ChunkInput([1], 8, [0, 1, 2])], 16, 4, "exceeds the limit of 2"),
+    ):
+        try:
+            inputs.stage_prefill(chunks, rows, seqs)
+        except ValueError as error:
+            assert message in str(error)
+        else:
+            raise AssertionError(f"staged {chunks}")
+
+
+def test_prefill_graph_steps_give_the_eager_logits_and_kv():
+    """Prompts, an extend after a cached prefix, and prefill mixed with decodes fed from the
+    device, through the prefill graphs' step (bucket padding included) on one runner and
+    eagerly on the plain-torch runner; the KV caches must agree at the end, so no padded row
+    wrote a slot."""
+    torch_runner, kernel_runner, _ = runner_pair("qwen3")
+    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, prefill=True)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 16, 33)]
+    tables = [[0, 9, 13], [3, 17, 4, 21], [11, 2, 7, 20]]
+
+    def both(chunks, feed=None):
+        expected = torch_runner.execute(chunks if feed is None else resolved(chunks, feed))
+        got = kernel_runner.execute(chunks, feed)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < 1e-4
+        return expected.argmax(-1).tolist()
+
+    def resolved(chunks, feed):
+        chunks = list(chunks)
+        for row, source in zip(feed.rows, feed.sources):
+            c = chunks[row]
+            chunks[row] = ChunkInput([int(feed.tokens[source])], c.start, c.slot_table)
+        return chunks
+
+    # 54 tokens in 3 sequences: the bucket of 64.
+    first = both([ChunkInput(p, 0, t) for p, t in zip(prompts, tables)])
+    # An extend: 7 new tokens after the first prompt's 5 cached ones (bucket 16).
+    extra = [rng.randrange(VOCAB) for _ in range(7)]
+    both([ChunkInput(extra, 5, tables[0])])
+    sequences = [prompts[0] + extra, prompts[1] + [first[1]], prompts[2] + [first[2]]]
+    # Mixed: two decodes, one fed from the device, and a 9-token chunk of the first sequence.
+    more = [rng.randrange(VOCAB) for _ in range(9)]
+    fed = TokenFeed([1], [0], torch.tensor([sequences[2][-1], 5]))
+    mixed = [ChunkInput([sequences[1][-1]], len(sequences[1]) - 1, tables[1]),
+             ChunkInput([0], len(sequences[2]) - 1, tables[2]),
+             ChunkInput(more, len(sequences[0]), tables[0])]
+    both(mixed, fed)
+    assert graphs.replayed == [64, 16, 16]
+    torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_beyond_the_largest_bucket_run_eagerly():
+    torch_runner, kernel_runner, _ = runner_pair("llama")
+    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, prefill=True)
+    kernel_runner.prefill_graphs.buckets = [16]
+    kernel_runner.prefill_graphs.max_bucket = 16
+    rng = np.random.default_rng(3)
+    chunks = [ChunkInput(rng.integers(0, VOCAB, 20).tolist(), 0, [1, 2])]
+    got, expected = kernel_runner.execute(chunks), torch_runner.execute(chunks)
+    assert (got - expected).abs().max().item() < 1e-4
+    assert graphs.replayed == []
