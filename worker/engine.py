@@ -69,6 +69,7 @@ class Engine:
         self.executor.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.executor.capture_graphs()
+        self.executor.warm_up()
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)

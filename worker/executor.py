@@ -7,7 +7,8 @@ be broadcast to N executors (tensor parallelism) without change. One executor fo
 Start-up, in this order on CUDA (the pool is what is left once the model and one step fit):
 
     load_model ──► Executor(model) ──► kv_pool_blocks: profile one max_num_batched_tokens step
-               ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode buckets)
+               ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode and prefill buckets)
+               ──► warm_up (the eager path's kernel variants)
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ class Executor:
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs(self.max_num_seqs)
+
+    def warm_up(self) -> None:
+        """Compile the kernels an eager step needs before the first request (CUDA only)."""
+        if self.device.type == "cuda":
+            self.runner.warm_up()
 
     def execute(self, step: PackedStep, fed_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits of the sampled chunks' last tokens, `[len(step.sample_rows), vocab]`.

@@ -254,6 +254,21 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 513) -> None:
+        """Compile the eager path's kernel variants before the first request: Triton
+        specialises integer arguments on divisibility by 16, and the profiling step (8,192
+        tokens) compiled only one side, so a prompt of another length would compile kernels
+        inside its first token. One eager step of `num_tokens` (odd, past every prefill graph)
+        over the pool's first blocks, which no request holds yet; their slots get finite values
+        that every later context overwrites before reading."""
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        num_tokens = min(num_tokens, self.inputs.capacity[0])
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        if num_blocks > min(self.kv_cache.shape[0], self.max_blocks_per_seq):
+            return
+        self._forward(self.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
+
     def capture_graphs(self, max_batch_size: int) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
         prefill step for every token bucket the step budget allows, into one memory pool."""

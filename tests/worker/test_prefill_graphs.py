@@ -130,3 +130,17 @@ def test_steps_beyond_the_largest_bucket_run_eagerly():
     got, expected = kernel_runner.execute(chunks), torch_runner.execute(chunks)
     assert (got - expected).abs().max().item() < 1e-4
     assert graphs.replayed == []
+
+
+def test_warm_up_runs_one_eager_step_in_the_pools_first_blocks_and_skips_a_pool_too_small():
+    _, runner, _ = runner_pair("qwen3")  # 24 blocks of 16 tokens, steps of up to 128 tokens
+    runner.kv_cache.zero_()
+    runner.warm_up(num_tokens=40)  # 3 blocks
+    written = runner.kv_cache.flatten(1).abs().sum(dim=1) > 0
+    assert written.tolist() == [True] * 3 + [False] * 21
+    runner.kv_cache.zero_()
+    runner.warm_up(num_tokens=513)  # capped at the 128-token step: 8 blocks
+    assert (runner.kv_cache.flatten(1).abs().sum(dim=1) > 0).sum().item() == 8
+    runner.kv_cache = torch.zeros_like(runner.kv_cache[:2])
+    runner.warm_up(num_tokens=40)  # 3 blocks do not fit a pool of 2: nothing runs
+    assert runner.kv_cache.abs().sum().item() == 0
