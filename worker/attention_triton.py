@@ -47,7 +47,7 @@ import torch
 
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
-from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
 from spillway.worker.attention import AttentionBackend, AttentionMetadata
 from spillway.worker.step_inputs import StepLayout
 
@@ -78,6 +78,20 @@ class PrefillMetadata:
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     max_query_len: int
     slot_mapping: torch.Tensor | None = None  # int64 or int32 [rows], -1 for a padded row
+    num_splits: int = 1  # static: key splits (kernels/paged_attention_prefill.py)
+
+
+def graph_prefill_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                           slot_mapping: torch.Tensor, num_rows: int, *, num_heads: int, num_kv_heads: int,
+                           head_dim: int) -> PrefillMetadata:
+    """The tensors-only metadata of a prefill step captured in a graph of `num_rows` rows, its
+    key splits chosen from the static shapes: a few new tokens after a long cached prefix are
+    spread over the multiprocessors instead of walking the context on a handful."""
+    device = block_tables.device
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    num_splits = prefill_num_splits(num_rows, block_tables.shape[0], num_kv_heads, num_heads // num_kv_heads,
+                                    head_dim, num_sms)
+    return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits)
 
 
 @dataclass(slots=True)
@@ -158,7 +172,7 @@ class TritonAttentionBackend(AttentionBackend):
         elif isinstance(metadata, PrefillMetadata):
             return paged_prefill_attention(
                 q, kv_cache, layer_idx, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                scale, metadata.max_query_len,
+                scale, metadata.max_query_len, metadata.num_splits,
             )
         else:
             assert isinstance(metadata, TritonAttentionMetadata)

@@ -320,13 +320,14 @@ class ModelRunner:
 
     def _prefill_step_for(self, bucket: int):
         """A function running a prefill step of `bucket` tokens on the static input views."""
-        from spillway.worker.attention_triton import PrefillMetadata
+        from spillway.worker.attention_triton import graph_prefill_metadata
 
         num_seqs = self._prefill_graph_seqs(bucket)
         layout = self.inputs.prefill_layout(bucket, num_seqs)
-        metadata = PrefillMetadata(layout.query_start_loc, layout.context_lens, layout.block_tables, bucket,
-                                   layout.slot_mapping)
         model, kv_cache, backend = self.model, self.kv_cache, self.backend
+        metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
+                                          layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
+                                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
         logits = self._logits_rows(num_seqs)
 
         def step() -> torch.Tensor:

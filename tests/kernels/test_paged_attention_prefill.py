@@ -106,3 +106,51 @@ def test_gpu_bf16(case, cache_dtype):
     seq_lens = [512, 1500, 1000, 77, 17, 33, 2000]
     _check(*case, query_lens, seq_lens, padded_rows=3, dtype=torch.bfloat16, cache_dtype=cache_dtype,
            device="cuda", tolerance=1e-2)
+
+
+SPLIT_CASES = [
+    # (heads, kv_heads, head_dim, block_size, query_lens, seq_lens): new tokens after long prefixes,
+    # a fresh prompt, a decode, a sequence shorter than one split.
+    (4, 2, 32, 16, [5, 17, 1, 3], [700, 300, 1000, 3]),
+    (9, 3, 32, 8, [33, 2], [600, 290]),
+]
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=["gqa2", "gqa3"])
+def test_split_keys_match_the_reference(case, num_splits):
+    """Splits of at least 64 keys here (MIN_SPLIT_LEN lowered), so short contexts split too;
+    every row's splits are combined, none counted twice (a wrong count fails it)."""
+    from spillway.kernels import paged_attention_prefill as module
+
+    num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens = case
+    cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    num_rows = sum(query_lens)
+    q = random_tensor(num_rows + 3, num_heads, head_dim)
+    ref = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, head_dim**-0.5)
+    out = torch.empty_like(q)
+    module._launch(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens), out,
+                   num_splits=num_splits, min_split_len=64)
+    assert relative_error(out[:num_rows], ref[:num_rows]) < 1e-5
+    # Through the public call (splits of at least MIN_SPLIT keys): the same result.
+    public = paged_prefill_attention(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens),
+                                     num_splits=num_splits)
+    assert relative_error(public[:num_rows], ref[:num_rows]) < 1e-5
+
+
+def test_split_count_follows_the_tiles_of_one_sequence_and_the_grid_cap():
+    from spillway.kernels.paged_attention_prefill import prefill_num_splits
+
+    # Qwen3-8B heads (32 over 8 KV heads, 16 query tokens a tile), 132 multiprocessors.
+    assert prefill_num_splits(32, 32, 8, 4, 128, 132) == 8  # 2 tiles x 8 heads; 512 x 8 programs
+    assert prefill_num_splits(16, 16, 8, 4, 128, 132) == 16
+    assert prefill_num_splits(64, 32, 8, 4, 128, 132) == 4
+    assert prefill_num_splits(128, 32, 8, 4, 128, 132) == 2
+    assert prefill_num_splits(512, 32, 8, 4, 128, 132) == 1
+    assert prefill_num_splits(4096, 1, 8, 4, 128, 132) == 1  # 256 tiles x 8 heads fill the machine
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        cache, tables = paged_kv([5], block_size=16, num_kv_heads=2, head_dim=32)
+        paged_prefill_attention(torch.zeros(5, 4, 32), cache, 0, torch.tensor([0, 5], dtype=torch.int32),
+                                torch.tensor([5], dtype=torch.int32), tables, 1.0, 5, num_splits=3)

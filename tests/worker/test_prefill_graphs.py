@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from spillway.worker.cuda_graphs import StepGraphs, prefill_buckets, prefill_graph_seqs
+from spillway.worker.attention_triton import graph_prefill_metadata
 from spillway.worker.model_runner import ChunkInput, TokenFeed
 from spillway.worker.step_inputs import StepInputs
 from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
@@ -118,6 +119,11 @@ def test_prefill_graph_steps_give_the_eager_logits_and_kv():
     both(mixed, fed)
     assert graphs.replayed == [64, 16, 16]
     torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)
+    # Those graphs split their keys (one sequence's few tiles; the CPU counts as 8 multiprocessors).
+    layout = kernel_runner.inputs.prefill_layout(64, 4)
+    metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
+                                      layout.slot_mapping, 64, num_heads=6, num_kv_heads=3, head_dim=32)
+    assert metadata.num_splits == 4 and metadata.max_query_len == 64
 
 
 def test_steps_beyond_the_largest_bucket_run_eagerly():
