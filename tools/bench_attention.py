@@ -3,6 +3,10 @@ setting beside the others in the same run and against the read bandwidth measure
 
     python tools/bench_attention.py                      # bf16 and fp8 caches, both loop structures
     python tools/bench_attention.py --cache-dtype fp8 --shapes 512x1000-2000
+    python tools/bench_attention.py --extend 32x4128,64x4160,32x32800   # prefill kernel, key splits
+
+`--extend NEWxCONTEXT`: the prefill kernel on one sequence's NEW tokens after a cached prefix
+(CONTEXT tokens in all), bf16 cache, with 1, 2, 4, 8 and 16 key splits against 1.
 
 A shape is BATCHxCONTEXT or BATCHxLOW-HIGH (contexts drawn uniformly, seed 0); Qwen3-8B heads
 (32 query, 8 KV heads of 128), blocks of 16 tokens in shuffled order. Bytes counted are the
@@ -48,9 +52,13 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                         help="comma-separated BATCHxCONTEXT or BATCHxLOW-HIGH")
     parser.add_argument("--cache-dtype", choices=["bf16", "fp8", "both"], default="both")
+    parser.add_argument("--extend", type=parse_shapes, help="comma-separated NEWxCONTEXT: the prefill kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
+    if args.extend:
+        bench_extend(args.extend)
+        return
     from spillway.kernels.paged_attention_decode import _launch
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -80,6 +88,30 @@ def main() -> None:
                       f"{achieved / bandwidth:6.3f} {default_us / us:15.3f}x")
             del cache
             torch.cuda.empty_cache()
+
+
+def bench_extend(shapes: list[tuple[int, int, int]]) -> None:
+    from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    print(f"{machine()}; prefill kernel, one sequence, Qwen3-8B heads, bf16 cache")
+    print(f"{'new x context':>16} {'splits':>6} {'us':>9} {'speed vs 1 split':>16}")
+    generator = torch.Generator().manual_seed(0)
+    for new, context, _ in shapes:
+        width = -(-context // block_size)
+        tables = torch.randperm(width, generator=generator).to(torch.int32).view(1, width).cuda()
+        cache = torch.randn(width, 1, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(new, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        starts = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+        base = None
+        for splits in (1, 2, 4, 8, 16):
+            us = 1e3 * bench_ms(lambda: paged_prefill_attention(q, cache, 0, starts, lens, tables, head_dim**-0.5,
+                                                                new, splits))
+            base = base or us
+            print(f"{f'{new}x{context}':>16} {splits:>6} {us:9.1f} {base / us:15.3f}x")
+        del cache
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

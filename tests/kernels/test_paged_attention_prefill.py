@@ -15,7 +15,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _check(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, *, padded_rows=0,
-           dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5):
+           dtype=torch.float32, cache_dtype=None, device="cpu", tolerance=1e-5, num_splits=1):
     device = torch.device(device)
     cache, tables = paged_kv(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, dtype=dtype, cache_dtype=cache_dtype, device=device)
@@ -24,7 +24,7 @@ def _check(num_heads, num_kv_heads, head_dim, block_size, query_lens, seq_lens, 
     num_rows = sum(query_lens)
     q = random_tensor(num_rows + padded_rows, num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
-    out = paged_prefill_attention(q, cache, 1, starts, lens, tables, scale, max(query_lens))
+    out = paged_prefill_attention(q, cache, 1, starts, lens, tables, scale, max(query_lens), num_splits)
     ref = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert relative_error(out[:num_rows], ref[:num_rows]) < tolerance
@@ -97,15 +97,16 @@ GPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("num_splits", [1, 8])
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["bf16-cache", "fp8-cache"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 @gpu[0]
 @gpu[1]
-def test_gpu_bf16(case, cache_dtype):
-    query_lens = [512, 1, 300, 77, 1, 16, 129]
-    seq_lens = [512, 1500, 1000, 77, 17, 33, 2000]
+def test_gpu_bf16(case, cache_dtype, num_splits):
+    query_lens = [512, 1, 300, 77, 1, 16, 129, 32]
+    seq_lens = [512, 1500, 1000, 77, 17, 33, 2000, 4128]
     _check(*case, query_lens, seq_lens, padded_rows=3, dtype=torch.bfloat16, cache_dtype=cache_dtype,
-           device="cuda", tolerance=1e-2)
+           device="cuda", tolerance=1e-2, num_splits=num_splits)
 
 
 SPLIT_CASES = [
