@@ -1,0 +1,131 @@
+"""The CPU tier's KV pool and the copies of blocks between it and the GPU pool.
+
+Both pools have the runner's layout, `[num_blocks, num_layers, 2, block_size, kv_heads,
+head_dim]`, so a block is one contiguous span and a copy of a run of consecutive slots is
+one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on a copy stream of
+their own, ordered by events:
+
+    copy stream:    wait for compute ─ stores (GPU->CPU) ─● stored ─ loads (CPU->GPU) ─● landed
+    compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ wait landed ─ step N+1
+
+- The copy stream first waits for everything compute has queued, so a store reads a block
+  after its KV was written and a load never overwrites a slot an earlier step still reads.
+- This step's forward waits for the stores only: the GPU slots they read may be rewritten by
+  it (the block manager reuses an evicted block's slot at once).
+- The loads overlap this step's forward: no request of this step reads a block loaded by it
+  (the scheduler starts such a request a step later), and the next step waits for them.
+
+On the CPU device the same copies run in order, synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from spillway.worker.step_plan import KVCopies
+
+logger = logging.getLogger(__name__)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+    """`dst[d] = src[s]` for every `(s, d)` in `pairs`, in order, on the current stream
+    (asynchronously between pinned host memory and a GPU). Runs of consecutive slots on both
+    sides are copied at once. A benchmark times this between a pool and the other."""
+    non_blocking = src.device.type != dst.device.type
+    index = 0
+    while index < len(pairs):
+        first_src, first_dst = pairs[index]
+        length = 1
+        while (index + length < len(pairs) and pairs[index + length][0] == first_src + length
+               and pairs[index + length][1] == first_dst + length):
+            length += 1
+        dst[first_dst:first_dst + length].copy_(src[first_src:first_src + length], non_blocking=non_blocking)
+        index += length
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to a new allocation (MemAvailable); None when unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
+    Not zeroed: a CPU slot is only ever read after a store filled it."""
+    size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
+    available = host_memory_available()
+    if available is not None and size > available:
+        raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
+                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
+    return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pinned)
+
+
+class KVCopier:
+    """Runs each step's `KVCopies` between the GPU pool and the CPU pool (module doc), and
+    counts the bytes and the time they took."""
+
+    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor) -> None:
+        self.gpu_pool = gpu_pool
+        self.cpu_pool = cpu_pool
+        self.block_bytes = gpu_pool[0].nbytes
+        on_cuda = gpu_pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
+        self._landed: torch.cuda.Event | None = None  # the last step's loads
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not read yet
+        self.bytes_to_cpu = 0
+        self.bytes_to_gpu = 0
+        self._seconds = 0.0
+
+    def run(self, copies: KVCopies) -> None:
+        """Start the step's copies: stores, then loads. Call before the step's forward, after
+        `wait_for_loads`."""
+        self.seconds()  # fold the finished timings: the list stays short without stats reads
+        self.bytes_to_cpu += len(copies.gpu_to_cpu) * self.block_bytes
+        self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
+        if self.stream is None:
+            start = time.perf_counter()
+            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
+            self._seconds += time.perf_counter() - start
+            return
+        compute = torch.cuda.current_stream(self.gpu_pool.device)
+        self.stream.wait_stream(compute)
+        started, stored = torch.cuda.Event(enable_timing=True), torch.cuda.Event()
+        landed = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            started.record()
+            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            stored.record()
+            copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
+            landed.record()
+        compute.wait_event(stored)
+        self._landed = landed
+        self._timings.append((started, landed))
+
+    def wait_for_loads(self) -> None:
+        """Make compute wait for the loads of the steps before (call before every forward
+        that follows `run`'s step, with or without copies of its own)."""
+        if self._landed is not None:
+            torch.cuda.current_stream(self.gpu_pool.device).wait_event(self._landed)
+            self._landed = None
+
+    def seconds(self) -> float:
+        """Cumulative time the copies took (on CUDA, of those finished by now)."""
+        while self._timings and self._timings[0][1].query():
+            started, landed = self._timings.pop(0)
+            self._seconds += started.elapsed_time(landed) / 1000
+        return self._seconds
