@@ -151,7 +151,8 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     cpu_prefix_cache_hits: int = 0
     kv_offload_bytes_gpu_to_cpu: int = 0
     kv_offload_bytes_cpu_to_gpu: int = 0
-    kv_offload_seconds: float = 0.0
+    kv_offload_seconds_gpu_to_cpu: float = 0.0
+    kv_offload_seconds_cpu_to_gpu: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
     # Whether the block manager's invariants held; None: not checked for this report (they

@@ -85,10 +85,12 @@ class KVCopier:
         on_cuda = gpu_pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self._landed: torch.cuda.Event | None = None  # the last step's loads
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not read yet
+        # (started, stored, landed) of the steps whose times are not read yet
+        self._timings: list[tuple[torch.cuda.Event, ...]] = []
         self.bytes_to_cpu = 0
         self.bytes_to_gpu = 0
-        self._seconds = 0.0
+        self._seconds_to_cpu = 0.0
+        self._seconds_to_gpu = 0.0
 
     def run(self, copies: KVCopies) -> None:
         """Start the step's copies: stores, then loads. Call before the step's forward, after
@@ -97,15 +99,16 @@ class KVCopier:
         self.bytes_to_cpu += len(copies.gpu_to_cpu) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
         if self.stream is None:
-            start = time.perf_counter()
+            started = time.perf_counter()
             copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            stored = time.perf_counter()
             copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
-            self._seconds += time.perf_counter() - start
+            self._seconds_to_cpu += stored - started
+            self._seconds_to_gpu += time.perf_counter() - stored
             return
         compute = torch.cuda.current_stream(self.gpu_pool.device)
         self.stream.wait_stream(compute)
-        started, stored = torch.cuda.Event(enable_timing=True), torch.cuda.Event()
-        landed = torch.cuda.Event(enable_timing=True)
+        started, stored, landed = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         with torch.cuda.stream(self.stream):
             started.record()
             copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
@@ -114,7 +117,7 @@ class KVCopier:
             landed.record()
         compute.wait_event(stored)
         self._landed = landed
-        self._timings.append((started, landed))
+        self._timings.append((started, stored, landed))
 
     def wait_for_loads(self) -> None:
         """Make compute wait for the loads of the steps before (call before every forward
@@ -123,9 +126,10 @@ class KVCopier:
             torch.cuda.current_stream(self.gpu_pool.device).wait_event(self._landed)
             self._landed = None
 
-    def seconds(self) -> float:
-        """Cumulative time the copies took (on CUDA, of those finished by now)."""
-        while self._timings and self._timings[0][1].query():
-            started, landed = self._timings.pop(0)
-            self._seconds += started.elapsed_time(landed) / 1000
-        return self._seconds
+    def seconds(self) -> tuple[float, float]:
+        """Cumulative seconds of the stores and of the loads (on CUDA, of those finished)."""
+        while self._timings and self._timings[0][2].query():
+            started, stored, landed = self._timings.pop(0)
+            self._seconds_to_cpu += started.elapsed_time(stored) / 1000
+            self._seconds_to_gpu += stored.elapsed_time(landed) / 1000
+        return self._seconds_to_cpu, self._seconds_to_gpu

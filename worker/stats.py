@@ -27,6 +27,7 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         except AssertionError:
             logger.exception("block manager invariants broken")
             ok = False
+    seconds = copier.seconds() if copier else (0.0, 0.0)
     return Stats(
         num_running=scheduler.num_running,
         num_waiting=scheduler.num_waiting,
@@ -43,7 +44,8 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         cpu_prefix_cache_hits=scheduler.cpu_cache_hits,
         kv_offload_bytes_gpu_to_cpu=copier.bytes_to_cpu if copier else 0,
         kv_offload_bytes_cpu_to_gpu=copier.bytes_to_gpu if copier else 0,
-        kv_offload_seconds=copier.seconds() if copier else 0.0,
+        kv_offload_seconds_gpu_to_cpu=seconds[0],
+        kv_offload_seconds_cpu_to_gpu=seconds[1],
         num_preemptions=scheduler.num_preemptions,
         num_steps=num_steps,
         invariants_ok=ok,
