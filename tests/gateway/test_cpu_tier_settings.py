@@ -94,3 +94,16 @@ def test_the_tiers_metrics_follow_the_worker_counters():
     assert sample(metrics, "vllm:kv_offload_total_time_total", transfer_type="CPU_to_GPU") == 0.25
     text = metrics.render().decode()
     assert 'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 8192.0' in text
+
+
+def test_llm_starts_a_worker_with_the_tier_and_refuses_one_larger_than_the_host():
+    from spillway.gateway import LLM, SamplingParams
+
+    settings = dict(device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=16)
+    with LLM(**settings, cpu_offload_gb=0.05) as llm:
+        block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M in float32
+        assert llm.ready.num_cpu_blocks == int(0.05 * 2**30) // block_bytes
+        llm.generate([[5] * 100], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.stats().num_cpu_blocks == llm.ready.num_cpu_blocks
+    with pytest.raises(ValueError, match=r"asks for [0-9.]+ GiB of host memory and [0-9.]+ GiB is available"):
+        LLM(**settings, cpu_offload_gb=1e6)
