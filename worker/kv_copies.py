@@ -126,6 +126,29 @@ class KVCopier:
             torch.cuda.current_stream(self.gpu_pool.device).wait_event(self._landed)
             self._landed = None
 
+    def time_copies(self, num_blocks: int, scattered: bool = False) -> tuple[float, float]:
+        """Seconds to store GPU slots 0..num_blocks-1 into the same CPU slots, then to load them
+        back, through `run` (every other slot when `scattered`: one transfer per block); waits
+        for both. For benchmarks: the pools' contents are overwritten."""
+        step = 2 if scattered else 1
+        if num_blocks * step > min(len(self.gpu_pool), len(self.cpu_pool)):
+            raise ValueError(f"{num_blocks} blocks{' scattered' if scattered else ''} do not fit the pools")
+        slots = range(0, num_blocks * step, step)
+        pairs = tuple(zip(slots, slots))
+        self._synchronize()
+        before = self.seconds()
+        self.wait_for_loads()
+        self.run(KVCopies(gpu_to_cpu=pairs))
+        self.run(KVCopies(cpu_to_gpu=pairs))
+        self.wait_for_loads()
+        self._synchronize()
+        after = self.seconds()
+        return after[0] - before[0], after[1] - before[1]
+
+    def _synchronize(self) -> None:
+        if self.stream is not None:
+            torch.cuda.synchronize(self.gpu_pool.device)
+
     def seconds(self) -> tuple[float, float]:
         """Cumulative seconds of the stores and of the loads (on CUDA, of those finished)."""
         while self._timings and self._timings[0][2].query():

@@ -90,3 +90,78 @@ def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(mode
                           num_gpu_blocks_override=4, cpu_offload_gb=1e6)
     with pytest.raises(ValueError, match=r"asks for 1000000\.00 GiB of host memory and [0-9.]+ GiB is available"):
         Engine(config)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def busy_conversation(model_dir, device: str, num_gpu_blocks: int, num_cpu_blocks: int,
+                      params: SamplingParams) -> tuple[dict[str, list[int]], dict[str, int], Engine]:
+    """Turn 1, two fillers that evict it, then turn 2 arriving while a long request decodes
+    (on CUDA its loads are planned ahead, during the decode steps)."""
+    engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
+    engine.debug_invariants = True
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+
+    def add(request_id: str, prompt: list[int], max_tokens: int) -> None:
+        request_params = SamplingParams(**{**{f: getattr(params, f) for f in params.__struct_fields__},
+                                           "max_tokens": max_tokens})
+        assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[],
+                                           params=request_params)) is None
+
+    def step() -> None:
+        for delta in engine.step():
+            assert delta.error is None
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.num_cached_tokens >= 0:
+                cached[delta.request_id] = delta.num_cached_tokens
+
+    def finish() -> None:
+        while engine.has_work:
+            step()
+
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    add("turn-1", turn_1, 4)
+    finish()
+    add("filler-a", [(5 * i) % 90 + 2 for i in range(63)], 1)
+    add("filler-b", [(11 * i) % 90 + 3 for i in range(63)], 1)
+    finish()
+    add("long", [(13 * i) % 90 + 4 for i in range(20)], 40)
+    for _ in range(3):
+        step()
+    add("turn-2", turn_1 + tokens["turn-1"] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 4)
+    finish()
+    return tokens, cached, engine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_loads_planned_beside_a_decoding_request_give_what_a_pool_that_kept_the_blocks_gives(
+        model_dir, device, params):
+    tokens, cached, engine = busy_conversation(model_dir, device, 6, 16, params)
+    reference, reference_cached, _ = busy_conversation(model_dir, device, 64, 0, params)
+    assert cached["turn-2"] == reference_cached["turn-2"] == 32
+    stats = engine.stats()
+    assert (stats.cached_tokens_gpu, stats.cached_tokens_cpu) == (0, 32)
+    assert stats.kv_offload_bytes_cpu_to_gpu == 2 * engine.runner.kv_cache[0].nbytes
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
+    engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=8, num_cpu_blocks_override=8))
+    copier = engine.executor.kv_copier
+    pool = engine.runner.kv_cache
+    pool.copy_(torch.arange(pool.numel(), dtype=pool.dtype).reshape(pool.shape))
+    original = pool.clone()
+    to_cpu, to_gpu = copier.time_copies(4, scattered=True)
+    assert to_cpu > 0 and to_gpu > 0
+    assert torch.equal(copier.cpu_pool[0:8:2], original[0:8:2].cpu())
+    assert torch.equal(pool, original)
+    assert copier.bytes_to_cpu == copier.bytes_to_gpu == 4 * pool[0].nbytes
+    with pytest.raises(ValueError, match="do not fit"):
+        copier.time_copies(5, scattered=True)
