@@ -109,7 +109,7 @@ class Executor:
                                      pinned=self.device.type == "cuda")
         self.kv_copier = KVCopier(runner.kv_cache, cpu_pool)
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
-                    "pinned" if cpu_pool.is_pinned() else "plain")
+                    "pinned" if self.device.type == "cuda" else "plain")
 
     def copy_kv(self, copies: KVCopies) -> None:
         """Start a step's copies between the tiers (worker/kv_copies.py); `execute` does this

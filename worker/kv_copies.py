@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -65,13 +66,23 @@ def host_memory_available() -> int | None:
 
 def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
-    Not zeroed: a CPU slot is only ever read after a store filled it."""
+    Not zeroed: a CPU slot is only ever read after a store filled it.
+
+    `pinned`: page-locked with cudaHostRegister, not `pin_memory=True`, whose caching allocator
+    rounds a request up to a power of two (40 GiB would lock 64)."""
     size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
     available = host_memory_available()
     if available is not None and size > available:
         raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
                          f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
-    return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pinned)
+    pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
+    if pinned:
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0))
+        if error:
+            raise RuntimeError(f"page-locking the CPU KV tier's {size / 2**30:.2f} GiB failed (CUDA error {error})")
+        weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
+    return pool
 
 
 class KVCopier:

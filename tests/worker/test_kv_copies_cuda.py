@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.kv_copies import KVCopier
+from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
 from spillway.worker.step_plan import KVCopies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -19,8 +19,15 @@ NUM_BLOCKS = 1024
 
 def pools() -> tuple[torch.Tensor, torch.Tensor]:
     gpu = torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE), dtype=torch.bfloat16, device="cuda")
-    cpu = torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE), dtype=torch.bfloat16, pin_memory=True)
+    cpu = allocate_cpu_pool(NUM_BLOCKS, BLOCK_SHAPE, torch.bfloat16, pinned=True)
+    cpu.zero_()
     return gpu, cpu
+
+
+def test_the_pool_is_page_locked_at_its_own_size():
+    _, cpu = pools()
+    assert cpu.is_pinned()
+    assert cpu.untyped_storage().nbytes() == NUM_BLOCKS * 256 * 1024
 
 
 def test_a_store_reads_what_compute_wrote_before_it_and_not_what_compute_writes_after():
