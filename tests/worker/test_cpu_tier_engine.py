@@ -21,9 +21,9 @@ def model_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)  # head_dim 32, as the CUDA kernels want
     return path
 
 
