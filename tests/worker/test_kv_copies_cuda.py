@@ -67,7 +67,6 @@ def test_stores_run_before_loads_that_refill_their_slots():
     copier.wait_for_loads()
     assert gpu[4].float().mean().item() == 6.0
     assert cpu[3].float().mean().item() == 5.0
-    to_cpu, to_gpu = copier.seconds()
     torch.cuda.synchronize()
     to_cpu, to_gpu = copier.seconds()
     assert to_cpu > 0 and to_gpu > 0
