@@ -55,6 +55,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     engine.add_argument("--num-gpu-blocks-override", type=_positive_int)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--cpu-offload-gb", type=float, metavar="GIB",
+                        help="GiB of pinned host memory for a CPU tier of the KV cache (not weights, as in vLLM); "
+                             "default: $SPILLWAY_CPU_KVCACHE_SPACE or $VLLM_CPU_KVCACHE_SPACE, else none")
+    engine.add_argument("--kv-offloading-size", type=float, metavar="GIB", help="same as --cpu-offload-gb")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: every decode step runs eagerly")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -64,7 +68,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
     refused = parser.add_argument_group("not available yet (refused)")
-    refused.add_argument("--cpu-offload-gb", type=float)
     refused.add_argument("--swap-space", type=float)
     refused.add_argument("--speculative-model")
     refused.add_argument("--num-speculative-tokens", type=int)
@@ -138,6 +141,7 @@ def worker_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
     )
     return config, args.served_model_name or [files.name]
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import math
+
+from spillway.protocol import envs
 from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, worker_config_from_env
 from spillway.protocol.model_files import ModelFiles, resolve_model
 
@@ -15,8 +18,7 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # vLLM arguments whose features Spillway does not have yet: (argument, the value that asks for
 # nothing, feature). A value of None is never a request either.
 NOT_YET = (
-    ("cpu_offload_gb", 0, "the CPU KV tier"),
-    ("swap_space", 0, "the CPU KV tier"),
+    ("swap_space", 0, "a swap space apart from the CPU KV tier (--cpu-offload-gb)"),
     ("speculative_model", None, "speculative decoding"),
     ("num_speculative_tokens", 0, "speculative decoding"),
     ("speculative_draft_tensor_parallel_size", None, "speculative decoding"),
@@ -59,6 +61,22 @@ def check_engine_args(*, block_size, max_num_seqs, max_model_len, max_num_batche
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
+def cpu_tier_gib(cpu_offload_gb: float | None = None, kv_offloading_size: float | None = None) -> float:
+    """GiB of host memory for the CPU KV tier: `--cpu-offload-gb` or vLLM's newer name for it,
+    `--kv-offloading-size` (both given: they must agree), else SPILLWAY_CPU_KVCACHE_SPACE or
+    VLLM_CPU_KVCACHE_SPACE, else 0 (no tier). In vLLM `--cpu-offload-gb` offloads weights;
+    here it sizes the KV tier."""
+    if cpu_offload_gb is not None and kv_offloading_size is not None and cpu_offload_gb != kv_offloading_size:
+        raise ValueError(f"cpu_offload_gb={cpu_offload_gb!r} and kv_offloading_size={kv_offloading_size!r} "
+                         "name the same CPU KV tier with two sizes")
+    size = next((value for value in (cpu_offload_gb, kv_offloading_size) if value is not None), None)
+    if size is None:
+        size = envs.cpu_kvcache_space_gb() or 0.0
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) or size < 0:
+        raise ValueError(f"the CPU KV tier's size must be a number of GiB >= 0, got {size!r}")
+    return float(size)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -68,6 +86,9 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
     """Check the arguments, resolve the model (converting a GGUF file once) and build the
     worker's configuration, its kernel switches from this process's environment."""
     defaults = WorkerConfig()
+    settings["cpu_offload_gb"] = cpu_tier_gib(settings.get("cpu_offload_gb"), settings.pop("kv_offloading_size", None))
+    if settings["cpu_offload_gb"] and not settings.get("enable_prefix_caching", True):
+        raise ValueError("the CPU KV tier keeps prefix-cache blocks: it needs prefix caching, which is turned off")
     check_engine_args(**{name: settings.get(name, getattr(defaults, name)) for name in (
         "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
         "kv_cache_dtype", "dtype")})

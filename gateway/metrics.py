@@ -8,6 +8,7 @@ measured by the gateway as deltas arrive. Each app owns its registry.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -17,6 +18,7 @@ from spillway.protocol.messages import Stats
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The prefix-cache hit-rate gauges cover roughly this many recently queried prompt tokens.
 HIT_RATE_WINDOW_TOKENS = 100_000
+_TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type labels
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -91,6 +93,19 @@ class GatewayMetrics:
                                              "Time between consecutive generated tokens.", _LATENCY_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Time from arrival to the last token.", _E2E_BUCKETS)
+        transfers = Counter("vllm:kv_offload_total_bytes", "Bytes of KV copied between the GPU and the CPU tier.",
+                            ["model_name", "transfer_type"], registry=self.registry)
+        transfer_time = Counter("vllm:kv_offload_total_time", "Seconds spent copying KV between the tiers.",
+                                ["model_name", "transfer_type"], registry=self.registry)
+        self.kv_offload_bytes = {kind: transfers.labels(model_name, kind) for kind in _TRANSFERS}
+        self.kv_offload_time = {kind: transfer_time.labels(model_name, kind) for kind in _TRANSFERS}
+        self.external_prefix_cache_queries = counter("vllm:external_prefix_cache_queries",
+                                                     "Prompt tokens looked up in the CPU KV tier.")
+        self.external_prefix_cache_hits = counter("vllm:external_prefix_cache_hits",
+                                                  "Prompt tokens found in the CPU KV tier.")
+        cached_tokens = Counter("spillway:cached_tokens", "Prompt tokens served from the prefix cache, by tier.",
+                                ["model_name", "source"], registry=self.registry)
+        self.cached_tokens = {source: cached_tokens.labels(model_name, source) for source in ("gpu", "cpu")}
         self.invariants_ok = gauge("spillway:kv_invariants_ok",
                                    "1 if the worker's block manager invariants held when last checked, 0 if "
                                    "not, NaN until a check (debug mode, or a CHECK_INVARIANTS control).")
@@ -106,6 +121,8 @@ class GatewayMetrics:
         self.prefix_cache_queries.inc(queries)
         self.prefix_cache_hits.inc(hits)
         self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        for name, metric in self._cumulative():
+            metric.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self._hit_rate.add(queries, hits)
         rate = self._hit_rate.hit_rate
         self.prefix_cache_hit_rate.set(rate)
@@ -118,6 +135,16 @@ class GatewayMetrics:
         if stats.invariants_ok is not None:  # None: not checked for this report
             self.invariants_ok.set(1 if stats.invariants_ok else 0)
         self._last = stats
+
+    def _cumulative(self) -> Iterator[tuple[str, Counter]]:
+        """(Stats field, counter) of the tier's cumulative figures."""
+        yield "cpu_prefix_cache_queries", self.external_prefix_cache_queries
+        yield "cpu_prefix_cache_hits", self.external_prefix_cache_hits
+        yield "cached_tokens_gpu", self.cached_tokens["gpu"]
+        yield "cached_tokens_cpu", self.cached_tokens["cpu"]
+        for kind, suffix in zip(_TRANSFERS, ("gpu_to_cpu", "cpu_to_gpu")):
+            yield f"kv_offload_bytes_{suffix}", self.kv_offload_bytes[kind]
+            yield f"kv_offload_seconds_{suffix}", self.kv_offload_time[kind]
 
     def on_worker_lost(self) -> None:
         self._last = None  # the next worker counts from zero

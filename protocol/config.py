@@ -44,6 +44,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    # The CPU KV tier: GiB of (pinned) host memory for KV blocks; 0: none. The override, a
+    # block count, wins (tests, benchmarks).
+    cpu_offload_gb: float = 0.0
+    num_cpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # Plan the next decode step while the device runs this one; None: on for CUDA.

@@ -20,9 +20,16 @@ def debug_invariants() -> bool:
 
 
 def cpu_kvcache_space_gb() -> float | None:
-    """CPU KV tier size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, under Spillway's name)."""
-    value = os.environ.get("SPILLWAY_CPU_KVCACHE_SPACE")
-    return float(value) if value else None
+    """CPU KV tier size in GiB: SPILLWAY_CPU_KVCACHE_SPACE, else vLLM's VLLM_CPU_KVCACHE_SPACE;
+    None when neither is set. Read into WorkerConfig by `engine_args.engine_config`."""
+    for name in ("SPILLWAY_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a size in GiB") from None
+    return None
 
 
 def programmatic_launch() -> bool:

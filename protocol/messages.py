@@ -135,12 +135,24 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     num_running: int = 0
     num_waiting: int = 0
     gpu_cache_usage: float = 0.0  # fraction of GPU blocks referenced by requests
-    cpu_cache_usage: float = 0.0
+    cpu_cache_usage: float = 0.0  # fraction of CPU tier blocks holding a copy
     num_gpu_blocks: int = 0
     num_free_gpu_blocks: int = 0
-    # Cumulative, in tokens: prompt tokens looked up in the prefix cache, and those found.
+    num_cpu_blocks: int = 0
+    # Cumulative, in tokens: prompt tokens looked up in the prefix cache, and those found,
+    # split by the tier that held them.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    cached_tokens_gpu: int = 0
+    cached_tokens_cpu: int = 0
+    # The CPU tier's own lookups (vLLM's external prefix cache): prompt tokens past the GPU
+    # hits, those found; and cumulative copies between the tiers.
+    cpu_prefix_cache_queries: int = 0
+    cpu_prefix_cache_hits: int = 0
+    kv_offload_bytes_gpu_to_cpu: int = 0
+    kv_offload_bytes_cpu_to_gpu: int = 0
+    kv_offload_seconds_gpu_to_cpu: float = 0.0
+    kv_offload_seconds_cpu_to_gpu: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
     # Whether the block manager's invariants held; None: not checked for this report (they

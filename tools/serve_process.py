@@ -184,7 +184,7 @@ class Server:
 ENGINE_FLAGS = (("dtype", str), ("kv_cache_dtype", str), ("device", str), ("block_size", int),
                 ("max_model_len", int), ("max_num_seqs", int), ("max_num_batched_tokens", int),
                 ("gpu_memory_utilization", float), ("num_gpu_blocks_override", int), ("enforce_eager", bool),
-                ("async_scheduling", "optional-bool"))
+                ("async_scheduling", "optional-bool"), ("cpu_offload_gb", float))
 
 
 def engine_settings(args) -> dict:

@@ -28,19 +28,25 @@ once and its slot is reused before any cached one.
 Prefix cache: `hash -> block`, a bijection with the blocks whose `block_hash` is set.
 A block gets its hash when `commit` reports it full and computed, and loses it at eviction.
 
-The CPU tier builds on the split of blocks from slots: write-back gives a cached block a
-CPU slot before `_take_gpu_slot` drops its GPU slot (the block then lives on the CPU only,
-keeping its id and hash), and a load gives it a GPU slot again through `_take_gpu_slot`.
+The CPU tier (worker/cpu_tier.py, with `num_cpu_blocks`) builds on the split of blocks
+from slots: write-back gives a cached block a CPU slot before `_take_gpu_slot` drops its GPU
+slot (the block then lives on the CPU only, keeping its id and hash: "cached on the CPU"),
+and a hit on it takes a GPU slot through `_take_gpu_slot` and plans a load. The copies of a
+step are taken with `take_copies` once the step is planned; a request with a block whose
+load is among them (`waits_for_load`) computes from the next step on.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spillway.protocol.messages import BlockHash
+from spillway.worker.block_invariants import check_invariants
 from spillway.worker.block_lru import Block, BlockLRU
+from spillway.worker.cpu_tier import CpuTier
+from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 
 @dataclass(slots=True)
@@ -62,16 +68,22 @@ class BlockManager:
     order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_gpu_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"need blocks and a block size, got {num_gpu_blocks}, {block_size}")
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0):
+        if num_gpu_blocks <= 0 or block_size <= 0 or num_cpu_blocks < 0:
+            raise ValueError(f"need blocks and a block size, got {num_gpu_blocks}, {block_size}, {num_cpu_blocks}")
+        if num_cpu_blocks and not enable_prefix_caching:
+            # The tier keeps prefix-cache entries: without hashes it could never be hit.
+            raise ValueError("the CPU KV tier needs prefix caching; turn it on or give the tier no memory")
         self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = 0  # no CPU tier yet: no block may own a CPU slot
+        self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Without a CPU tier a block without a GPU slot is free, so one block per GPU slot.
-        self.blocks = [Block(block_id=i) for i in range(num_gpu_blocks)]
-        self._free_block_ids = list(range(num_gpu_blocks - 1, -1, -1))  # a stack: pops 0 first
+        # A block that is not free owns a GPU slot, a CPU slot or both: one block per slot.
+        num_blocks = num_gpu_blocks + num_cpu_blocks
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        self._free_block_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0 first
+        self.tier = CpuTier(num_cpu_blocks, self._drop_cpu_only) if num_cpu_blocks else None
         self._free_slots = deque(range(num_gpu_blocks))
         self._lru = BlockLRU()
         self._cached: dict[BlockHash, Block] = {}
@@ -88,8 +100,26 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_gpu_blocks
 
     @property
+    def cpu_usage(self) -> float:
+        """Fraction of CPU slots holding a copy (0 without a tier)."""
+        return self.tier.usage if self.tier else 0.0
+
+    @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def on_gpu(self, block_id: int) -> bool:
+        """Whether the block's KV is in a GPU slot (a lookup hit on it needs no load)."""
+        return self.blocks[block_id].gpu_slot is not None
+
+    def waits_for_load(self, request_id: str) -> bool:
+        """Whether one of the request's blocks is loaded by the copies not taken yet."""
+        table = self._tables.get(request_id)
+        return self.tier is not None and table is not None and any(map(self.tier.is_loading, table.blocks))
+
+    def take_copies(self) -> KVCopies:
+        """The copies planned since the last call, for the step being planned (module doc)."""
+        return self.tier.take_copies() if self.tier else NO_KV_COPIES
 
     def free_gpu_slots(self) -> list[int]:
         """The allocatable GPU slots in the order they are taken: free slots, then the slots
@@ -107,9 +137,9 @@ class BlockManager:
         return [block.block_id for block in table.blocks] if table else []
 
     def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids (not slots) of the longest prefix of `block_hashes` in the cache; takes
-        no refs. The ids stay valid until the next `allocate` of another request may evict them.
-        """
+        """Block ids (not slots) of the longest prefix of `block_hashes` in the cache, on the
+        GPU or the CPU; takes no refs. The ids stay valid until the next `allocate` of another
+        request may evict them."""
         hits: list[int] = []
         if not self.enable_prefix_caching:
             return hits
@@ -131,17 +161,25 @@ class BlockManager:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
 
         On the request's first allocation `cached_blocks` (block ids from `find_cached_prefix`)
-        become the head of its table, with a reference each; then new blocks get free slots,
-        or the slots of evicted cached blocks. Returns False, changing nothing, when there are
-        not enough allocatable slots.
+        become the head of its table, with a reference each (those cached on the CPU only get
+        a GPU slot and a load); then new blocks get free slots, or the slots of evicted cached
+        blocks. Returns False, changing nothing, when there are not enough allocatable slots.
         """
         if not self.can_allocate(request_id, num_tokens, cached_blocks):
             return False
         table = self._tables.get(request_id)
         if table is None:
             hits = [self.blocks[block_id] for block_id in cached_blocks]
+            # Every hit is held before any slot is taken: no eviction below can reach one.
+            on_cpu = [block for block in hits if block.gpu_slot is None]
             for block in hits:
-                self._take_cached(block)
+                if block.gpu_slot is None:
+                    self.tier.pin(block)
+                else:
+                    self._take_cached(block)
+            for block in on_cpu:
+                block.gpu_slot, block.ref_count = self._take_gpu_slot(), 1
+                self.tier.load(block, block.gpu_slot)
             table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
             block = self._new_block()
@@ -186,60 +224,23 @@ class BlockManager:
         """Forget every cached hash. Refused (False, nothing changed) while blocks are in use."""
         if self.num_free_blocks != self.num_gpu_blocks:
             return False
+        gpu_cached = []
         while self._lru:
-            block = self._lru.popleft()
+            gpu_cached.append(self._lru.popleft())
+            self._free_slots.append(gpu_cached[-1].gpu_slot)  # behind the free slots: the order stays
+        cpu_only = [block for block in self._cached.values() if block.gpu_slot is None]
+        for block in gpu_cached + cpu_only:
+            if block.cpu_slot is not None:
+                self.tier.forget(block)
             block.block_hash = None
-            self._free_slots.append(block.gpu_slot)  # behind the free slots: the order stays
             self._free_block(block)
         self._cached.clear()
         return True
 
     def check_invariants(self) -> None:
         """Raise AssertionError on the first broken invariant (module doc). O(blocks): for
-        tests and debug mode only."""
-        lru = list(self._lru)
-        _check(len(lru) == len(self._lru), "LRU list length differs from its count")
-        _check(len(set(map(id, lru))) == len(lru), "a block is in the LRU list twice")
-        free_ids = set(self._free_block_ids)
-        _check(len(free_ids) == len(self._free_block_ids), "a block is in the free pool twice")
-        refs = Counter(block.block_id for table in self._tables.values() for block in table.blocks)
-        for block in self.blocks:
-            name = f"block {block.block_id} (ref_count {block.ref_count})"
-            _check(block.ref_count == refs[block.block_id], f"{name}: in {refs[block.block_id]} tables")
-            in_lru = block.ref_count == 0 and block.gpu_slot is not None
-            _check(in_lru == (block.lru_prev is not None), f"{name}: LRU membership disagrees")
-            _check(not in_lru or block.block_hash is not None, f"{name}: cached without a hash")
-            _check(block.ref_count == 0 or block.gpu_slot is not None, f"{name}: referenced without a GPU slot")
-            is_free = block.ref_count == 0 and block.gpu_slot is None and block.cpu_slot is None
-            _check(is_free == (block.block_id in free_ids), f"{name}: free-pool membership disagrees")
-            _check(not is_free or block.block_hash is None, f"{name}: free but holds a hash")
-            if block.block_hash is not None:
-                _check(self._cached.get(block.block_hash) is block, f"{name}: hash does not map to it")
-        for block_hash, block in self._cached.items():
-            _check(block.block_hash == block_hash, f"a hash maps to block {block.block_id} without it")
-        _check(self.enable_prefix_caching or not self._cached, "hashes cached with caching off")
-        self._check_slots()
-        num_referenced = sum(block.ref_count > 0 for block in self.blocks)
-        _check(num_referenced + self.num_free_blocks == self.num_gpu_blocks, "referenced + free != total")
-        for request_id, table in self._tables.items():
-            blocks, num_committed = table.blocks, table.num_committed
-            _check(len(set(map(id, blocks))) == len(blocks), f"{request_id}: a block appears twice in its table")
-            _check(table.slots == [block.gpu_slot for block in blocks], f"{request_id}: slot table is stale")
-            _check(num_committed <= len(blocks), f"{request_id}: more blocks committed than held")
-            _check(all(block.block_hash is None for block in blocks[num_committed:]),
-                   f"{request_id}: an uncommitted block holds a hash")
-
-    def _check_slots(self) -> None:
-        owned = [block.gpu_slot for block in self.blocks if block.gpu_slot is not None]
-        free = list(self._free_slots)
-        _check(len(set(owned)) == len(owned), "a GPU slot is owned by two blocks")
-        _check(not set(owned) & set(free), "a GPU slot is owned and free")
-        _check(len(set(free)) == len(free), "a GPU slot is free twice")
-        _check(all(0 <= slot < self.num_gpu_blocks for slot in owned + free), "a GPU slot out of range")
-        _check(len(owned) + len(free) == self.num_gpu_blocks, "GPU slots lost")
-        cpu = [block.cpu_slot for block in self.blocks if block.cpu_slot is not None]
-        _check(len(set(cpu)) == len(cpu), "a CPU slot is owned by two blocks")
-        _check(all(0 <= slot < self.num_cpu_blocks for slot in cpu), "a CPU slot out of range")
+        tests and debug mode only (worker/block_invariants.py)."""
+        check_invariants(self)
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -271,22 +272,23 @@ class BlockManager:
         return block
 
     def _take_gpu_slot(self) -> int:
-        """A free GPU slot, else the slot of the LRU head, whose block is evicted."""
+        """A free GPU slot, else the slot of the LRU head, whose block is evicted: written
+        back to the CPU tier first when it has no CPU copy (and the tier a slot for one)."""
         if self._free_slots:
             return self._free_slots.popleft()
         block = self._lru.popleft()
-        slot = block.gpu_slot
+        slot, block.gpu_slot = block.gpu_slot, None
+        if block.cpu_slot is None and not (self.tier and self.tier.store(block, slot)):
+            self._drop_cpu_only(block)
+        return slot
+
+    def _drop_cpu_only(self, block: Block) -> None:
+        """A cached block without a GPU slot lost (or never got) its CPU copy: forget it."""
         del self._cached[block.block_hash]
         block.block_hash = None
         self._free_block(block)
-        return slot
 
     def _free_block(self, block: Block) -> None:
-        """Back to the pool: the block has no references and its GPU slot went elsewhere."""
+        """Back to the pool: the block has no references and its slots went elsewhere."""
         block.gpu_slot = None
         self._free_block_ids.append(block.block_id)
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)

@@ -27,14 +27,14 @@ from spillway.protocol.reasoning import forced_token
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
 from spillway.worker.executor import Executor, load_model
-from spillway.worker.model_runner import ModelRunner
+from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
 from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.request import Request
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler
 from spillway.worker.stats import collect_stats
-from spillway.worker.step_plan import StepPlan
+from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
 
 class Engine:
@@ -67,10 +67,13 @@ class Engine:
                                  max_model_len=self.max_model_len)
         num_blocks = self._num_blocks(hf_config)
         self.executor.allocate_kv_cache(num_blocks)
+        num_cpu_blocks = self._num_cpu_blocks(hf_config)
+        if num_cpu_blocks:
+            self.executor.allocate_cpu_kv_cache(num_cpu_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.executor.capture_graphs()
         self.executor.warm_up()
-        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
@@ -117,6 +120,13 @@ class Engine:
             )
         return num_blocks
 
+    def _num_cpu_blocks(self, hf_config) -> int:
+        config = self.config
+        if config.num_cpu_blocks_override is not None:
+            return config.num_cpu_blocks_override
+        return num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype,
+                                     int(config.cpu_offload_gb * 2**30))
+
     def ready(self) -> Ready:
         return Ready(
             protocol_version=PROTOCOL_VERSION,
@@ -124,7 +134,7 @@ class Engine:
             block_size=self.block_size,
             hash_seed=self.config.hash_seed,
             num_gpu_blocks=self.block_manager.num_gpu_blocks,
-            num_cpu_blocks=0,
+            num_cpu_blocks=self.block_manager.num_cpu_blocks,
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -178,6 +188,8 @@ class Engine:
             deltas = self._commit(previous)
             plan.drop_finished()
         if not plan.chunks:
+            if plan.kv_copies is not NO_KV_COPIES:  # loads for requests that start next step
+                self.executor.copy_kv(plan.kv_copies)
             return deltas
         launched = self._launch(plan, previous if run_ahead else None, run_ahead)
         if not run_ahead:
@@ -237,7 +249,8 @@ class Engine:
         """Counters for the gateway; the block manager's invariants (a walk over every block)
         are checked only when asked or in debug mode (`invariants_ok` is None otherwise)."""
         return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
-                             check_invariants=check_invariants or self.debug_invariants)
+                             check_invariants=check_invariants or self.debug_invariants,
+                             copier=self.executor.kv_copier)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, num_blocks_for_memory
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
@@ -76,6 +77,7 @@ class Executor:
         self.runner = ModelRunner(model, num_blocks=None, block_size=block_size, device=device, dtype=dtype,
                                   kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)
 
     def kv_pool_blocks(self, hf_config, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
         """How many KV blocks fit this device: on CUDA, the utilisation's share of the GPU less
@@ -100,6 +102,25 @@ class Executor:
         logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
+    def allocate_cpu_kv_cache(self, num_blocks: int) -> None:
+        """The CPU tier's pool (pinned on CUDA), after the GPU pool; ValueError beyond the
+        host's available memory."""
+        runner = self.runner
+        cpu_pool = allocate_cpu_pool(num_blocks, runner.kv_cache_shape, runner.kv_cache_dtype,
+                                     pinned=self.device.type == "cuda")
+        self.kv_copier = KVCopier(runner.kv_cache, cpu_pool)
+        logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
+                    "pinned" if self.device.type == "cuda" else "plain")
+
+    def copy_kv(self, copies: KVCopies) -> None:
+        """Start a step's copies between the tiers (worker/kv_copies.py); `execute` does this
+        itself, a step without chunks calls it alone."""
+        if self.kv_copier is None:
+            # Only the CPU tier plans copies; a plan with some cannot be run without it.
+            raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
+        self.kv_copier.wait_for_loads()
+        self.kv_copier.run(copies)
+
     def capture_graphs(self) -> None:
         self.runner.capture_graphs(self.max_num_seqs)
 
@@ -115,8 +136,9 @@ class Executor:
         set. The result may be a view of a buffer that the next step overwrites.
         """
         if step.kv_copies.gpu_to_cpu or step.kv_copies.cpu_to_gpu:
-            # Only the CPU tier plans copies; a plan with some cannot be run without it.
-            raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
+            self.copy_kv(step.kv_copies)
+        elif self.kv_copier is not None:
+            self.kv_copier.wait_for_loads()
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         logits = self.runner.execute(step.chunks, feed)
         if len(step.sample_rows) == len(step.chunks):

@@ -10,8 +10,14 @@ One rule covers prefill, chunked prefill, decode and recompute: a request's
 
 Both queues are ordered by (priority, arrival_index): FCFS when no priority is given, and a
 preempted request goes back ahead of every younger waiting one. When a running request
-needs a block and none is free, the newest running request is preempted (recompute: its
-blocks are released, its tokens computed again when it is resumed).
+needs a block and none is free, the newest running request is preempted: its blocks are
+released into the prefix cache, whose evictions write them back to the CPU tier when there
+is one (a swap-out); resumed, it takes them back as cache hits (loaded from the CPU tier
+where needed) and recomputes only the rest.
+
+With a CPU tier, a request whose prefix hits need a load this step (its own, or one another
+request planned: one load per block, shared) is admitted without a chunk and computes from
+the next step on, when the load has landed; the requests behind it are not held up.
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        # The same hits by where the KV was (gpu, cpu); and the CPU tier's own lookups: the
+        # prompt tokens past the GPU hits, and those found there (vLLM's external cache).
+        self.cached_tokens_gpu = 0
+        self.cached_tokens_cpu = 0
+        self.cpu_cache_queries = 0
+        self.cpu_cache_hits = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -158,12 +170,14 @@ class Scheduler:
         # After running out of blocks, admitting new work would only be preempted again.
         preempted = self.num_preemptions != num_preemptions_before
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
-            chunk = self._admit(self.waiting[0], budget)
-            if chunk is None:
+            admitted, chunk = self._admit(self.waiting[0], budget)
+            if not admitted:
                 break  # strict queue order: nobody overtakes a request that does not fit
-            chunks.append(chunk)
-            budget -= chunk.num_tokens
-        return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks))
+            if chunk is not None:  # None: it waits for a load
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks),
+                        self.block_manager.take_copies())
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed
@@ -223,25 +237,38 @@ class Scheduler:
         self.num_preemptions += 1
         insort(self.waiting, request, key=_queue_key)
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
-        """Move the head of the waiting queue to running with its first chunk, or None."""
+    def _admit(self, request: Request, budget: int) -> tuple[bool, ScheduledChunk | None]:
+        """Move the head of the waiting queue to running: (True, its first chunk), or
+        (True, None) when it waits for a load this step; (False, None) when it does not fit."""
+        manager = self.block_manager
         # The last token is always recomputed: its logits give the next token.
         num_hashes = (request.num_tokens - 1) // self.block_size
-        cached = self.block_manager.find_cached_prefix(request.block_hashes[:num_hashes])
+        cached = manager.find_cached_prefix(request.block_hashes[:num_hashes])
         num_cached = len(cached) * self.block_size
         num_tokens = min(request.num_tokens - num_cached, budget)
-        if not self.block_manager.allocate(request.request_id, num_cached + num_tokens, cached):
-            return None
+        num_on_gpu = sum(map(manager.on_gpu, cached)) * self.block_size  # before allocate loads them
+        if not manager.allocate(request.request_id, num_cached + num_tokens, cached):
+            return False, None
         self.waiting.pop(0)
         if request.status == RequestStatus.WAITING:  # first scheduling; a resume is no hit
             request.num_cached_tokens = num_cached
-            if self.block_manager.enable_prefix_caching:
-                self.prefix_cache_queries += request.num_prompt_tokens
-                self.prefix_cache_hits += num_cached
+            if manager.enable_prefix_caching:
+                self._count_hits(request.num_prompt_tokens, num_on_gpu, num_cached - num_on_gpu)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         insort(self.running, request, key=_queue_key)
-        return self._chunk(request, num_tokens)
+        if manager.waits_for_load(request.request_id):
+            return True, None
+        return True, self._chunk(request, num_tokens)
+
+    def _count_hits(self, num_queried: int, num_on_gpu: int, num_on_cpu: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_on_gpu + num_on_cpu
+        self.cached_tokens_gpu += num_on_gpu
+        self.cached_tokens_cpu += num_on_cpu
+        if self.block_manager.tier is not None:
+            self.cpu_cache_queries += num_queried - num_on_gpu
+            self.cpu_cache_hits += num_on_cpu
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens

@@ -190,8 +190,8 @@ def test_bad_input_raises_and_leaves_the_engine_usable(llm, prompts):
 def test_unknown_model_and_arguments_raise_value_error():
     with pytest.raises(ValueError, match="/no/such/model"):
         LLM("/no/such/model")
-    with pytest.raises(ValueError, match="CPU KV tier"):
-        LLM(cpu_offload_gb=4)
+    with pytest.raises(ValueError, match="swap space apart from the CPU KV tier"):
+        LLM(swap_space=4)
     with pytest.raises(ValueError, match="unknown argument"):
         LLM(no_such_argument=1)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'fp16'"):

@@ -12,7 +12,7 @@ from server_helpers import MODEL, ServerProcess, spillway_command
 from spillway.gateway.cli import main
 
 REFUSED = [
-    (["--cpu-offload-gb", "4"], "--cpu-offload-gb"),
+    (["--swap-space", "4"], "--swap-space"),
     (["--speculative-model", "draft"], "--speculative-model"),
     (["--num-speculative-tokens", "3"], "--num-speculative-tokens"),
     (["--speculative-draft-tensor-parallel-size", "1"], "--speculative-draft-tensor-parallel-size"),

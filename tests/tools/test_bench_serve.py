@@ -128,6 +128,12 @@ def test_engine_flags_reach_serve_and_llm_alike():
                                                  "--enforce-eager", "--no-async-scheduling"]
 
 
+def test_the_cpu_kv_tier_flag_reaches_serve_and_llm_alike():
+    settings = bench_serve.engine_settings(bench_serve.build_parser().parse_args(["--cpu-offload-gb", "40"]))
+    assert settings == {"cpu_offload_gb": 40.0}
+    assert bench_serve.serve_flags(settings) == ["--cpu-offload-gb", "40.0"]
+
+
 def test_model_folder_has_the_config_with_the_tokenizer_vocabulary(tmp_path):
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()

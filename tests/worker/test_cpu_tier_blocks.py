@@ -1,0 +1,119 @@
+"""The block manager with a CPU tier: write-back, loads, pins and a full tier, on integers."""
+
+from __future__ import annotations
+
+import pytest
+
+from spillway.protocol.messages import BlockHash
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
+
+
+def h(name: str) -> BlockHash:
+    return BlockHash(name.encode().ljust(16, b"."))
+
+
+def cached_request(manager: BlockManager, request_id: str, names: list[str]) -> None:
+    """Blocks for `names` computed, committed and released into the cache."""
+    assert manager.allocate(request_id, 4 * len(names))
+    manager.commit(request_id, [h(name) for name in names])
+    manager.free(request_id)
+
+
+def test_an_evicted_cached_block_is_written_back_and_still_found():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=4)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
+    assert manager.take_copies() is NO_KV_COPIES
+    assert manager.allocate("b", 8)  # evicts a3 then a2 (the LRU head is the last block)
+    assert manager.slot_table("b") == [3, 2]
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)))
+    hits = manager.find_cached_prefix([h("a0"), h("a1"), h("a2"), h("a3")])
+    assert hits == [0, 1, 2, 3]
+    assert [manager.on_gpu(block_id) for block_id in hits] == [True, True, False, False]
+    assert manager.cpu_usage == 0.5
+    manager.check_invariants()
+
+
+def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=4)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
+    manager.allocate("b", 8)
+    manager.take_copies()
+    manager.free("b")  # unhashed: slots 3 and 2 are free again
+    hashes = [h("a0"), h("a1"), h("a2"), h("a3")]
+    assert manager.allocate("c", 16, manager.find_cached_prefix(hashes))
+    assert manager.slot_table("c") == [0, 1, 3, 2]
+    assert manager.waits_for_load("c")
+    # A second request finds the blocks on the GPU already, and waits for the same loads.
+    hits = manager.find_cached_prefix(hashes)
+    assert all(map(manager.on_gpu, hits))
+    assert manager.allocate("d", 16, hits)
+    assert manager.waits_for_load("d")
+    manager.check_invariants()
+    # a2 was stored to CPU slot 1, a3 to CPU slot 0: one load each.
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)))
+    assert not manager.waits_for_load("c") and not manager.waits_for_load("d")
+    manager.free("c")
+    manager.free("d")
+    manager.check_invariants()
+
+
+def test_a_full_cpu_tier_evicts_its_least_recently_stored_copy_and_drops_what_does_not_fit():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
+    assert manager.allocate("b", 12)  # evicts a3, a2, a1: the third finds every CPU slot in use by this step
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)))
+    assert manager.find_cached_prefix([h("a0"), h("a1"), h("a2")]) == [0]
+    assert manager.num_cached_blocks == 3  # a0 on the GPU, a2 and a3 on the CPU
+    manager.free("b")
+    manager.check_invariants()
+    assert manager.allocate("e", 16)  # three free slots, then a0 is evicted: a3's CPU copy makes room
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((0, 0),))
+    assert manager.find_cached_prefix([h("a3")]) == []
+    assert manager.find_cached_prefix([h("a0")]) == [0]
+    assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0]
+    assert manager.num_cached_blocks == 2
+    assert manager.cpu_usage == 1.0
+    manager.check_invariants()
+
+
+def test_cpu_hits_are_pinned_from_lookup_until_their_load_is_planned():
+    manager = BlockManager(2, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1"])
+    cached_request(manager, "b", ["b0", "b1"])  # evicts a1 (CPU slot 0) and a0 (CPU slot 1)
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((1, 0), (0, 1)))
+    hits = manager.find_cached_prefix([h("a0"), h("a1")])
+    assert hits == [0, 1]
+    # Each load takes a GPU slot by evicting a b block, whose write-back would need a CPU slot:
+    # the only ones hold the pinned hits, so the b blocks are dropped instead.
+    assert manager.allocate("c", 8, hits)
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)))
+    assert manager.find_cached_prefix([h("b0")]) == []
+    assert manager.num_cached_blocks == 2
+    manager.check_invariants()
+
+
+def test_reset_forgets_the_cpu_copies_too():
+    manager = BlockManager(2, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1"])
+    cached_request(manager, "b", ["b0", "b1"])
+    manager.take_copies()
+    assert manager.reset_prefix_cache()
+    assert manager.num_cached_blocks == 0 and manager.cpu_usage == 0.0
+    assert manager.find_cached_prefix([h("a0")]) == []
+    manager.check_invariants()
+
+
+def test_a_cpu_copy_that_disagrees_with_its_block_breaks_the_invariants():
+    manager = BlockManager(2, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1"])
+    cached_request(manager, "b", ["b0", "b1"])
+    manager.take_copies()
+    manager.tier.slot_hashes[0] = h("other")
+    with pytest.raises(AssertionError, match="holds another block's KV"):
+        manager.check_invariants()
+
+
+def test_the_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        BlockManager(4, 4, False, num_cpu_blocks=4)

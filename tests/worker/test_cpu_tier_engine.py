@@ -1,0 +1,167 @@
+"""The engine with a CPU tier on the CPU device: both pools in host memory, the same code path
+as on a GPU (KVCopier, the plan's copies), a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spillway.protocol.config import WorkerConfig
+from spillway.protocol.messages import Generate, SamplingParams
+from spillway.worker.engine import Engine
+from spillway.worker.kv_copies import copy_blocks
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(path)  # head_dim 32, as the CUDA kernels want
+    return path
+
+
+def engine_for(model_dir, num_cpu_blocks: int) -> Engine:
+    engine = Engine(WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=4, num_cpu_blocks_override=num_cpu_blocks))
+    engine.debug_invariants = True  # the block manager's invariants after every step
+    return engine
+
+
+def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """The request's tokens and cached-token count, run to its end."""
+    assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[],
+                                       params=params)) is None
+    tokens, cached = [], None
+    while engine.has_work:
+        for delta in engine.step():
+            assert delta.error is None
+            tokens += delta.new_token_ids
+            if delta.num_cached_tokens >= 0:
+                cached = delta.num_cached_tokens
+    return tokens, cached
+
+
+def conversation(engine: Engine, params: SamplingParams) -> dict[str, tuple[list[int], int]]:
+    """Two turns with a filler between them that takes the whole GPU pool (4 blocks of 16)."""
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    results = {"turn-1": run(engine, "turn-1", turn_1, params)}
+    results["filler"] = run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], params)
+    turn_2 = turn_1 + results["turn-1"][0] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    results["turn-2"] = run(engine, "turn-2", turn_2, params)
+    return results
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_conversation_reloads_its_history_from_the_tier_with_the_same_outputs(model_dir, params):
+    with_tier = engine_for(model_dir, num_cpu_blocks=8)
+    without = engine_for(model_dir, num_cpu_blocks=0)
+    outputs = conversation(with_tier, params)
+    assert outputs["turn-2"][1] == 32  # turn 1's two prompt blocks, from the CPU tier
+    assert conversation(without, params) == {**outputs, "turn-2": (outputs["turn-2"][0], 0)}
+    stats = with_tier.stats()
+    assert (stats.cached_tokens_gpu, stats.cached_tokens_cpu) == (0, 32)
+    assert (stats.cpu_prefix_cache_queries, stats.cpu_prefix_cache_hits) == (32 + 63 + 46, 32)
+    block_bytes = with_tier.runner.kv_cache[0].nbytes
+    # Stored: turn 1's two blocks (under the filler), then three of the filler's (under turn 2).
+    assert stats.kv_offload_bytes_gpu_to_cpu == 5 * block_bytes
+    assert stats.kv_offload_bytes_cpu_to_gpu == 2 * block_bytes
+    assert stats.kv_offload_seconds_gpu_to_cpu > 0 and stats.kv_offload_seconds_cpu_to_gpu > 0
+    assert stats.num_cpu_blocks == 8 and stats.cpu_cache_usage == 5 / 8
+    assert with_tier.ready().num_cpu_blocks == 8
+    assert without.stats().kv_offload_bytes_gpu_to_cpu == 0
+
+
+def test_copy_blocks_copies_runs_of_slots_and_single_ones():
+    src = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3)
+    dst = torch.zeros(5, 3)
+    copy_blocks(src, dst, [(0, 1), (1, 2), (2, 3), (5, 0)])
+    assert dst.tolist() == [src[5].tolist(), src[0].tolist(), src[1].tolist(), src[2].tolist(), [0, 0, 0]]
+
+
+def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(model_dir):
+    config = WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
+                          num_gpu_blocks_override=4, cpu_offload_gb=1e6)
+    with pytest.raises(ValueError, match=r"asks for 1000000\.00 GiB of host memory and [0-9.]+ GiB is available"):
+        Engine(config)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def busy_conversation(model_dir, device: str, num_gpu_blocks: int, num_cpu_blocks: int,
+                      params: SamplingParams) -> tuple[dict[str, list[int]], dict[str, int], Engine]:
+    """Turn 1, two fillers that evict it, then turn 2 arriving while a long request decodes
+    (on CUDA its loads are planned ahead, during the decode steps)."""
+    engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
+    engine.debug_invariants = True
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+
+    def add(request_id: str, prompt: list[int], max_tokens: int) -> None:
+        request_params = SamplingParams(**{**{f: getattr(params, f) for f in params.__struct_fields__},
+                                           "max_tokens": max_tokens})
+        assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[],
+                                           params=request_params)) is None
+
+    def step() -> None:
+        for delta in engine.step():
+            assert delta.error is None
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.num_cached_tokens >= 0:
+                cached[delta.request_id] = delta.num_cached_tokens
+
+    def finish() -> None:
+        while engine.has_work:
+            step()
+
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    add("turn-1", turn_1, 4)
+    finish()
+    add("filler-a", [(5 * i) % 90 + 2 for i in range(63)], 1)
+    add("filler-b", [(11 * i) % 90 + 3 for i in range(63)], 1)
+    finish()
+    add("long", [(13 * i) % 90 + 4 for i in range(20)], 40)
+    for _ in range(3):
+        step()
+    add("turn-2", turn_1 + tokens["turn-1"] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 4)
+    finish()
+    return tokens, cached, engine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_loads_planned_beside_a_decoding_request_give_what_a_pool_that_kept_the_blocks_gives(
+        model_dir, device, params):
+    tokens, cached, engine = busy_conversation(model_dir, device, 6, 16, params)
+    reference, reference_cached, _ = busy_conversation(model_dir, device, 64, 0, params)
+    assert cached["turn-2"] == reference_cached["turn-2"] == 32
+    stats = engine.stats()
+    assert (stats.cached_tokens_gpu, stats.cached_tokens_cpu) == (0, 32)
+    assert stats.kv_offload_bytes_cpu_to_gpu == 2 * engine.runner.kv_cache[0].nbytes
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
+    engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=8, num_cpu_blocks_override=8))
+    copier = engine.executor.kv_copier
+    pool = engine.runner.kv_cache
+    pool.copy_(torch.arange(pool.numel(), dtype=pool.dtype).reshape(pool.shape))
+    original = pool.clone()
+    to_cpu, to_gpu = copier.time_copies(4, scattered=True)
+    assert to_cpu > 0 and to_gpu > 0
+    assert torch.equal(copier.cpu_pool[0:8:2], original[0:8:2].cpu())
+    assert torch.equal(pool, original)
+    assert copier.bytes_to_cpu == copier.bytes_to_gpu == 4 * pool[0].nbytes
+    with pytest.raises(ValueError, match="do not fit"):
+        copier.time_copies(5, scattered=True)

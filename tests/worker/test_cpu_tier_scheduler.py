@@ -1,0 +1,140 @@
+"""The scheduler with a CPU tier, over the two simulated pools of tier_harness.py: every step
+checks the KV each chunk reads, and the block manager's invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tier_harness import TierHarness
+
+from spillway.worker.request import RequestStatus
+
+TURN_1 = list(range(1, 21))  # 20 tokens: 5 blocks of 4
+FILLER = list(range(200, 263))  # 63 tokens: 16 blocks, the whole GPU pool
+
+
+def two_turns(num_cpu_blocks: int) -> TierHarness:
+    """A conversation whose first turn the filler pushes out of the GPU pool."""
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks)
+    harness.add("turn-1", TURN_1, max_tokens=4)
+    harness.run()
+    harness.add("filler", FILLER, max_tokens=1)
+    harness.run()
+    harness.add("turn-2", TURN_1 + harness.outputs["turn-1"] + list(range(30, 38)), max_tokens=4)
+    return harness
+
+
+def test_a_second_turn_past_the_gpu_pool_loads_its_history_and_recomputes_only_the_rest():
+    harness = two_turns(num_cpu_blocks=32)
+    plan, _ = harness.step()
+    # 5 history blocks (turn 1's prompt; its outputs never filled a computed block) come from
+    # the CPU; the request starts a step later, when they have landed. Its 8 blocks take the
+    # filler's free slot and evict 7 cached filler blocks, written back first.
+    assert plan.chunks == []
+    assert len(plan.kv_copies.cpu_to_gpu) == 5
+    assert len(plan.kv_copies.gpu_to_cpu) == 7
+    plan, _ = harness.step()
+    assert [(chunk.start, chunk.num_tokens) for chunk in plan.chunks] == [(20, 12)]
+    harness.run()
+    assert harness.cached["turn-2"] == 20
+    assert harness.computed["turn-2"] == 12 + 3  # the new prompt tokens, then 3 decodes
+    scheduler = harness.scheduler
+    assert (scheduler.cached_tokens_gpu, scheduler.cached_tokens_cpu) == (0, 20)
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (20 + 63 + 32, 20)
+    assert (scheduler.cpu_cache_queries, scheduler.cpu_cache_hits) == (20 + 63 + 32, 20)
+
+    without = two_turns(num_cpu_blocks=0)
+    without.run()
+    assert without.outputs == harness.outputs
+    assert without.cached["turn-2"] == 0 and without.computed["turn-2"] == 32 + 3
+    assert without.scheduler.cpu_cache_queries == 0
+
+
+def test_an_abort_while_its_blocks_load_leaves_them_cached_for_the_next_request():
+    harness = two_turns(num_cpu_blocks=32)
+    prompt = harness.scheduler.waiting[0].prompt_token_ids
+    plan, _ = harness.step()
+    assert len(plan.kv_copies.cpu_to_gpu) == 5
+    assert [request.request_id for request in harness.scheduler.abort(["turn-2"])] == ["turn-2"]
+    harness.manager.check_invariants()
+    harness.add("again", prompt, max_tokens=4)
+    plan, _ = harness.step()
+    assert plan.kv_copies.cpu_to_gpu == ()  # loaded by the aborted request's step
+    assert [(chunk.start, chunk.num_tokens) for chunk in plan.chunks] == [(20, 12)]
+    harness.run()
+    assert harness.cached["again"] == 20
+    assert harness.scheduler.cached_tokens_gpu == 20
+    without = two_turns(num_cpu_blocks=0)
+    without.run()
+    assert harness.outputs["again"] == without.outputs["turn-2"]
+
+
+def preempted_while_loading(num_cpu_blocks: int) -> TierHarness:
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks)
+    harness.add("turn-1", TURN_1, max_tokens=1)
+    harness.run()
+    harness.add("filler", FILLER, max_tokens=1)
+    harness.run()
+    harness.add("long-1", list(range(300, 311)), max_tokens=30)  # 11 tokens: a new block at 12
+    harness.add("long-2", list(range(400, 411)), max_tokens=30)
+    harness.step()
+    harness.add("turn-2", TURN_1 + list(range(30, 46)), max_tokens=4)  # 9 blocks, 5 of them loaded
+    return harness
+
+
+def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
+    harness = preempted_while_loading(num_cpu_blocks=32)
+    plan, _ = harness.step()
+    assert [chunk.request.request_id for chunk in plan.chunks] == ["long-1", "long-2"]
+    assert len(plan.kv_copies.cpu_to_gpu) == 5
+    turn_2 = harness.scheduler.running[-1]
+    assert turn_2.request_id == "turn-2"
+    # The long requests each need a block next step and one is left: the newest goes.
+    plan, _ = harness.step()
+    assert turn_2.status == RequestStatus.PREEMPTED and "turn-2" not in harness.computed
+    assert [chunk.request.request_id for chunk in plan.chunks] == ["long-1", "long-2"]
+    harness.run()
+    assert harness.cached["turn-2"] == 20  # counted once, at its first admission
+    assert harness.scheduler.cached_tokens_cpu == 20
+    without = preempted_while_loading(num_cpu_blocks=0)
+    without.run()
+    assert without.outputs == harness.outputs
+
+
+def random_workload(seed: int, num_cpu_blocks: int) -> TierHarness:
+    """Conversations that share prefixes, in waves, on a pool that preempts often."""
+    rng = random.Random(seed)
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, max_num_seqs=4,
+                          max_num_batched_tokens=16)
+    histories = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
+    for wave in range(6):
+        # Each wave runs to its end, so the next one's histories do not depend on timing.
+        chosen = rng.sample(range(len(histories)), 3)
+        for index in chosen:
+            history = histories[index]
+            if len(history) > 40:
+                history[:] = history[:8]
+            history += [rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))]
+            harness.add(f"w{wave}-c{index}", list(history), max_tokens=rng.randrange(1, 10), seed=rng.randrange(3))
+        harness.run()
+        for index in chosen:
+            histories[index] += harness.outputs[f"w{wave}-c{index}"]
+    return harness
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("num_cpu_blocks", [2, 24])
+def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(seed, num_cpu_blocks):
+    with_tier = random_workload(seed, num_cpu_blocks)
+    without = random_workload(seed, 0)
+    assert with_tier.outputs == without.outputs
+    assert sum(with_tier.computed.values()) <= sum(without.computed.values())
+    assert with_tier.scheduler.num_preemptions + without.scheduler.num_preemptions > 0
+    assert sum(len(plan.kv_copies.gpu_to_cpu) for plan in with_tier.plans) > 0
+
+
+def test_the_random_workload_loads_from_the_tier_and_saves_compute():
+    harnesses = [(random_workload(seed, 24), random_workload(seed, 0)) for seed in range(8)]
+    assert sum(with_tier.scheduler.cached_tokens_cpu for with_tier, _ in harnesses) > 0
+    assert sum(sum(w.computed.values()) for w, _ in harnesses) < sum(sum(n.computed.values()) for _, n in harnesses)

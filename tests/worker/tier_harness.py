@@ -1,0 +1,94 @@
+"""A scheduler over a block manager with (or without) a CPU tier, driven by a fake model over
+two simulated KV pools that keep the timing of the CUDA path.
+
+Each step: the plan's stores run (GPU slot -> CPU slot), then every chunk reads its context
+from the GPU pool (each position must hold exactly its own (position, token)) and writes its
+tokens, then the plan's loads land (CPU slot -> GPU slot). A load therefore lands after the
+forward of its own step, as on a copy stream that overlaps it: a chunk that read a block
+loaded by its own step, or a slot reused before its store ran, fails the step. The sampled
+token is a function of the context read back from the pool, so any wrong KV also changes
+the outputs.
+"""
+
+from __future__ import annotations
+
+from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
+from spillway.protocol.messages import Generate, SamplingParams
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.request import Request
+from spillway.worker.scheduler import Scheduler, StepPlan, StepResult
+
+ROOT = root_hash(DEFAULT_HASH_SEED, "tier-model")
+NO_EOS = 999
+VOCAB = 50
+
+
+class TierHarness:
+    def __init__(self, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4,
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 64, max_model_len: int = 64) -> None:
+        self.block_size = block_size
+        self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks)
+        self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                   block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS])
+        self.gpu: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, offset) -> (position, token)
+        self.cpu: dict[tuple[int, int], tuple[int, int]] = {}
+        self.num_added = 0
+        self.outputs: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}  # request id -> tokens computed, over every chunk
+        self.cached: dict[str, int] = {}  # request id -> num_cached_tokens reported
+        self.plans: list[StepPlan] = []
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, seed: int | None = None) -> Request:
+        msg = Generate(request_id=request_id, prompt_token_ids=prompt,
+                       block_hashes=block_hashes(prompt, self.block_size, ROOT),
+                       params=SamplingParams(max_tokens=max_tokens, seed=seed))
+        self.num_added += 1
+        request = Request.from_generate(msg, arrival_index=self.num_added)
+        self.scheduler.add(request)
+        return request
+
+    def _copy(self, src: dict, dst: dict, src_slot: int, dst_slot: int) -> None:
+        for offset in range(self.block_size):
+            value = src.get((src_slot, offset))
+            if value is None:
+                dst.pop((dst_slot, offset), None)
+            else:
+                dst[(dst_slot, offset)] = value
+
+    def step(self) -> tuple[StepPlan, list[StepResult]]:
+        plan = self.scheduler.schedule()
+        self.plans.append(plan)
+        for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
+            self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
+        sampled = {}
+        bs = self.block_size
+        for chunk in plan.chunks:
+            request = chunk.request
+            tokens, end = request.all_token_ids, chunk.start + chunk.num_tokens
+            for pos in range(chunk.start):
+                found = self.gpu.get((chunk.slot_table[pos // bs], pos % bs))
+                assert found == (pos, tokens[pos]), (request.request_id, pos, found)
+            for pos in range(chunk.start, end):
+                self.gpu[(chunk.slot_table[pos // bs], pos % bs)] = (pos, tokens[pos])
+            self.computed[request.request_id] = self.computed.get(request.request_id, 0) + chunk.num_tokens
+            if chunk.sample:
+                context = [self.gpu[(chunk.slot_table[pos // bs], pos % bs)][1] for pos in range(end)]
+                salt = request.params.seed or 0
+                sampled[request.request_id] = sum((i + 1) * t for i, t in enumerate(context)) * 31 % VOCAB + salt
+        for cpu_slot, gpu_slot in plan.kv_copies.cpu_to_gpu:
+            self._copy(self.cpu, self.gpu, cpu_slot, gpu_slot)
+        results = self.scheduler.update(plan, sampled)
+        self.manager.check_invariants()
+        for result in results:
+            self.outputs.setdefault(result.request.request_id, []).extend(result.new_token_ids)
+            if result.num_cached_tokens >= 0:
+                self.cached[result.request.request_id] = result.num_cached_tokens
+        return plan, results
+
+    def run(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished:
+                return
+            self.step()
+        raise AssertionError("requests left unfinished")

@@ -1,0 +1,142 @@
+"""The CPU tier's bookkeeping: CPU slots, their LRU and the copies a step plans between tiers.
+
+A block gets a CPU slot in one way: write-back, when the block manager evicts a cached GPU
+block that has no CPU copy yet (`store`). The CPU copy then serves lookups after the GPU slot
+went elsewhere; a hit on it gives the block a new GPU slot and plans a load (`load`).
+
+Within one step's plan, every CPU slot that a copy reads or writes is pinned (out of the
+CPU LRU, so never evicted and never reused) until `take_copies` hands the copies to the
+plan. That makes the step's copies order-free but for one rule: all stores run before all
+loads, because a GPU slot that a store reads may be the slot a load then fills, while a CPU
+slot is never both a load's source and a store's destination in one step. A lookup pins the
+CPU copies it hits before any slot is taken, so no eviction between lookup and load can
+drop them.
+
+Every CPU copy belongs to a hashed block: a block with a CPU copy and no GPU slot is cached
+on the CPU only; evicting its CPU copy then frees the block (`drop` callback).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from spillway.protocol.messages import BlockHash
+from spillway.worker.block_lru import Block
+from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
+
+
+class CpuTier:
+    """CPU slots of one block each, an LRU of the evictable CPU copies and this step's copies."""
+
+    def __init__(self, num_blocks: int, drop: Callable[[Block], None]) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a CPU tier needs blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._drop = drop  # a CPU-only block lost its last copy: forget its hash, free it
+        self._free_slots = deque(range(num_blocks))
+        # block id -> block, head evicted next; holds exactly the unpinned CPU copies.
+        self._lru: OrderedDict[int, Block] = OrderedDict()
+        self._pinned: dict[int, Block] = {}  # by block id: CPU copies this step's copies touch
+        self._loading: set[int] = set()  # block ids whose load is in this step's copies
+        self._stores: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        # What each owned CPU slot holds: the hash of the block stored there (invariants).
+        self.slot_hashes: dict[int, BlockHash] = {}
+        # Cumulative counts of blocks copied each way.
+        self.num_stored = 0
+        self.num_loaded = 0
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free_slots)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of CPU slots holding a copy."""
+        return self.num_used / self.num_blocks
+
+    def store(self, block: Block, gpu_slot: int) -> bool:
+        """Give the hashed `block` a CPU copy of its GPU slot's KV (write-back): a free CPU
+        slot, else the one of the least recently used CPU copy. False when every CPU slot is
+        pinned by this step's copies (the block is then simply evicted)."""
+        assert block.block_hash is not None and block.cpu_slot is None
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        block.cpu_slot = slot
+        self.slot_hashes[slot] = block.block_hash
+        self._pinned[block.block_id] = block
+        self._stores.append((gpu_slot, slot))
+        self.num_stored += 1
+        return True
+
+    def pin(self, block: Block) -> None:
+        """Keep the block's CPU copy until this step's copies are taken (a lookup hit it)."""
+        if self._lru.pop(block.block_id, None) is not None:
+            self._pinned[block.block_id] = block
+
+    def load(self, block: Block, gpu_slot: int) -> None:
+        """Plan the copy of the (pinned) block's CPU copy into its new GPU slot."""
+        assert block.block_id in self._pinned and block.cpu_slot is not None
+        self._loads.append((block.cpu_slot, gpu_slot))
+        self._loading.add(block.block_id)
+        self.num_loaded += 1
+
+    def is_loading(self, block: Block) -> bool:
+        """Whether the block's KV arrives with this step's copies (readable the step after)."""
+        return block.block_id in self._loading
+
+    def take_copies(self) -> KVCopies:
+        """This step's copies, in plan order per direction; unpins their CPU copies."""
+        for block in self._pinned.values():
+            self._lru[block.block_id] = block
+        self._pinned.clear()
+        self._loading.clear()
+        if not self._stores and not self._loads:
+            return NO_KV_COPIES
+        copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads))
+        self._stores.clear()
+        self._loads.clear()
+        return copies
+
+    def forget(self, block: Block) -> None:
+        """Drop the block's CPU copy (the caller deals with the block)."""
+        self._lru.pop(block.block_id, None)
+        self._pinned.pop(block.block_id, None)
+        self._release_slot(block)
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.popleft()
+        if not self._lru:
+            return None
+        _, victim = self._lru.popitem(last=False)
+        slot = victim.cpu_slot
+        self.slot_hashes.pop(slot)
+        victim.cpu_slot = None
+        if victim.gpu_slot is None:
+            self._drop(victim)
+        return slot
+
+    def _release_slot(self, block: Block) -> None:
+        self.slot_hashes.pop(block.cpu_slot)
+        self._free_slots.append(block.cpu_slot)
+        block.cpu_slot = None
+
+    def check_invariants(self, blocks: list[Block], check: Callable[[bool, str], None]) -> None:
+        """The CPU side of BlockManager.check_invariants."""
+        owners = {block.cpu_slot: block for block in blocks if block.cpu_slot is not None}
+        free = list(self._free_slots)
+        check(len(set(free)) == len(free), "a CPU slot is free twice")
+        check(not set(free) & set(owners), "a CPU slot is owned and free")
+        check(len(owners) + len(free) == self.num_blocks, "CPU slots lost")
+        check(set(self.slot_hashes) == set(owners), "CPU slot contents disagree with their owners")
+        check(not set(self._lru) & set(self._pinned), "a CPU copy is both pinned and in the CPU LRU")
+        for slot, block in owners.items():
+            name = f"block {block.block_id} (CPU slot {slot})"
+            check(block.block_hash is not None, f"{name}: a CPU copy without a hash")
+            check(self.slot_hashes[slot] == block.block_hash, f"{name}: its CPU copy holds another block's KV")
+            listed = self._lru.get(block.block_id) or self._pinned.get(block.block_id)
+            check(listed is block, f"{name}: neither in the CPU LRU nor pinned")
+        check(len(self._lru) + len(self._pinned) == len(owners), "the CPU LRU lists a block without a CPU copy")

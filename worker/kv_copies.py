@@ -1,0 +1,169 @@
+"""The CPU tier's KV pool and the copies of blocks between it and the GPU pool.
+
+Both pools have the runner's layout, `[num_blocks, num_layers, 2, block_size, kv_heads,
+head_dim]`, so a block is one contiguous span and a copy of a run of consecutive slots is
+one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on a copy stream of
+their own, ordered by events:
+
+    copy stream:    wait for compute ─ stores (GPU->CPU) ─● stored ─ loads (CPU->GPU) ─● landed
+    compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ wait landed ─ step N+1
+
+- The copy stream first waits for everything compute has queued, so a store reads a block
+  after its KV was written and a load never overwrites a slot an earlier step still reads.
+- This step's forward waits for the stores only: the GPU slots they read may be rewritten by
+  it (the block manager reuses an evicted block's slot at once).
+- The loads overlap this step's forward: no request of this step reads a block loaded by it
+  (the scheduler starts such a request a step later), and the next step waits for them.
+
+On the CPU device the same copies run in order, synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from spillway.worker.step_plan import KVCopies
+
+logger = logging.getLogger(__name__)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
+    """`dst[d] = src[s]` for every `(s, d)` in `pairs`, in order, on the current stream
+    (asynchronously between pinned host memory and a GPU). Runs of consecutive slots on both
+    sides are copied at once. A benchmark times this between a pool and the other."""
+    non_blocking = src.device.type != dst.device.type
+    index = 0
+    while index < len(pairs):
+        first_src, first_dst = pairs[index]
+        length = 1
+        while (index + length < len(pairs) and pairs[index + length][0] == first_src + length
+               and pairs[index + length][1] == first_dst + length):
+            length += 1
+        dst[first_dst:first_dst + length].copy_(src[first_src:first_src + length], non_blocking=non_blocking)
+        index += length
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to a new allocation (MemAvailable); None when unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
+    Not zeroed: a CPU slot is only ever read after a store filled it.
+
+    `pinned`: page-locked with cudaHostRegister, not `pin_memory=True`, whose caching allocator
+    rounds a request up to a power of two (40 GiB would lock 64)."""
+    size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
+    available = host_memory_available()
+    if available is not None and size > available:
+        raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
+                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
+    pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
+    if pinned:
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0))
+        if error:
+            raise RuntimeError(f"page-locking the CPU KV tier's {size / 2**30:.2f} GiB failed (CUDA error {error})")
+        weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
+    return pool
+
+
+class KVCopier:
+    """Runs each step's `KVCopies` between the GPU pool and the CPU pool (module doc), and
+    counts the bytes and the time they took."""
+
+    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor) -> None:
+        self.gpu_pool = gpu_pool
+        self.cpu_pool = cpu_pool
+        self.block_bytes = gpu_pool[0].nbytes
+        on_cuda = gpu_pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
+        self._landed: torch.cuda.Event | None = None  # the last step's loads
+        # (started, stored, landed) of the steps whose times are not read yet
+        self._timings: list[tuple[torch.cuda.Event, ...]] = []
+        self.bytes_to_cpu = 0
+        self.bytes_to_gpu = 0
+        self._seconds_to_cpu = 0.0
+        self._seconds_to_gpu = 0.0
+
+    def run(self, copies: KVCopies) -> None:
+        """Start the step's copies: stores, then loads. Call before the step's forward, after
+        `wait_for_loads`."""
+        self.seconds()  # fold the finished timings: the list stays short without stats reads
+        self.bytes_to_cpu += len(copies.gpu_to_cpu) * self.block_bytes
+        self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
+        if self.stream is None:
+            started = time.perf_counter()
+            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            stored = time.perf_counter()
+            copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
+            self._seconds_to_cpu += stored - started
+            self._seconds_to_gpu += time.perf_counter() - stored
+            return
+        compute = torch.cuda.current_stream(self.gpu_pool.device)
+        self.stream.wait_stream(compute)
+        started, stored, landed = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        with torch.cuda.stream(self.stream):
+            started.record()
+            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            stored.record()
+            copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
+            landed.record()
+        compute.wait_event(stored)
+        self._landed = landed
+        self._timings.append((started, stored, landed))
+
+    def wait_for_loads(self) -> None:
+        """Make compute wait for the loads of the steps before (call before every forward
+        that follows `run`'s step, with or without copies of its own)."""
+        if self._landed is not None:
+            torch.cuda.current_stream(self.gpu_pool.device).wait_event(self._landed)
+            self._landed = None
+
+    def time_copies(self, num_blocks: int, scattered: bool = False) -> tuple[float, float]:
+        """Seconds to store GPU slots 0..num_blocks-1 into the same CPU slots, then to load them
+        back, through `run` (every other slot when `scattered`: one transfer per block); waits
+        for both. For benchmarks: the pools' contents are overwritten."""
+        step = 2 if scattered else 1
+        if num_blocks * step > min(len(self.gpu_pool), len(self.cpu_pool)):
+            raise ValueError(f"{num_blocks} blocks{' scattered' if scattered else ''} do not fit the pools")
+        slots = range(0, num_blocks * step, step)
+        pairs = tuple(zip(slots, slots))
+        self._synchronize()
+        before = self.seconds()
+        self.wait_for_loads()
+        self.run(KVCopies(gpu_to_cpu=pairs))
+        self.run(KVCopies(cpu_to_gpu=pairs))
+        self.wait_for_loads()
+        self._synchronize()
+        after = self.seconds()
+        return after[0] - before[0], after[1] - before[1]
+
+    def _synchronize(self) -> None:
+        if self.stream is not None:
+            torch.cuda.synchronize(self.gpu_pool.device)
+
+    def seconds(self) -> tuple[float, float]:
+        """Cumulative seconds of the stores and of the loads (on CUDA, of those finished)."""
+        while self._timings and self._timings[0][2].query():
+            started, stored, landed = self._timings.pop(0)
+            self._seconds_to_cpu += started.elapsed_time(stored) / 1000
+            self._seconds_to_gpu += stored.elapsed_time(landed) / 1000
+        return self._seconds_to_cpu, self._seconds_to_gpu
