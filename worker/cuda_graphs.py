@@ -31,8 +31,12 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from spillway.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +108,38 @@ class StepGraphs:
     def replay(self, bucket: int) -> torch.Tensor:
         self._graphs[bucket].replay()
         return self._outputs[bucket]
+
+
+def decode_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+    """A function running `runner`'s decode step of `bucket` rows on the static input views."""
+    from spillway.worker.attention_triton import DecodeMetadata
+
+    layout = runner.inputs.decode_layout(bucket)
+    metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
+    model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
+    logits = runner.logits_rows(bucket)
+
+    def step() -> torch.Tensor:
+        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+        return model.compute_logits(hidden, out=logits)
+
+    return step
+
+
+def prefill_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+    """A function running `runner`'s prefill step of `bucket` tokens on the static input views."""
+    from spillway.worker.attention_triton import graph_prefill_metadata
+
+    num_seqs = prefill_graph_seqs(bucket, runner.max_num_seqs)
+    layout = runner.inputs.prefill_layout(bucket, num_seqs)
+    model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
+    metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
+                                      layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
+                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+    logits = runner.logits_rows(num_seqs)
+
+    def step() -> torch.Tensor:
+        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+        return model.compute_logits(hidden[layout.last_rows], out=logits)
+
+    return step

@@ -22,6 +22,7 @@ inputs reach the device once.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -272,21 +273,21 @@ class ModelRunner:
     def capture_graphs(self, max_batch_size: int) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
         prefill step for every token bucket the step budget allows, into one memory pool."""
-        from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+        from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, decode_step, prefill_buckets, prefill_step
 
         assert self.kv_cache is not None, "allocate the KV cache first"
         pool = torch.cuda.graph_pool_handle()
         graphs = StepGraphs(decode_buckets(min(max_batch_size, self.max_num_seqs)), self.device)
-        graphs.capture(self._decode_step_for, self.inputs.pad_decode, pool)
+        graphs.capture(functools.partial(decode_step, self), self.inputs.pad_decode, pool)
         self.graphs = graphs
         buckets = prefill_buckets(self.inputs.capacity[0])
         if buckets:
             prefill = StepGraphs(buckets, self.device, kind="prefill")
-            prefill.capture(self._prefill_step_for,
+            prefill.capture(functools.partial(prefill_step, self),
                             lambda bucket: self.inputs.pad_prefill(bucket, self._prefill_graph_seqs(bucket)), pool)
             self.prefill_graphs = prefill
 
-    def _logits_rows(self, rows: int) -> torch.Tensor:
+    def logits_rows(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the decode steps' shared float32 logits buffer.
 
         Every graph writes its logits there: a buffer per graph, kept alive by its graph, would
@@ -302,36 +303,3 @@ class ModelRunner:
     def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
         """What `capture_graphs` allocates for logits, beyond the activations' peak."""
         return max_num_seqs * vocab_size * 4
-
-    def _decode_step_for(self, bucket: int):
-        """A function running the decode step of `bucket` rows on the static input views."""
-        from spillway.worker.attention_triton import DecodeMetadata
-
-        layout = self.inputs.decode_layout(bucket)
-        metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
-        model, kv_cache, backend = self.model, self.kv_cache, self.backend
-        logits = self._logits_rows(bucket)
-
-        def step() -> torch.Tensor:
-            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
-            return model.compute_logits(hidden, out=logits)
-
-        return step
-
-    def _prefill_step_for(self, bucket: int):
-        """A function running a prefill step of `bucket` tokens on the static input views."""
-        from spillway.worker.attention_triton import graph_prefill_metadata
-
-        num_seqs = self._prefill_graph_seqs(bucket)
-        layout = self.inputs.prefill_layout(bucket, num_seqs)
-        model, kv_cache, backend = self.model, self.kv_cache, self.backend
-        metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
-                                          layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
-                                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
-        logits = self._logits_rows(num_seqs)
-
-        def step() -> torch.Tensor:
-            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
-            return model.compute_logits(hidden[layout.last_rows], out=logits)
-
-        return step

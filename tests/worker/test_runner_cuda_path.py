@@ -7,13 +7,14 @@ decode metadata) is exercised here; the GPU tests add the capture and replay the
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 import transformers
 
-from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, prefill_buckets
+from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, decode_step, prefill_buckets, prefill_step
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 
@@ -43,7 +44,7 @@ class EagerGraphs(StepGraphs):
             super().__init__(prefill_buckets(runner.inputs.capacity[0]), CPU, kind="prefill")
         else:
             super().__init__(decode_buckets(max_batch_size), CPU)
-        step_for = runner._prefill_step_for if prefill else runner._decode_step_for
+        step_for = functools.partial(prefill_step if prefill else decode_step, runner)
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 
