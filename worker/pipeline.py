@@ -9,9 +9,10 @@ Every step takes one path:
     commit   Scheduler.update: stop checks, thinking-budget state, block hashing
 
 Asynchronous scheduling is "commit one step later". While the device runs step N, the
-host plans step N+1; when that plan may run ahead (`StepPlan.run_ahead`: one-token decodes
-whose token the device chooses alone), N+1 is launched with its input tokens fed from step
-N's sampled ids still on the device, and only then is step N committed:
+host plans step N+1; when that plan may run ahead (`StepPlan.run_ahead`: every token it
+samples is chosen by the device alone, decodes and prompt chunks alike), N+1 is launched with
+its decodes' input tokens fed from step N's sampled ids still on the device, and only then is
+step N committed:
 
     host:    plan N | launch N | plan N+1 | launch N+1 | commit N | plan N+2 | ...
     device:         | ===== step N ===== | ===== step N+1 ===== | ...

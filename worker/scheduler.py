@@ -40,12 +40,15 @@ def _queue_key(request: Request) -> tuple[int, int]:
 
 
 def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
-    """`StepPlan.run_ahead`: one-token decodes only, each token chosen by the device alone."""
+    """`StepPlan.run_ahead`: every token the step samples is chosen by the device alone
+    (decodes, and prompts whose last chunk runs); chunks that sample nothing (a prompt's
+    earlier chunks) never hold a plan back."""
     for chunk in chunks:  # a plain loop: this runs every step, over every chunk
+        if not chunk.sample:
+            continue
         request = chunk.request
         min_tokens = request.params.min_tokens
-        if not (chunk.num_tokens == 1 and chunk.sample and request.samples_on_device) or (
-                min_tokens and request.num_output_tokens < min_tokens):
+        if not request.samples_on_device or (min_tokens and request.num_output_tokens < min_tokens):
             return False
     return bool(chunks)
 

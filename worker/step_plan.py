@@ -43,7 +43,7 @@ NO_KV_COPIES = KVCopies()
 class StepPlan:
     """What one step computes: the scheduler's whole answer, as data.
 
-    `run_ahead`: every chunk is a one-token decode whose token the device chooses alone
+    `run_ahead`: every token the step samples is one the device chooses alone
     (`Request.samples_on_device`, min_tokens reached), so the step may be launched before the
     tokens of the step before are read, and committed one step later (worker/pipeline.py).
     """

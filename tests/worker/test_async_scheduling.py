@@ -129,6 +129,30 @@ def test_seeded_sampling_equals_synchronous_stepping(tiny_model):
     assert got == expected
 
 
+def test_prompts_chunked_into_running_decodes_run_ahead_with_the_same_outputs(tiny_model):
+    """Steps of 24 tokens: long prompts arriving mid-run are computed in chunks beside the
+    running decodes; those mixed steps run ahead too (their decodes fed on the device)."""
+    rng = random.Random(9)
+    long_prompts = [[rng.randrange(2, VOCAB) for _ in range(50 + 7 * i)] for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=15, ignore_eos=True)
+    arrivals = {0: [(f"d{i}", p, greedy) for i, p in enumerate(prompts(3, seed=10))],
+                4: [(f"p{i}", p, seeded if i % 2 else greedy) for i, p in enumerate(long_prompts)]}
+    sync, ahead = (make_engine(tiny_model, mode, max_num_batched_tokens=24) for mode in (False, True))
+    mixed = []
+    mark_in_flight = ahead.scheduler.mark_in_flight
+
+    def record(plan):
+        if any(not chunk.sample for chunk in plan.chunks) and any(chunk.num_tokens == 1 for chunk in plan.chunks):
+            mixed.append(plan)
+        mark_in_flight(plan)
+
+    ahead.scheduler.mark_in_flight = record
+    expected, got = drive(sync, arrivals), drive(ahead, arrivals)
+    assert got == expected
+    assert len(mixed) >= 3  # a prompt chunk beside decodes, launched before the step before was read
+
+
 def test_logprobs_penalties_and_min_tokens_fall_back_to_synchronous_steps(tiny_model):
     batch = prompts(4, seed=4)
     arrivals = {0: [("plain", batch[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))],

@@ -24,8 +24,8 @@ BLOCK = 4
 ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")
 
 
-def make_scheduler(num_blocks: int = 32, max_model_len: int = 32) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK, True), max_num_seqs=8, max_num_batched_tokens=64,
+def make_scheduler(num_blocks: int = 32, max_model_len: int = 32, max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK, True), max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len, block_size=BLOCK, root_hash=ROOT, eos_token_ids=[999],
                      vocab_size=500)
 
@@ -42,7 +42,8 @@ def prefill_then_plan(scheduler: Scheduler, *requests: Request):
     for request in requests:
         scheduler.add(request)
     plan = scheduler.schedule()
-    assert not plan.run_ahead  # prefill chunks are never decided by the device alone
+    expected = all(r.samples_on_device and not r.params.min_tokens for r in requests)
+    assert plan.run_ahead is expected  # a prompt's first token, like any other
     scheduler.update(plan, {chunk.request.request_id: 7 for chunk in plan.chunks})
     return scheduler.schedule()
 
@@ -75,6 +76,27 @@ def test_min_tokens_reached_lets_the_plan_run_ahead():
     assert not plan.run_ahead and request.num_output_tokens == 1
     scheduler.update(plan, {"r": 8})
     assert scheduler.schedule().run_ahead
+
+
+def test_a_plan_mixing_a_prompt_into_decodes_runs_ahead_and_an_earlier_chunk_never_holds_it_back():
+    scheduler = make_scheduler(max_model_len=64, max_num_batched_tokens=16)
+    plan = prefill_then_plan(scheduler, make_request("d", [1, 2, 3]))
+    assert plan.run_ahead
+    scheduler.update(plan, {"d": 8})
+    long_prompt = make_request("p", list(range(2, 30)), 1)  # 28 tokens: chunks of 15 and 13
+    scheduler.add(long_prompt)
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.num_tokens, c.sample) for c in plan.chunks] == [("d", 1, True),
+                                                                                      ("p", 15, False)]
+    assert plan.run_ahead
+    scheduler.update(plan, {"d": 9})
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.num_tokens, c.sample) for c in plan.chunks] == [("d", 1, True),
+                                                                                      ("p", 13, True)]
+    assert plan.run_ahead
+    scheduler.update(plan, {"d": 10, "p": 11})
+    scheduler.add(make_request("l", [5, 6], 2, logprobs=1))  # its first token is read on the host
+    assert not scheduler.schedule().run_ahead
 
 
 def test_pack_step_is_plain_data_with_the_pending_tokens_fed_from_the_step_before():
