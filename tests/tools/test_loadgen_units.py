@@ -56,7 +56,26 @@ def test_prometheus_text_is_summed_over_label_sets_and_comments_skipped():
             'vllm:prefix_cache_hits_total{model_name="b",x="}"} 4\n'
             'vllm:num_requests_running 2 1700000000\n'
             'vllm:weird{model_name="a"} NaN\n')
-    assert parse_prometheus(text) == {"vllm:prefix_cache_hits_total": 7.0, "vllm:num_requests_running": 2.0}
+    assert parse_prometheus(text) == {"vllm:prefix_cache_hits_total": 7.0, 'vllm:prefix_cache_hits_total{x="}"}': 4.0,
+                                      "vllm:num_requests_running": 2.0}
+
+
+def test_the_cpu_tiers_counters_are_read_by_direction_and_source():
+    from tools.loadgen.server_metrics import COUNTERS
+
+    text = ('# TYPE vllm:kv_offload_total_bytes counter\n'
+            'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 4096.0\n'
+            'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} 1024.0\n'
+            'vllm:kv_offload_total_bytes_created{model_name="m",transfer_type="CPU_to_GPU"} 1.7e9\n'
+            '# TYPE spillway:cached_tokens counter\n'
+            'spillway:cached_tokens_total{model_name="m",source="gpu"} 32.0\n'
+            'spillway:cached_tokens_total{model_name="m",source="cpu"} 288.0\n')
+    values = parse_prometheus(text)
+    read = {key: values.get(name) for key, name in COUNTERS.items()}
+    assert read["offload_bytes_gpu_to_cpu"] == 4096 and read["offload_bytes_cpu_to_gpu"] == 1024
+    assert read["cached_tokens_gpu"] == 32 and read["cached_tokens_cpu"] == 288
+    assert read["cpu_tier_hits"] is None  # not exported: missing, never 0
+    assert values["vllm:kv_offload_total_bytes_total"] == 5120
 
 
 def test_goodput_counts_successful_requests_within_every_slo():

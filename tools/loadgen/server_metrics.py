@@ -1,9 +1,9 @@
 """The server's own view of a run, from its Prometheus `/metrics` (vLLM's metric names).
 
-Counters (prefix-cache queries and hits, preemptions, token totals) are read before and after
-the run and differenced; gauges (KV-cache usage per tier, queue lengths) are sampled while it
-runs and their peaks kept. A metric the server does not export is reported as missing (None),
-never as zero.
+Counters (prefix-cache queries and hits, preemptions, token totals, the CPU tier's offload
+traffic and hits) are read before and after the run and differenced; gauges (KV-cache usage per
+tier, queue lengths) are sampled while it runs and their peaks kept. A metric the server does
+not export is reported as missing (None), never as zero.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -21,6 +22,15 @@ COUNTERS = {
     "num_preemptions": "vllm:num_preemptions_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
+    # The CPU tier (vLLM's offloading names; a label picks the direction or the tier).
+    "offload_bytes_gpu_to_cpu": 'vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}',
+    "offload_bytes_cpu_to_gpu": 'vllm:kv_offload_total_bytes_total{transfer_type="CPU_to_GPU"}',
+    "offload_seconds_gpu_to_cpu": 'vllm:kv_offload_total_time_total{transfer_type="GPU_to_CPU"}',
+    "offload_seconds_cpu_to_gpu": 'vllm:kv_offload_total_time_total{transfer_type="CPU_to_GPU"}',
+    "cpu_tier_queries": "vllm:external_prefix_cache_queries_total",
+    "cpu_tier_hits": "vllm:external_prefix_cache_hits_total",
+    "cached_tokens_gpu": 'spillway:cached_tokens_total{source="gpu"}',
+    "cached_tokens_cpu": 'spillway:cached_tokens_total{source="cpu"}',
 }
 GAUGES = {
     "kv_cache_usage": "vllm:kv_cache_usage_perc",
@@ -31,23 +41,24 @@ GAUGES = {
 }
 
 
+# Labels that tell servers, engines or models apart, not what a sample measures: summed over.
+IDENTITY_LABELS = frozenset({"model_name", "engine"})
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name -> value, summed over label sets (one server may label several models)."""
+    """Sample name -> value, summed over label sets (one server may label several models); a
+    sample with other labels also under `name{label="value",...}` (sorted), summed over the
+    identity labels alone. NaN samples are left out."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_and_labels, _, rest = line.rpartition("}") if "}" in line else line.partition(" ")
-        name = name_and_labels.split("{", 1)[0].strip()
-        fields = rest.split()
-        if not name or not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        if not math.isnan(value):
-            values[name] = values.get(name, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if math.isnan(sample.value):
+                continue
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            labels = sorted((k, v) for k, v in sample.labels.items() if k not in IDENTITY_LABELS)
+            if labels:
+                key = sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+                values[key] = values.get(key, 0.0) + sample.value
     return values
 
 
@@ -67,6 +78,14 @@ class ServerReport:
     num_preemptions: float | None = None
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
+    offload_bytes_gpu_to_cpu: float | None = None
+    offload_bytes_cpu_to_gpu: float | None = None
+    offload_seconds_gpu_to_cpu: float | None = None
+    offload_seconds_cpu_to_gpu: float | None = None
+    cpu_tier_queries: float | None = None
+    cpu_tier_hits: float | None = None
+    cached_tokens_gpu: float | None = None
+    cached_tokens_cpu: float | None = None
     kv_cache_usage_peak: float | None = None
     gpu_cache_usage_peak: float | None = None
     cpu_cache_usage_peak: float | None = None

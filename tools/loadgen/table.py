@@ -97,6 +97,12 @@ def _server_rows(s: dict) -> list[tuple[str, str]]:
     rows.append(("Requests running peak", f"{_count(server.get('num_running_peak'))}, "
                                           f"waiting peak {_count(server.get('num_waiting_peak'))}"))
     rows.append(("Preemptions", _count(server.get("num_preemptions"))))
+    if server.get("cached_tokens_cpu") is not None:
+        rows.append(("Cached tokens by tier", f"GPU {_count(server.get('cached_tokens_gpu'))}, "
+                                              f"CPU {_count(server.get('cached_tokens_cpu'))}"))
+    if server.get("offload_bytes_gpu_to_cpu") is not None or server.get("offload_bytes_cpu_to_gpu") is not None:
+        rows.append(("KV offload traffic", f"{_gib(server.get('offload_bytes_gpu_to_cpu'))} to CPU, "
+                                           f"{_gib(server.get('offload_bytes_cpu_to_gpu'))} back to GPU"))
     rows.append(("Server token counters", f"{_count(server.get('prompt_tokens'))} prompt, "
                                           f"{_count(server.get('generation_tokens'))} generated "
                                           f"(usage: {s['total_prompt_tokens']:,}, {s['total_output_tokens']:,})"))
@@ -116,7 +122,14 @@ COMPARE_ROWS = [  # (label, path in the summary, how to print it)
     ("GPU cache usage peak", "server.gpu_cache_usage_peak", "percent"),
     ("CPU cache usage peak", "server.cpu_cache_usage_peak", "percent"),
     ("Preemptions", "server.num_preemptions", "count"),
+    ("Cached tokens from the CPU tier", "server.cached_tokens_cpu", "count"),
+    ("KV offloaded to CPU (bytes)", "server.offload_bytes_gpu_to_cpu", "count"),
+    ("KV restored to GPU (bytes)", "server.offload_bytes_cpu_to_gpu", "count"),
 ]
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:,.2f} GiB"
+
+
 _FORMATS = {"count": _count, "number": lambda value: _number(value, 3), "percent": _percent}
 
 
