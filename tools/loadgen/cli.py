@@ -17,6 +17,7 @@ import httpx
 from tools.loadgen import plot
 from tools.loadgen.client import RequestOptions
 from tools.loadgen.corpus import RandomTokenPrompts, prompt_source, stdlib_words
+from tools.loadgen.dataset import Dataset, dataset_conversations, load_dataset
 from tools.loadgen.report import (
     load_results,
     results_document,
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload (lengths in tokens: N or LOW:HIGH)")
     work.add_argument("--workload", choices=WORKLOADS, default="random")
+    work.add_argument("--dataset", metavar="FILE",
+                      help="replay prompts from a ShareGPT JSON file or JSON lines of prompts instead of a "
+                      "workload (output lengths from the file's replies, or --output-len)")
     work.add_argument("--input-len", type=_lengths, metavar="LEN",
                       help="each request's own prompt text: the prompt (random), "
                       "the question (shared-prefix, document-qa, reasoning), each user message (multi-turn)")
@@ -183,16 +187,28 @@ class RunSettings:
     shape: LoadShape
     max_open_conversations: int
     command: str
+    dataset: Dataset | None = None
 
 
 def resolve(args: argparse.Namespace, argv: list[str]) -> RunSettings:
+    """The settings of a run; ValueError names what is wrong on the command line."""
     spec = workload_spec(args)
+    dataset = None
+    if args.dataset:
+        if args.workload != "random":
+            raise ValueError("--dataset replays single prompts: leave --workload out")
+        try:
+            dataset = load_dataset(args.dataset)
+        except OSError as exc:
+            raise ValueError(f"--dataset: {exc}") from None
+        if args.output_len is None and any(i.output_len is None and i.reply is None for i in dataset.items):
+            raise ValueError(f"--dataset {args.dataset}: some prompts give no output length; add --output-len")
     concurrency = args.concurrency if args.concurrency or not math.isinf(args.request_rate) else 1
     num_requests = args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS)
     shape = LoadShape(concurrency, args.request_rate, args.burstiness, num_requests, args.duration, args.seed)
     endpoint = args.endpoint or ("chat" if spec.name in CHAT_WORKLOADS else "completions")
     return RunSettings(args.url.rstrip("/").removesuffix("/v1"), endpoint, spec, shape,
-                       args.num_users or concurrency or 16, "python -m tools.loadgen " + shlex.join(argv))
+                       args.num_users or concurrency or 16, "python -m tools.loadgen " + shlex.join(argv), dataset)
 
 
 async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
@@ -206,7 +222,10 @@ async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
         prompts = await prompt_source(http, model, stdlib_words())
         if isinstance(prompts, RandomTokenPrompts):
             print(f"loadgen: prompts are {prompts.source}", file=sys.stderr)
-        source = conversations(spec, prompts, num_conversations(spec, shape.num_requests))
+        if settings.dataset is not None:
+            source = dataset_conversations(settings.dataset, prompts, shape.num_requests, args.output_len, spec.seed)
+        else:
+            source = conversations(spec, prompts, num_conversations(spec, shape.num_requests))
         if shape.num_requests is not None:  # fit every prompt before the clock starts
             if args.progress:
                 print(f"loadgen: preparing {shape.num_requests} requests' prompts", file=sys.stderr)
@@ -225,8 +244,11 @@ async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
         if watcher is not None:
             await watcher.stop()
     server = watcher.report() if watcher is not None else None
-    config = {"url": settings.url, "model": model, "endpoint": settings.endpoint, "workload": spec.name,
-              "workload_description": describe_workload(spec), "load": shape.describe(),
+    workload = "dataset" if settings.dataset is not None else spec.name
+    description = (f"{settings.dataset.describe()}, seed {spec.seed}" if settings.dataset is not None
+                   else describe_workload(spec))
+    config = {"url": settings.url, "model": model, "endpoint": settings.endpoint, "workload": workload,
+              "workload_description": description, "load": shape.describe(),
               "prompt_source": prompts.source, "spec": asdict(spec),
               "shape": dict(asdict(shape), request_rate=None if math.isinf(shape.request_rate) else shape.request_rate),
               "ignore_eos": args.ignore_eos, "temperature": args.temperature, "command": settings.command,

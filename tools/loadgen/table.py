@@ -11,6 +11,7 @@ DISTRIBUTIONS = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", 
                  ("output_tokens", "Output tokens")]
 STATS = ("mean", "median", "p90", "p99")
 WIDTH = 72
+FEW_SAMPLES = 20  # below this many, a p90/p99 is little more than the maximum
 
 
 def _get(document: dict, path: str):
@@ -68,6 +69,10 @@ def format_summary(document: dict) -> str:
         dist = s.get(key)
         cells = "".join(f"{_number(dist[name] if dist else None):>13}" for name in STATS)
         lines.append(f"{label:<20}{cells}")
+    fewest = min((s[key]["count"] for key, _ in DISTRIBUTIONS[:4] if s.get(key)), default=None)
+    if fewest is not None and fewest < FEW_SAMPLES:
+        lines.append(f"(p90 and p99 rest on {fewest} samples, fewer than {FEW_SAMPLES}: "
+                     "they are the largest values seen, not a tail)")
     lines.append("-" * WIDTH)
     lines += [f"{label:<28}{value}" for label, value in _server_rows(s)]
     for kind, count in sorted(s.get("errors", {}).items()):
