@@ -63,7 +63,7 @@ def start_gateway(tree: Path | None, folder: Path, args) -> tuple[subprocess.Pop
         site.mkdir()
         for package in ("gateway", "protocol"):
             (site / package).symlink_to(tree.resolve() / package)
-        env["PYTHONPATH"] = str(site.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--folder", str(folder),
                               "--step-ms", str(args.step_ms), "--streams", str(args.streams)], env=env)
