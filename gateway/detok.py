@@ -33,7 +33,8 @@ def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     The streaming path decodes a window per event; `decode`'s Python layers (converting the ids
     one by one, keyword handling) cost more than the Rust decode of a short window. The backend
     is called directly only for a fast tokenizer whose class keeps the library's `decode` and
-    `_decode` and that cleans up no spaces, where the two are the same computation.
+    `_decode`, with no `decode` of its own set on the instance, and that cleans up no spaces:
+    there the two are the same computation.
     """
     def through_transformers(token_ids: list[int], skip_special_tokens: bool) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -42,7 +43,8 @@ def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     base = _fast_tokenizer_class()
     if (backend is None or base is None or not isinstance(tokenizer, base)
             or getattr(tokenizer, "clean_up_tokenization_spaces", True)
-            or type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode):
+            or type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode
+            or "decode" in getattr(tokenizer, "__dict__", {})):
         return through_transformers
     backend_decode = backend.decode
 
@@ -76,6 +78,11 @@ class IncrementalDetokenizer:
             return ""
         self.ids.extend(token_ids)
         prefix_text, new_text = self._window()
+        if new_text.endswith(REPLACEMENT_CHAR) and len(token_ids) > 1:
+            # Several tokens ending inside a character: one by one, so the whole characters
+            # before it come out now, as they would have had the tokens come apart.
+            del self.ids[-len(token_ids):]
+            return "".join([self.push(token_ids[i:i + 1]) for i in range(len(token_ids))])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from spillway.gateway.client import RequestStream, WorkerLost
-from spillway.gateway.detok import ids_decoder
+from spillway.gateway.detok import IncrementalDetokenizer, ids_decoder
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.metrics import observe_repeated
 from spillway.gateway.responses import TokenStrings, completion_events
@@ -215,3 +215,14 @@ def test_repeated_observation_equals_as_many_observations():
     assert samples == [(s.name, s.labels, s.value) for s in each.collect()[0].samples
                        if not s.name.endswith("_created")]
     assert ("gap_sum", {}, 3.5) in samples and ("gap_bucket", {"le": "1.0"}, 3.0) in samples
+
+
+def test_tokens_together_that_end_inside_a_character_give_the_whole_characters_before_it(tokenizer):
+    ids = tokenizer("Hi 😀 there", add_special_tokens=False)["input_ids"]
+    assert ids == [26843, 40303, 218, 665]  # Hi | " " + the emoji's first bytes | its last byte | there
+    apart = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    assert [apart.push([i]) for i in ids] == ["Hi", "", " 😀", " there"]
+    together = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    assert together.push(ids[:2]) == "Hi"  # not held back with the partial emoji
+    assert together.push(ids[2:]) == " 😀 there"
+    assert together.flush() == ""
