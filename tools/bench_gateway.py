@@ -6,6 +6,7 @@ loses is the gateway's (or the client's: its CPU is reported too).
     python tools/bench_gateway.py                          # this tree: 256 x (128/512), 4 ms steps
     python tools/bench_gateway.py --baseline DIR           # and a tree at DIR, alternating, same run
                                                            #   (mkdir DIR && git archive REV | tar -x -C DIR)
+    python tools/bench_gateway.py --client-from DIR        # this tree's gateway, DIR's client against this one's
 
 Per run: delivered output tok/s, its ratio to the fake engine's rate (streams / step time:
 1.0 means the served path kept up), the gateway process's CPU (cores and microseconds per
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -84,14 +86,23 @@ def start_gateway(tree: Path | None, folder: Path, args) -> tuple[subprocess.Pop
     raise TimeoutError("the gateway did not become healthy")
 
 
-def measure(label: str, tree: Path | None, folder: Path, args) -> dict:
+def client_from(tree: Path):
+    """`stream_all` of the streaming client in another tree's tools/serve_stream.py."""
+    spec = importlib.util.spec_from_file_location("baseline_serve_stream", tree / "tools" / "serve_stream.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.stream_all
+
+
+def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all) -> dict:
     rng = random.Random(1)
     prompts = [[rng.randrange(256, 49152) for _ in range(args.prompt_len)] for _ in range(args.streams)]
     child, url = start_gateway(tree, folder, args)
     try:
-        asyncio.run(stream_all(url, prompts[:2], 4, SERVED_NAME))  # warm-up
+        asyncio.run(client(url, prompts[:2], 4, SERVED_NAME))  # warm-up
         gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
-        timings, wall = asyncio.run(stream_all(url, prompts, args.output_len, SERVED_NAME))
+        timings, wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME))
         gateway_cpu, client_cpu = cpu_seconds(child.pid) - gateway_before, time.process_time() - client_before
     finally:
         child.terminate()
@@ -102,7 +113,7 @@ def measure(label: str, tree: Path | None, folder: Path, args) -> dict:
     result = {"label": label, "tok_s": tokens / wall, "of_engine": tokens / wall / engine_rate,
               "gateway_cores": gateway_cpu / wall, "gateway_us_per_token": gateway_cpu / tokens * 1e6,
               "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall}
-    print(f"{label:>9}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
+    print(f"{label:>10}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
           f"{engine_rate:,.0f}), gateway {result['gateway_cores']:.2f} cores = "
           f"{result['gateway_us_per_token']:.1f} us/token, client {result['client_cores']:.2f} cores, "
           f"{result['tokens_per_event']:.2f} tokens/event, {wall:.1f} s", flush=True)
@@ -116,6 +127,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--step-ms", type=float, default=4.0, help="the fake engine's step time")
     parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
+    parser.add_argument("--client-from", type=Path, help="a source tree whose streaming client also drives this "
+                        "tree's gateway, alternating with this tree's client")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")
     parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
     parser.add_argument("--results", type=Path, help="append each run as a JSON line")
@@ -133,6 +146,8 @@ def main() -> int:
         for _ in range(args.repeats):
             if args.baseline is not None:
                 results.append(measure("baseline", args.baseline, folder, args))
+            if args.client_from is not None:
+                results.append(measure("its client", None, folder, args, client_from(args.client_from)))
             results.append(measure("this tree", None, folder, args))
     if args.results is not None:
         with args.results.open("a") as f:
