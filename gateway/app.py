@@ -7,6 +7,7 @@ a 4xx; handlers never block the event loop on the worker.
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import time
@@ -57,6 +58,9 @@ class ServerSettings:
     enable_reasoning: bool = False
     reasoning_parser: str | None = None  # deepseek_r1 (default) or qwen3
     reasoning_config: str | dict | None = None  # {"start", "end", "transition"}: markers of one's own
+    # The server owns its process (`spillway serve`): start-up's objects leave the collector's
+    # reach. False where apps come and go in one process (tests), whose cycles would never be freed.
+    freeze_startup_objects: bool = False
 
     @property
     def reasoning(self) -> bool:
@@ -134,6 +138,12 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
             hf_tokenizer = _load_tokenizer(settings.worker)
             await client.start()
             app.state.gateway = Gateway(settings, client, metrics, hf_tokenizer)
+            if settings.freeze_startup_objects:
+                # What start-up built (the tokenizer, transformers' modules) lives as long as
+                # the server: out of the collector's reach, a full collection mid-stream walks
+                # only what requests allocate (~100 ms less of a stalled event loop each time).
+                gc.collect()
+                gc.freeze()
             yield
         finally:
             await client.close()

@@ -203,7 +203,7 @@ def serve_command(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
-        reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config,
+        reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
     )
     loop = "uvloop" if _has_uvloop() else "asyncio"
     server = uvicorn.Server(uvicorn.Config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,

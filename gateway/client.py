@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.metrics import GatewayMetrics, observe_repeated
 from spillway.gateway.worker_link import LinkState, WorkerLink
 from spillway.protocol.messages import (
     Abort,
@@ -54,21 +54,33 @@ class _Tracked:
 
 
 class RequestStream:
-    """The deltas of one HTTP request's sub-requests (its prompts times n)."""
+    """The deltas of one HTTP request's sub-requests (its prompts times n).
+
+    A list and one waiter rather than an asyncio.Queue: the reader appends every step, the
+    handler takes everything at once, so a handler that is behind finds many steps in one go.
+    """
 
     def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
         self._client = client
-        self._queue: asyncio.Queue[RequestDelta | WorkerLost] = asyncio.Queue()
+        self._items: list[RequestDelta | WorkerLost] = []
+        self._waiter: asyncio.Future | None = None
         self.open_ids = set(request_ids)
 
     def put(self, item: RequestDelta | WorkerLost) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def next(self) -> list[RequestDelta]:
         """Every delta that has arrived, waiting for at least one; raises WorkerLost."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
         for item in items:
             if isinstance(item, WorkerLost):
                 raise item
@@ -198,17 +210,29 @@ class EngineClient:
                     waiter.set_result(msg.stats)
             self._stats_waiters = waiting
         now = time.monotonic()
+        num_tokens = 0
+        gaps: dict[float, int] = {}  # the time of a request's token before -> how many requests
         for delta in msg.outputs:
             tracked = self._routes.get(delta.request_id)
             if tracked is None:
                 continue  # aborted by this side; the worker's ABORT delta is expected
-            self._record_tokens(tracked, delta, now)
+            if delta.new_token_ids:
+                num_tokens += len(delta.new_token_ids)
+                if tracked.last_token is None:
+                    self._record_first_token(tracked, now)
+                else:
+                    gaps[tracked.last_token] = gaps.get(tracked.last_token, 0) + 1
+                tracked.last_token = now
             if delta.finish_reason is not None:
                 del self._routes[delta.request_id]
                 tracked.stream.open_ids.discard(delta.request_id)
                 if delta.finish_reason is not FinishReason.ERROR:
                     self._record_finish(tracked, delta.finish_reason.value, now)
             tracked.stream.put(delta)
+        if num_tokens and self._metrics is not None:  # once per step, not per request
+            self._metrics.generation_tokens.inc(num_tokens)
+            for last_token, count in gaps.items():
+                observe_repeated(self._metrics.inter_token_latency, now - last_token, count)
 
     def _on_lost(self, reason: str) -> None:
         self._fail_all(reason)
@@ -228,17 +252,10 @@ class EngineClient:
 
     # ---- metrics ------------------------------------------------------------------------------
 
-    def _record_tokens(self, tracked: _Tracked, delta: RequestDelta, now: float) -> None:
-        metrics = self._metrics
-        if metrics is None or not delta.new_token_ids:
-            return
-        if tracked.last_token is None:
-            metrics.prompt_tokens.inc(tracked.num_prompt_tokens)
-            metrics.time_to_first_token.observe(now - tracked.arrival)
-        else:
-            metrics.inter_token_latency.observe(now - tracked.last_token)
-        tracked.last_token = now
-        metrics.generation_tokens.inc(len(delta.new_token_ids))
+    def _record_first_token(self, tracked: _Tracked, now: float) -> None:
+        if self._metrics is not None:
+            self._metrics.prompt_tokens.inc(tracked.num_prompt_tokens)
+            self._metrics.time_to_first_token.observe(now - tracked.arrival)
 
     def _record_finish(self, tracked: _Tracked, reason: str, now: float) -> None:
         if self._metrics is not None:

@@ -20,10 +20,45 @@ next piece of text either completes the stop string (generation ends there) or r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
+
+
+def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` of a Hugging Face tokenizer, straight from its Rust
+    backend where that is what `tokenizer.decode` computes anyway.
+
+    The streaming path decodes a window per event; `decode`'s Python layers (converting the ids
+    one by one, keyword handling) cost more than the Rust decode of a short window. The backend
+    is called directly only for a fast tokenizer whose class keeps the library's `decode` and
+    `_decode`, with no `decode` of its own set on the instance, and that cleans up no spaces:
+    there the two are the same computation.
+    """
+    def through_transformers(token_ids: list[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    base = _fast_tokenizer_class()
+    if (backend is None or base is None or not isinstance(tokenizer, base)
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode
+            or "decode" in getattr(tokenizer, "__dict__", {})):
+        return through_transformers
+    backend_decode = backend.decode
+
+    def through_backend(token_ids: list[int], skip_special_tokens: bool) -> str:
+        return backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    return through_backend
+
+
+def _fast_tokenizer_class() -> type | None:
+    """transformers' class of tokenizers backed by the `tokenizers` library (renamed in v5)."""
+    import transformers
+
+    return getattr(transformers, "TokenizersBackend", None) or getattr(transformers, "PreTrainedTokenizerFast", None)
 
 
 class IncrementalDetokenizer:
@@ -31,6 +66,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self._decode = ids_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -42,6 +78,11 @@ class IncrementalDetokenizer:
             return ""
         self.ids.extend(token_ids)
         prefix_text, new_text = self._window()
+        if new_text.endswith(REPLACEMENT_CHAR) and len(token_ids) > 1:
+            # Several tokens ending inside a character: one by one, so the whole characters
+            # before it come out now, as they would have had the tokens come apart.
+            del self.ids[-len(token_ids):]
+            return "".join([self.push(token_ids[i:i + 1]) for i in range(len(token_ids))])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -56,10 +97,8 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):].rstrip(REPLACEMENT_CHAR)
 
     def _window(self) -> tuple[str, str]:
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
-        return prefix, full
+        decode, skip = self._decode, self.skip_special_tokens
+        return decode(self.ids[self.prefix_offset:self.read_offset], skip), decode(self.ids[self.prefix_offset:], skip)
 
 
 class StopStringMatcher:

@@ -10,6 +10,11 @@ content), and the markers belong to neither. The offline API (`keep_whole_text`)
 sample so, and keeps its whole text too (see WholeText).
 
 Choice i of a request with n samples per prompt is sample i % n of prompt i // n.
+
+A stream that falls behind the worker (many streams, one event loop) finds several steps'
+deltas waiting at once: without stop strings they are applied as one (`merge_deltas`), so
+detokenization, usage and the SSE event cost once per batch instead of once per token. A stream
+that keeps up gets each token alone, as it arrives.
 """
 
 from __future__ import annotations
@@ -148,8 +153,12 @@ class Generation:
         Raises WorkerLost if the worker dies, ApiError if the worker refuses a sample.
         """
         assert self._stream is not None, "start() first"
+        # Stop strings are checked per delta: which token completes one decides the usage.
+        merge = not self.job.params.stop_strings
         while self._unfinished:
             deltas = await self._stream.next()
+            if merge and len(deltas) > 1:
+                deltas = merge_deltas(deltas)
             updates: dict[int, Update] = {}
             for delta in deltas:
                 sample = self._by_id[delta.request_id]
@@ -163,6 +172,8 @@ class Generation:
                 yield sorted(updates.values(), key=lambda u: u.sample.index)
 
     def _apply(self, update: Update, delta: RequestDelta) -> None:
+        """Apply one delta (or several merged); the text is the same as one by one, as long as
+        no stop string can end the sample in the middle of them."""
         sample = update.sample
         if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
             raise api.bad_request(f"the engine refused the request: {delta.error or 'no reason given'}",
@@ -237,3 +248,41 @@ class Generation:
             details = answers.CompletionTokensDetails(sum(s.splitter.num_reasoning_tokens for s in self.samples))
         return answers.Usage(num_prompt, num_completion, num_prompt + num_completion,
                          answers.PromptTokensDetails(num_cached), details)
+
+
+def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """Each request's consecutive token-carrying deltas joined into one, in order; a delta
+    without tokens (an abort, an error) is kept as it is and ends the run before it.
+
+    The joined delta has every token and logprob of the run, the last finish reason and the
+    last prefix-cache count that was set.
+    """
+    runs: dict[str, list[RequestDelta]] = {}  # request id -> its open run
+    merged: list[list[RequestDelta]] = []
+    for delta in deltas:
+        joinable = bool(delta.new_token_ids) and delta.error is None
+        run = runs.get(delta.request_id) if joinable else None
+        if run is None:
+            run = [delta]
+            merged.append(run)
+        else:
+            run.append(delta)
+        if joinable and delta.finish_reason is None:
+            runs[delta.request_id] = run
+        else:
+            runs.pop(delta.request_id, None)
+    return [run[0] if len(run) == 1 else _join(run) for run in merged]
+
+
+def _join(run: list[RequestDelta]) -> RequestDelta:
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens = -1
+    for delta in run:
+        token_ids += delta.new_token_ids
+        if delta.logprobs is not None:
+            logprobs = list(delta.logprobs) if logprobs is None else logprobs + delta.logprobs
+        if delta.num_cached_tokens >= 0:
+            num_cached_tokens = delta.num_cached_tokens
+    return RequestDelta(request_id=run[0].request_id, new_token_ids=token_ids, finish_reason=run[-1].finish_reason,
+                        logprobs=logprobs, num_cached_tokens=num_cached_tokens)

@@ -14,8 +14,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from urllib.parse import urlsplit
 
 
 class StreamError(Exception):
@@ -108,38 +107,52 @@ def completion_body(prompt: list[int], max_tokens: int, model: str) -> dict:
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
-async def stream_completion(http: httpx.AsyncClient, prompt: list[int], max_tokens: int, model: str) -> StreamTiming:
-    """Send one request and time its events; StreamError for anything but a full answer."""
+async def stream_completion(url: str, prompt: list[int], max_tokens: int, model: str) -> StreamTiming:
+    """Send one request and time its events; StreamError for anything but a full answer.
+
+    Plain HTTP/1.1 over asyncio streams, one connection per request (`Connection: close`): a
+    pooled client's bookkeeping grows with the streams open at once (httpx/httpcore walk every
+    connection on each request and each close, O(n^2) over a burst: at 256 streams it kept
+    this process busy for seconds after the server had sent the last token).
+    """
+    parts = urlsplit(url)
+    body = json.dumps(completion_body(prompt, max_tokens, model)).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     timing = StreamTiming(start=time.perf_counter())
-    async with http.stream("POST", "/v1/completions", json=completion_body(prompt, max_tokens, model)) as response:
-        if response.status_code != 200:
-            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(head + body)
+        status_line, *header_lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(status_line.split(" ", 2)[1])
+        headers = dict(line.lower().split(": ", 1) for line in header_lines if line)
+        if status != 200:
+            raise StreamError(f"HTTP {status}: {(await reader.read(300))!r}")
+        if headers.get("transfer-encoding") != "chunked":
+            raise StreamError(f"the stream is not chunked: {headers}")
         buffer = b""
-        async for chunk in response.aiter_bytes():
+        while size := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
+            data = await reader.readexactly(size + 2)  # the chunk and its CRLF
             now = time.perf_counter()
-            payloads, buffer = split_events(buffer + chunk)
+            payloads, buffer = split_events(buffer + data[:-2])
             for payload in payloads:
                 timing.feed(now, payload)
+    except (asyncio.IncompleteReadError, ValueError) as exc:
+        raise StreamError(f"the response broke off: {exc}") from None
+    finally:
+        writer.close()
     timing.check(max_tokens)
     return timing
-
-
-def client(url: str, concurrency: int) -> httpx.AsyncClient:
-    """An HTTP client for `concurrency` streams at once, no proxies from the environment."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(3600.0), trust_env=False)
 
 
 async def stream_all(url: str, prompts: list[list[int]], max_tokens: int,
                      model: str) -> tuple[list[StreamTiming], float]:
     """Every prompt sent at once; the timings and the wall seconds from the first send to the last end."""
-    async with client(url, len(prompts)) as http:
-        started = time.perf_counter()
-        timings = await asyncio.gather(*(stream_completion(http, p, max_tokens, model) for p in prompts))
-        return list(timings), time.perf_counter() - started
+    started = time.perf_counter()
+    timings = await asyncio.gather(*(stream_completion(url, p, max_tokens, model) for p in prompts))
+    return list(timings), time.perf_counter() - started
 
 
 async def stream_each(url: str, prompts: list[list[int]], max_tokens: int, model: str) -> list[StreamTiming]:
     """One prompt after another, each on an idle server."""
-    async with client(url, 1) as http:
-        return [await stream_completion(http, p, max_tokens, model) for p in prompts]
+    return [await stream_completion(url, p, max_tokens, model) for p in prompts]

@@ -1,7 +1,10 @@
 """A stand-in worker process for gateway tests: speaks the real protocol over the real
 sockets, but "generates" by replaying a fixed token sequence, one token per step.
 
-Its KV usage is one block per running request, so tests can see usage return to zero.
+Its KV usage is one block per running request, so tests can see usage return to zero. Steps
+start `step_s` apart while requests run (a message arriving ends the wait early, as a real
+worker's poll does), so it also stands in for an engine of a known rate: every running request
+gets one token per step (tools/bench_gateway.py drives the gateway alone with it).
 """
 
 from __future__ import annotations
@@ -59,10 +62,12 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     seen_hashes: set[bytes] = set()
     step = 0
     last_stats = 0.0
+    last_step = time.monotonic()
     while True:
         pending: list[RequestDelta] = []
         want_stats = False
-        timeout = step_s * 1000 if running else 1000
+        # Paced from the last step's start, so the rate does not depend on the step's own work.
+        timeout = max(0.0, last_step + step_s - time.monotonic()) * 1000 if running else 1000
         while inp.poll(timeout):
             timeout = 0
             match dec.decode(inp.recv()):
@@ -94,6 +99,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                 case Control():
                     want_stats = True
         was_busy = bool(running)
+        last_step = time.monotonic()
         for rid, (msg, cached, produced) in list(running.items()):
             token = script[produced % len(script)]
             produced += 1

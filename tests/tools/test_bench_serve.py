@@ -3,6 +3,7 @@ end-to-end run on the CPU (smollm2-135m shape, dummy weights, a few requests of 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -19,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from tools import bench_serve  # noqa: E402
 from tools.serve_process import TOKENIZER_FILES, build_model_folder, cpu_seconds, descendants, wait_gone  # noqa: E402
-from tools.serve_stream import StreamError, StreamTiming, completion_body, split_events  # noqa: E402
+from tools.serve_stream import StreamError, StreamTiming, completion_body, split_events, stream_completion  # noqa: E402
 
 
 def chunk(text: str, completion: int | None, prompt: int = 7, cached: int = 0, finish: str | None = None) -> str:
@@ -104,6 +105,46 @@ def test_completion_body_asks_for_exact_lengths_and_usage_on_every_chunk():
     assert completion_body([5, 6], 3, "bench") == {
         "model": "bench", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+def serve_once(status: bytes, pieces: list[bytes], received: list[bytes]):
+    """A one-shot HTTP server answering with `pieces` as chunks; the request bodies go to `received`."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        received.append(await reader.readexactly(length))
+        writer.write(b"HTTP/1.1 " + status + b"\r\ntransfer-encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def test_the_client_reads_events_split_anywhere_across_chunks():
+    raw = "".join(f"data: {e}\n\n" for e in [chunk("a", 1), chunk("bc", 3), usage_only(3), "[DONE]"]).encode()
+    received: list[bytes] = []
+
+    async def run() -> StreamTiming:
+        server = await serve_once(b"200 OK", [raw[:7], raw[7:150], raw[150:]], received)
+        async with server:
+            return await stream_completion(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", [5, 6], 3, "m")
+
+    timing = asyncio.run(run())
+    assert timing.done and timing.event_tokens == [1, 2] and timing.completion_tokens == 3
+    assert json.loads(received[0]) == completion_body([5, 6], 3, "m")
+
+
+def test_the_client_raises_on_an_error_status():
+    async def run() -> None:
+        server = await serve_once(b"429 Too Many Requests", [b'{"error": {}}'], [])
+        async with server:
+            await stream_completion(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", [5], 3, "m")
+
+    with pytest.raises(StreamError, match="HTTP 429"):
+        asyncio.run(run())
 
 
 def test_percentile_interpolates_between_ranks():

@@ -1,0 +1,160 @@
+"""The gateway alone, on the CPU: `spillway serve`'s app against a fake worker that produces
+one token per running request every `--step-ms` (tests/gateway/fake_worker.py), driven by
+tools/bench_serve.py's streaming client. The engine costs nothing here, so what the served path
+loses is the gateway's (or the client's: its CPU is reported too).
+
+    python tools/bench_gateway.py                          # this tree: 256 x (128/512), 4 ms steps
+    python tools/bench_gateway.py --baseline DIR           # and a tree at DIR, alternating, same run
+                                                           #   (mkdir DIR && git archive REV | tar -x -C DIR)
+    python tools/bench_gateway.py --client-from DIR        # this tree's gateway, DIR's client against this one's
+
+Per run: delivered output tok/s, its ratio to the fake engine's rate (streams / step time:
+1.0 means the served path kept up), the gateway process's CPU (cores and microseconds per
+token), the client's CPU, and tokens per SSE event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: tools.*
+
+from tools.serve_process import build_model_folder, cpu_seconds, default_tokenizer_dir, free_port  # noqa: E402
+from tools.serve_stream import stream_all  # noqa: E402
+
+MODEL = "smollm2-135m"
+SERVED_NAME = "bench"
+
+
+def serve(port: int, folder: str, step_s: float, max_num_seqs: int) -> None:
+    """The child: the app of `spillway serve` on `port`, its worker the fake one."""
+    sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+    import uvicorn
+    from fake_worker import FakeWorkerProcess
+
+    from spillway.gateway.app import ServerSettings, build_app
+    from spillway.protocol.config import WorkerConfig
+
+    config = WorkerConfig(model=folder, served_model_name=SERVED_NAME, max_model_len=4096, load_format="dummy",
+                          max_num_seqs=max_num_seqs)
+    rng = random.Random(0)
+    script = [rng.randrange(256, 49152) for _ in range(997)]  # random text, as bench_serve's prompts
+    settings = ServerSettings(worker=config, served_model_names=[SERVED_NAME], max_pending=4 * max_num_seqs)
+    if hasattr(settings, "freeze_startup_objects"):  # as `spillway serve` sets it (a baseline tree may lack it)
+        settings.freeze_startup_objects = True
+    app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s))
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning")
+
+
+def start_gateway(tree: Path | None, folder: Path, args) -> tuple[subprocess.Popen, str]:
+    """`tree`: serve that tree's gateway and protocol packages instead of the installed ones."""
+    env = dict(os.environ)
+    if tree is not None:
+        site = Path(tempfile.mkdtemp(prefix="bench-gateway-site-")) / "spillway"
+        site.mkdir()
+        for package in ("gateway", "protocol"):
+            (site / package).symlink_to(tree.resolve() / package)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
+    port = free_port()
+    child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--folder", str(folder),
+                              "--step-ms", str(args.step_ms), "--streams", str(args.streams)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {child.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return child, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    child.kill()
+    raise TimeoutError("the gateway did not become healthy")
+
+
+def client_from(tree: Path):
+    """`stream_all` of the streaming client in another tree's tools/serve_stream.py."""
+    spec = importlib.util.spec_from_file_location("baseline_serve_stream", tree / "tools" / "serve_stream.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.stream_all
+
+
+def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all) -> dict:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256, 49152) for _ in range(args.prompt_len)] for _ in range(args.streams)]
+    child, url = start_gateway(tree, folder, args)
+    try:
+        asyncio.run(client(url, prompts[:2], 4, SERVED_NAME))  # warm-up
+        gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
+        timings, wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME))
+        gateway_cpu, client_cpu = cpu_seconds(child.pid) - gateway_before, time.process_time() - client_before
+    finally:
+        child.terminate()
+        child.wait(20)
+    tokens = sum(t.completion_tokens for t in timings)
+    events = [n for t in timings for n in t.event_tokens]
+    engine_rate = args.streams / (args.step_ms / 1e3)
+    result = {"label": label, "tok_s": tokens / wall, "of_engine": tokens / wall / engine_rate,
+              "gateway_cores": gateway_cpu / wall, "gateway_us_per_token": gateway_cpu / tokens * 1e6,
+              "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall}
+    print(f"{label:>10}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
+          f"{engine_rate:,.0f}), gateway {result['gateway_cores']:.2f} cores = "
+          f"{result['gateway_us_per_token']:.1f} us/token, client {result['client_cores']:.2f} cores, "
+          f"{result['tokens_per_event']:.2f} tokens/event, {wall:.1f} s", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--step-ms", type=float, default=4.0, help="the fake engine's step time")
+    parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
+    parser.add_argument("--client-from", type=Path, help="a source tree whose streaming client also drives this "
+                        "tree's gateway, alternating with this tree's client")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")
+    parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
+    parser.add_argument("--results", type=Path, help="append each run as a JSON line")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve, args.folder, args.step_ms / 1e3, args.streams)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        folder = build_model_folder(MODEL, args.tokenizer_dir or default_tokenizer_dir(), Path(tmp))
+        print(f"{args.streams} streams x ({args.prompt_len}/{args.output_len}), fake engine step "
+              f"{args.step_ms} ms; machine: {os.cpu_count()} CPUs", flush=True)
+        results = []
+        for _ in range(args.repeats):
+            if args.baseline is not None:
+                results.append(measure("baseline", args.baseline, folder, args))
+            if args.client_from is not None:
+                results.append(measure("its client", None, folder, args, client_from(args.client_from)))
+            results.append(measure("this tree", None, folder, args))
+    if args.results is not None:
+        with args.results.open("a") as f:
+            for result in results:
+                f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
