@@ -105,3 +105,16 @@ def require_key_off_loopback(address: str, keys: LinkKeys | None) -> None:
     if keys is None and not is_loopback(address):
         raise LinkKeyError(f"{address} is reachable from other hosts: give the same secret to both ends as "
                            "SPILLWAY_WORKER_KEY or --worker-key-file PATH (e.g. `openssl rand -hex 32 > key`)")
+
+
+def connect_sockets(ctx: zmq.Context, inbox: str, outbox: str, keys: LinkKeys | None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A worker's (inbox PULL, outbox PUSH), connected to its gateway; CURVE clients with `keys`."""
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    for sock, address in ((out, outbox), (inp, inbox)):
+        if keys is not None:
+            keys.secure_worker_socket(sock)
+        sock.connect(address)
+    return inp, out

@@ -21,7 +21,7 @@ import zmq
 
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.drop_log import DropLog
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -50,19 +50,6 @@ def local_main() -> int:
     launch = read_launch(sys.stdin.fileno())
     exit_when_gateway_closes(sys.stdin.fileno())
     return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid)
-
-
-def connect_sockets(ctx: zmq.Context, inbox: str, outbox: str, keys: LinkKeys | None) -> tuple[zmq.Socket, zmq.Socket]:
-    """The worker's (inbox PULL, outbox PUSH), connected to its gateway; CURVE clients with `keys`."""
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 2000)
-    inp = ctx.socket(zmq.PULL)
-    inp.setsockopt(zmq.LINGER, 0)
-    for sock, address in ((out, outbox), (inp, inbox)):
-        if keys is not None:
-            keys.secure_worker_socket(sock)
-        sock.connect(address)
-    return inp, out
 
 
 def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None,

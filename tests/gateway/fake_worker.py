@@ -16,7 +16,7 @@ import zmq
 
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -33,7 +33,6 @@ from spillway.protocol.messages import (
     gateway_decoder,
     worker_decoder,
 )
-from spillway.worker.main import connect_sockets
 
 NUM_BLOCKS = 64
 
