@@ -20,6 +20,7 @@ from fake_worker import FakeWorkerProcess, fake_worker_main
 from ports import reserve_ports
 from server_helpers import MODEL, server_in_thread
 from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.cli import main
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.link_auth import LinkKeys
@@ -197,3 +198,19 @@ def test_the_death_of_a_local_worker_names_its_signal(files, script):
         error = json.loads(rest[-2][len("data: "):])["error"]
         assert error["message"] == ("the request failed because the engine stopped: "
                                     "the worker process was killed by SIGKILL")
+
+
+@pytest.mark.parametrize("command", [
+    ["serve", "--worker-address", "tcp://0.0.0.0:5555"], ["worker", "--connect", "tcp://10.1.2.3:5555"],
+])
+def test_a_public_link_without_a_key_is_refused_at_start(command, capsys, monkeypatch):
+    monkeypatch.delenv("SPILLWAY_WORKER_KEY", raising=False)
+    assert main(command) == 1
+    assert "is reachable from other hosts: give the same secret to both ends as SPILLWAY_WORKER_KEY or " \
+           "--worker-key-file PATH" in capsys.readouterr().err
+
+
+def test_a_short_worker_key_is_refused_at_start(capsys, monkeypatch):
+    monkeypatch.setenv("SPILLWAY_WORKER_KEY", "short")
+    assert main(["worker", "--connect", "tcp://10.1.2.3:5555"]) == 1
+    assert "the worker key is 5 bytes; it needs at least 16" in capsys.readouterr().err
