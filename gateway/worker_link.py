@@ -51,6 +51,10 @@ class _StopWaiting(Exception):
     pass
 
 
+def _exit_reason(handle) -> str:
+    return f"the worker process {describe_exit(handle.process.exitcode)}"
+
+
 class WorkerLink:
     """Keeps one worker attached; reports its steps and its death through two callbacks."""
 
@@ -72,6 +76,7 @@ class WorkerLink:
         self._flusher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._restarter: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None  # waits for an exited worker's status
         self._fds: list[int] = []
         self._backlog: deque[bytes] = deque()
         self._closed = asyncio.Event()
@@ -213,13 +218,13 @@ class WorkerLink:
             # The exit FD turns readable as the process closes its files, a moment before the
             # kernel reports its status: wait for that in a thread, never here.
             asyncio.get_running_loop().remove_reader(process.sentinel)
-            asyncio.create_task(self._on_exit_reaped(handle), name="spillway-worker-reap")
+            self._reaper = asyncio.create_task(self._on_exit_reaped(handle), name="spillway-worker-reap")
             return
-        self._lose(handle, f"the worker process {describe_exit(process.exitcode)}")
+        self._lose(handle, _exit_reason(handle))
 
     async def _on_exit_reaped(self, handle) -> None:
         await asyncio.to_thread(handle.process.join, 2.0)
-        self._lose(handle, f"the worker process {describe_exit(handle.process.exitcode)}")
+        self._lose(handle, _exit_reason(handle))
 
     def _lose(self, handle, reason: str) -> None:
         if handle is not self._handle or self.state is not LinkState.READY:
@@ -289,7 +294,7 @@ class WorkerLink:
             if self.state is not LinkState.READY or handle is None:
                 continue
             if not handle.alive:
-                self._lose(handle, "the worker is gone")
+                self._lose(handle, _exit_reason(handle) if getattr(handle, "process", None) else "the worker is gone")
             elif self._heartbeat_timeout_s is not None:
                 now = time.monotonic()
                 silent = now - self._last_recv

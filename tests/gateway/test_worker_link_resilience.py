@@ -166,7 +166,7 @@ def test_a_request_whose_worker_vanished_ends_within_its_bound(files, script, po
                 stopped = time.monotonic()
                 rest = [line for line in lines if line]
                 waited = time.monotonic() - stopped
-            assert 1.0 <= waited < 2.5
+            assert 0.8 <= waited < 2.5  # the bound counts from the last token, just before the pause
             assert rest[-1] == "data: [DONE]"
             error = json.loads(rest[-2][len("data: "):])["error"]
             assert error["code"] == "worker_timeout"
