@@ -216,14 +216,18 @@ class WorkerLink:
         process = handle.process
         if process.exitcode is None:
             # The exit FD turns readable as the process closes its files, a moment before the
-            # kernel reports its status: wait for that in a thread, never here.
+            # kernel reports its status: poll for that (no thread: this may run at interpreter
+            # exit, when the default executor takes no more work).
             asyncio.get_running_loop().remove_reader(process.sentinel)
             self._reaper = asyncio.create_task(self._on_exit_reaped(handle), name="spillway-worker-reap")
             return
         self._lose(handle, _exit_reason(handle))
 
     async def _on_exit_reaped(self, handle) -> None:
-        await asyncio.to_thread(handle.process.join, 2.0)
+        for _ in range(200):  # 2 s
+            if handle.process.exitcode is not None:
+                break
+            await asyncio.sleep(0.01)
         self._lose(handle, _exit_reason(handle))
 
     def _lose(self, handle, reason: str) -> None:
