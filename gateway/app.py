@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
-from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
+from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
@@ -34,6 +34,7 @@ from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
+from spillway.protocol.link_auth import LinkKeys
 
 logger = logging.getLogger("spillway.gateway")
 
@@ -54,6 +55,8 @@ class ServerSettings:
     worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
     ready_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 60.0  # remote workers only
+    worker_keys: LinkKeys | None = None  # the remote worker link's CURVE keys; required off loopback
+    response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S  # a request's longest wait for the worker
     # Reasoning models: any of these enables splitting thinking from the answer.
     enable_reasoning: bool = False
     reasoning_parser: str | None = None  # deepseek_r1 (default) or qwen3
@@ -124,7 +127,8 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        remote = RemoteWorker(settings.worker_address, settings.worker) if settings.worker_address else None
+        remote = RemoteWorker(settings.worker_address, settings.worker, keys=settings.worker_keys) \
+            if settings.worker_address else None
         factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
         metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
                                  else settings.worker.served_model_name or "model")
@@ -133,7 +137,8 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
                         settings.worker_address, settings.worker_address)
         client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
                               ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
-                              heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None)
+                              heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None,
+                              response_timeout_s=settings.response_timeout_s)
         try:
             hf_tokenizer = _load_tokenizer(settings.worker)
             await client.start()

@@ -16,8 +16,11 @@ import time
 from spillway.gateway import engine_args
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
 from spillway.gateway.reasoning import PARSERS
+from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
+from spillway.protocol import envs
 from spillway.protocol.config import KV_CACHE_DTYPES
+from spillway.protocol.link_auth import read_worker_key, require_key_off_loopback
 from spillway.protocol.model_files import LOAD_FORMATS
 
 
@@ -100,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "implies --enable-reasoning")
     server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
                         help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
-                             "`spillway worker MODEL --connect tcp://HOST:PORT` (unauthenticated: "
-                             "bind an interface only trusted hosts reach)")
+                             "`spillway worker MODEL --connect tcp://HOST:PORT`; off loopback, the link "
+                             "needs a key ($SPILLWAY_WORKER_KEY or --worker-key-file)")
+    _add_worker_key_arg(server)
+    server.add_argument("--worker-response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S, metavar="S",
+                        help="a request that hears nothing from the worker for S seconds ends with an error "
+                             "(default %(default)g)")
     server.add_argument("--max-pending-requests", type=_positive_int,
                         help="sequences in flight beyond which requests get 429 (default 4 x --max-num-seqs)")
     server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20)
@@ -114,8 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(worker)
     worker.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
                         help="the gateway's --worker-address")
+    _add_worker_key_arg(worker)
     worker.set_defaults(func=worker_command)
     return parser
+
+
+def _add_worker_key_arg(group) -> None:
+    group.add_argument("--worker-key-file", metavar="PATH",
+                       help="a file holding the secret (16 bytes or more) that authenticates and encrypts the "
+                            "link between gateway and remote worker, the same on both; default $SPILLWAY_WORKER_KEY")
+
+
+def _worker_keys(args: argparse.Namespace, address: str):
+    """The link's keys; refuses an address other hosts reach without one (LinkKeyError)."""
+    keys = read_worker_key(args.worker_key_file, envs.worker_key())
+    require_key_off_loopback(address, keys)
+    return keys
 
 
 def refusals(args: argparse.Namespace) -> list[str]:
@@ -182,8 +203,10 @@ def serve_command(args: argparse.Namespace) -> int:
         config, names = worker_config(args)
         chat_template = _read_chat_template(args.chat_template)
         reasoning_config = _read_reasoning_config(args.reasoning_config)
+        keys = None
         if args.worker_address is not None:
             worker_addresses(args.worker_address)
+            keys = _worker_keys(args, args.worker_address)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 1
@@ -202,6 +225,7 @@ def serve_command(args: argparse.Namespace) -> int:
         worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
         max_body_bytes=args.max_request_body_bytes,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
+        worker_keys=keys, response_timeout_s=args.worker_response_timeout,
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
     )
@@ -247,12 +271,13 @@ def worker_command(args: argparse.Namespace) -> int:
         config, _ = worker_config(args)
         resolve_device_settings(config)  # this is the worker: say what its device cannot run, then stop
         inbox, outbox = worker_addresses(args.connect)
+        keys = _worker_keys(args, args.connect)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway worker: {exc}", file=sys.stderr)
         return 1
     logging.getLogger("spillway").info("worker for %s connecting to %s", config.served_model_name, args.connect)
     try:
-        return run_worker(config, inbox, outbox, parent_pid=None)
+        return run_worker(config, inbox, outbox, parent_pid=None, keys=keys)
     except KeyboardInterrupt:
         return 0
 

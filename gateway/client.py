@@ -7,6 +7,8 @@ One reader task decodes every `StepOutputs` and routes each `RequestDelta` to th
 HTTP request that owns it; handlers only await their own queue. When the worker dies, every
 in-flight request gets `WorkerLost` at once and new ones get `EngineUnavailable` (503) until
 the replacement is ready. Admission is bounded: `EngineOverloaded` (429) past `max_pending`.
+No request waits for the worker forever: one that hears nothing of it for `response_timeout_s`
+is aborted and gets `WorkerTimeout` (a sweep, so the hot path pays one attribute store).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class WorkerLost(Exception):
     """The worker died while this request was in flight."""
 
 
+class WorkerTimeout(WorkerLost):
+    """The worker said nothing about this request for longer than the client's bound."""
+
+
+DEFAULT_RESPONSE_TIMEOUT_S = 1800.0  # vLLM has no bound: this one lets a long queue wait and a long prefill run
+
+
 @dataclass(slots=True)
 class _Tracked:
     """One in-flight sub-request: where its deltas go, and its timing for the histograms."""
@@ -51,6 +60,7 @@ class _Tracked:
     arrival: float
     num_prompt_tokens: int
     last_token: float | None = None
+    last_heard: float = 0.0  # the arrival, then the last delta: the response timeout counts from it
 
 
 class RequestStream:
@@ -102,8 +112,11 @@ class EngineClient:
 
     def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
                  max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True) -> None:
+                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True,
+                 response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S) -> None:
         self._metrics = metrics
+        self._response_timeout_s = response_timeout_s  # None: no bound
+        self._sweeper: asyncio.Task | None = None
         self._max_pending = max_pending  # None: no bound (the offline API queues in the worker)
         self._routes: dict[str, _Tracked] = {}
         self._pending_aborts: list[str] = []
@@ -114,9 +127,14 @@ class EngineClient:
                                replace_lost_worker=replace_lost_worker)
 
     async def start(self) -> Ready:
-        return await self.link.start()
+        ready = await self.link.start()
+        if self._response_timeout_s is not None:
+            self._sweeper = asyncio.create_task(self._sweep(self._response_timeout_s), name="spillway-request-timeout")
+        return ready
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._fail_all("the server is shutting down")
         await self.link.close()
 
@@ -141,7 +159,7 @@ class EngineClient:
         stream = RequestStream(self, [g.request_id for g in generates])
         now = time.monotonic()
         for generate in generates:
-            self._routes[generate.request_id] = _Tracked(stream, now, len(generate.prompt_token_ids))
+            self._routes[generate.request_id] = _Tracked(stream, now, len(generate.prompt_token_ids), last_heard=now)
             self.link.send(generate)
         return stream
 
@@ -216,6 +234,7 @@ class EngineClient:
             tracked = self._routes.get(delta.request_id)
             if tracked is None:
                 continue  # aborted by this side; the worker's ABORT delta is expected
+            tracked.last_heard = now
             if delta.new_token_ids:
                 num_tokens += len(delta.new_token_ids)
                 if tracked.last_token is None:
@@ -249,6 +268,19 @@ class EngineClient:
         for waiter, _ in waiters:
             if not waiter.done():
                 waiter.set_exception(WorkerLost(reason))
+
+    async def _sweep(self, timeout_s: float) -> None:
+        """End the requests the worker has said nothing about for `timeout_s`."""
+        while True:
+            await asyncio.sleep(min(timeout_s / 4, 5.0))
+            now = time.monotonic()
+            late = [rid for rid, tracked in self._routes.items() if now - tracked.last_heard > timeout_s]
+            for request_id in late:
+                tracked = self._routes.get(request_id)
+                if tracked is None:
+                    continue
+                self.abort([request_id], "abort")
+                tracked.stream.put(WorkerTimeout(f"the worker did not answer this request for {timeout_s:g} s"))
 
     # ---- metrics ------------------------------------------------------------------------------
 

@@ -40,8 +40,10 @@ class EngineThread:
 
     async def _start(self) -> Ready:
         # The worker is never replaced: a lost worker fails this LLM, as a crashed engine should.
+        # No response bound: every prompt of a batch is queued in the worker at once, and the
+        # last may rightly wait for hours; a local worker's death ends them all at once anyway.
         self.client = EngineClient(self._start_worker, max_pending=None, ready_timeout_s=self._ready_timeout_s,
-                                   replace_lost_worker=False)
+                                   replace_lost_worker=False, response_timeout_s=None)
         return await self.client.start()
 
     def call(self, function: Callable[..., Coroutine], *args):

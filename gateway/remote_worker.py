@@ -2,13 +2,17 @@
 
 The gateway binds two TCP ports and the worker connects to both, as a local worker does over
 ipc: PORT carries gateway -> worker (Generate | Abort | Control), PORT+1 worker -> gateway.
-The protocol has no authentication: bind to an interface only trusted hosts can reach.
+With a worker key both sockets are CURVE servers (protocol/link_auth.py): a peer without the
+key completes no handshake, so it neither reads prompts nor pushes messages. Without one (only
+on loopback addresses) anyone on this host can do both.
 
 The gateway cannot start or restart a remote worker; run it under a supervisor (systemd, a
-shell loop) that restarts it. A restarted worker announces itself with a new Ready. A
-restarted gateway takes back a worker that is still running: while it waits, it sends HELLO
-with its session id, and the worker answers with its Ready (aborting the requests of the
-gateway before, which has no one to give them to).
+shell loop) that restarts it. A restarted worker announces itself with a new Ready. While the
+gateway waits for a worker it sends HELLO with a session id, and a worker answers a session
+new to it with its Ready (aborting the requests of the session before, which has no one to
+give them to). Every wait has a new session: a restarted gateway takes back a worker that is
+still running, and so does a gateway that gave up on a worker fallen silent (a pause, a
+network partition) once it speaks again.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ import os
 import time
 from urllib.parse import urlsplit
 
+import logging
+
+import msgspec
 import zmq
 
 from spillway.gateway.worker_process import WorkerStartError, check_handshake
 from spillway.protocol.config import WorkerConfig
+from spillway.protocol.drop_log import DropLog
+from spillway.protocol.link_auth import LinkKeys, require_key_off_loopback
 from spillway.protocol.messages import Control, ControlCommand, Ready, WorkerError, encoder, worker_decoder
 
 
@@ -38,20 +47,31 @@ def worker_addresses(address: str) -> tuple[str, str]:
 class RemoteWorker:
     """The gateway's end of a remote worker's two sockets. Bound once, kept across restarts."""
 
-    def __init__(self, address: str, config: WorkerConfig, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, config: WorkerConfig, ctx: zmq.Context | None = None,
+                 keys: LinkKeys | None = None) -> None:
         self.config = config
         self.address = address
         inbox, outbox = worker_addresses(address)
+        require_key_off_loopback(address, keys)
         ctx = ctx or zmq.Context.instance()
         self.to_worker = ctx.socket(zmq.PUSH)
-        self.to_worker.setsockopt(zmq.LINGER, 0)
-        self.to_worker.bind(inbox)
         self.from_worker = ctx.socket(zmq.PULL)
-        self.from_worker.setsockopt(zmq.LINGER, 0)
-        self.from_worker.bind(outbox)
+        for sock, bound in ((self.to_worker, inbox), (self.from_worker, outbox)):
+            sock.setsockopt(zmq.LINGER, 0)
+            if keys is not None:
+                keys.secure_gateway_socket(sock)
+            try:
+                sock.bind(bound)
+            except zmq.ZMQError:
+                self.shutdown()
+                raise
         self._decoder = worker_decoder()
         self._encoder = encoder()
         self._kept: Ready | None = None
+        self._drops = DropLog(logging.getLogger("spillway.gateway"), "from the worker")
+        self._new_session()
+
+    def _new_session(self) -> None:
         self._hello = self._encoder.encode(Control(ControlCommand.HELLO, session=os.urandom(8)))
 
     def __call__(self) -> RemoteWorker:
@@ -78,7 +98,13 @@ class RemoteWorker:
                 if on_wait is not None:
                     on_wait()
                 continue
-            match self._decoder.decode(self.from_worker.recv()):
+            data = self.from_worker.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                self._drops.drop(f"{len(data)} bytes that do not decode: {exc}")
+                continue
+            match msg:
                 case Ready() as ready:
                     self._kept = ready
                 case WorkerError(message=message):
@@ -99,7 +125,9 @@ class RemoteWorker:
         self.to_worker.send(self._encoder.encode(msg))
 
     def close(self) -> None:
-        """End one worker's session; the sockets stay bound for the next one."""
+        """End one worker's session; the sockets stay bound for the next one, which is asked
+        for with a new session: a worker that comes back answers it, even the same one."""
+        self._new_session()
 
     def shutdown(self) -> None:
         self.to_worker.close()

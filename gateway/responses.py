@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
-from spillway.gateway.client import WorkerLost
+from spillway.gateway.client import WorkerLost, WorkerTimeout
 from spillway.gateway.serving import Generation, Sample
 from spillway.protocol.messages import TokenLogprobs
 
@@ -38,6 +38,8 @@ def error_response(error: api.ApiError) -> Response:
 
 
 def worker_lost_error(exc: WorkerLost) -> api.ApiError:
+    if isinstance(exc, WorkerTimeout):
+        return api.ApiError(504, f"the request timed out: {exc}", type="server_error", code="worker_timeout")
     return api.ApiError(503, f"the request failed because the engine stopped: {exc}", type="server_error",
                         code="engine_unavailable", retry_after=5)
 

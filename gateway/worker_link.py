@@ -7,6 +7,10 @@ death, start its replacement.
         ... on_message(StepOutputs) for every step ...
         death: process exit FD, fatal WorkerError, a socket error, or silence (remote workers)
         -> on_lost(reason), then start_worker() again, with back-off, until one is ready
+        (a remote worker that was only silent is taken back by a new HELLO session)
+
+A message that does not decode, or that the link does not expect, is logged (rate-limited) and
+dropped: whoever can push bytes at the gateway's port must not be able to end the link.
 
 The handle's sockets are synchronous pyzmq sockets used only from the event loop thread once
 attached; the loop watches their FD (ZeroMQ signals it edge-style, so the reader drains until
@@ -22,8 +26,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
+from spillway.gateway.worker_process import describe_exit
+from spillway.protocol.drop_log import DropLog
 from spillway.protocol.messages import Control, ControlCommand, Ready, StepOutputs, WorkerError, encoder, worker_decoder
 
 logger = logging.getLogger("spillway.gateway")
@@ -42,6 +49,10 @@ class LinkState(enum.IntEnum):
 
 class _StopWaiting(Exception):
     pass
+
+
+def _exit_reason(handle) -> str:
+    return f"the worker process {describe_exit(handle.process.exitcode)}"
 
 
 class WorkerLink:
@@ -65,12 +76,14 @@ class WorkerLink:
         self._flusher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._restarter: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None  # waits for an exited worker's status
         self._fds: list[int] = []
         self._backlog: deque[bytes] = deque()
         self._closed = asyncio.Event()
         self._encoder = encoder()
         self._last_recv = 0.0
         self._last_probe = 0.0
+        self.drops = DropLog(logger, "from the worker")
 
     async def start(self) -> Ready:
         handle, ready = await self._launch()
@@ -126,7 +139,13 @@ class WorkerLink:
                 readable.clear()
                 count = 0
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    if not self._dispatch(handle, decoder.decode(sock.recv(zmq.NOBLOCK))):
+                    data = sock.recv(zmq.NOBLOCK)
+                    try:
+                        msg = decoder.decode(data)
+                    except msgspec.DecodeError as exc:
+                        self.drops.drop(f"{len(data)} bytes that do not decode: {exc}")
+                        continue
+                    if not self._dispatch(handle, msg):
                         return
                     count += 1
                     if count % 64 == 0:
@@ -134,13 +153,12 @@ class WorkerLink:
                 await readable.wait()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # an undecodable message, a broken socket: this worker is unusable
+        except Exception as exc:  # a broken socket: this worker is unusable
             logger.exception("reading from the worker failed")
             self._lose(handle, f"lost the connection to the worker: {exc}")
 
     def _dispatch(self, handle, msg) -> bool:
         """Handle one message; False once this worker is finished."""
-        self._last_recv = time.monotonic()
         match msg:
             case StepOutputs():
                 self._on_step(msg)
@@ -156,6 +174,10 @@ class WorkerLink:
                     handle.keep_ready(msg)
                 self._lose(handle, "the worker restarted on its own")
                 return False
+            case _:
+                self.drops.drop(f"an unexpected {type(msg).__name__}")
+                return True
+        self._last_recv = time.monotonic()  # only a worker's own answers prove it alive
         return True
 
     # ---- attaching, losing, replacing -------------------------------------------------------
@@ -191,8 +213,22 @@ class WorkerLink:
         return handle
 
     def _on_exit(self, handle) -> None:
-        code = getattr(getattr(handle, "process", None), "exitcode", None)
-        self._lose(handle, f"the worker process exited (code {code})")
+        process = handle.process
+        if process.exitcode is None:
+            # The exit FD turns readable as the process closes its files, a moment before the
+            # kernel reports its status: poll for that (no thread: this may run at interpreter
+            # exit, when the default executor takes no more work).
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+            self._reaper = asyncio.create_task(self._on_exit_reaped(handle), name="spillway-worker-reap")
+            return
+        self._lose(handle, _exit_reason(handle))
+
+    async def _on_exit_reaped(self, handle) -> None:
+        for _ in range(200):  # 2 s
+            if handle.process.exitcode is not None:
+                break
+            await asyncio.sleep(0.01)
+        self._lose(handle, _exit_reason(handle))
 
     def _lose(self, handle, reason: str) -> None:
         if handle is not self._handle or self.state is not LinkState.READY:
@@ -262,7 +298,7 @@ class WorkerLink:
             if self.state is not LinkState.READY or handle is None:
                 continue
             if not handle.alive:
-                self._lose(handle, "the worker is gone")
+                self._lose(handle, _exit_reason(handle) if getattr(handle, "process", None) else "the worker is gone")
             elif self._heartbeat_timeout_s is not None:
                 now = time.monotonic()
                 silent = now - self._last_recv

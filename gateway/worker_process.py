@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,19 @@ WORKER_COMMAND = (sys.executable, "-m", "spillway.worker")
 
 class WorkerStartError(RuntimeError):
     pass
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, from subprocess's returncode: "exited with code 1", "was killed by
+    SIGKILL" (a negative code is the signal that ended it)."""
+    if code is None:
+        return "ended (its exit status is not known yet)"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def check_handshake(ready: Ready, config: WorkerConfig) -> None:
@@ -144,7 +158,7 @@ class WorkerProcess:
                     raise WorkerStartError(message)
                 case None:
                     if not self.process.is_alive():
-                        raise WorkerStartError(f"the worker process exited with code {self.process.exitcode}")
+                        raise WorkerStartError(f"the worker process {describe_exit(self.process.exitcode)}")
                     if on_wait is not None:
                         on_wait()
                 case _:

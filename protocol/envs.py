@@ -44,3 +44,9 @@ def input_major_weights() -> bool:
     SPILLWAY_INPUT_MAJOR_WEIGHTS=0 keeps nn.Linear's row-major storage, e.g. to measure it).
     Read into WorkerConfig by `worker_config_from_env`; the worker uses its config's field."""
     return os.environ.get("SPILLWAY_INPUT_MAJOR_WEIGHTS", "1") not in ("", "0", "false")
+
+
+def worker_key() -> str | None:
+    """The secret that authenticates and encrypts a remote worker's link (protocol/link_auth.py):
+    SPILLWAY_WORKER_KEY, the same on the gateway and the worker; `--worker-key-file` wins."""
+    return os.environ.get("SPILLWAY_WORKER_KEY") or None

@@ -3,7 +3,8 @@
     drain inbox (Generate | Abort | Control) -> engine.step() -> push one StepOutputs
 
 The gateway binds both sockets; the worker connects, so a worker on another host only
-needs the gateway's address.
+needs the gateway's address (and, off loopback, the link's key: protocol/link_auth.py).
+A message that does not decode is logged (rate-limited) and dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import msgspec
 import zmq
 
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
+from spillway.protocol.drop_log import DropLog
+from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -49,14 +52,10 @@ def local_main() -> int:
     return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid)
 
 
-def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None) -> int:
+def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None,
+               keys: LinkKeys | None = None) -> int:
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 2000)
-    out.connect(outbox)
-    inp = ctx.socket(zmq.PULL)
-    inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(inbox)
+    inp, out = connect_sockets(ctx, inbox, outbox, keys)
     enc = encoder()
     try:
         engine = Engine(config)
@@ -94,13 +93,20 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
     last_stats = 0.0
     busy_before = False
     gateway_session: bytes | None = None  # the gateway whose HELLO came last
+    drops = DropLog(logger, "from the gateway")
     while True:
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
         timeout = 0 if engine.has_work else IDLE_POLL_MS
         while poller.poll(timeout):
             timeout = 0
-            match dec.decode(inp.recv()):
+            data = inp.recv()
+            try:
+                msg = dec.decode(data)
+            except msgspec.DecodeError as exc:
+                drops.drop(f"{len(data)} bytes that do not decode: {exc}")
+                continue
+            match msg:
                 case Generate() as msg:
                     error = engine.add_request(msg)
                     if error is not None:

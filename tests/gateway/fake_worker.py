@@ -19,6 +19,7 @@ import zmq
 
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
+from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -40,13 +41,11 @@ NUM_BLOCKS = 64
 
 
 def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
-                     eos_token_id: int, vocab_size: int) -> None:
+                     eos_token_id: int, vocab_size: int, worker_key: bytes | None = None) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.connect(outbox)
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(inbox)
+    # The real worker's sockets, CURVE clients when given the link's secret.
+    inp, out = connect_sockets(ctx, inbox, outbox, LinkKeys.from_secret(worker_key) if worker_key else None)
     enc, dec = encoder(), gateway_decoder()
     ready = Ready(
         protocol_version=PROTOCOL_VERSION, model=config.served_model_name or "fake", block_size=config.block_size,

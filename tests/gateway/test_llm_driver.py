@@ -198,10 +198,10 @@ def test_a_dead_worker_raises_runtime_error(fake_llm, tokenizer):
     pid = llm._engine.client.link.worker_pid
     killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
     killer.start()
-    with pytest.raises(RuntimeError, match="the engine stopped: the worker process exited"):
+    with pytest.raises(RuntimeError, match="the engine stopped: the worker process was killed by SIGKILL"):
         llm.generate([[100], [101]], greedy(200), use_tqdm=False)
     killer.join()
-    with pytest.raises(RuntimeError, match="the engine cannot take requests: the worker process exited"):
+    with pytest.raises(RuntimeError, match="the engine cannot take requests: the worker process was killed by SIGKILL"):
         llm.generate([[100]], greedy(4), use_tqdm=False)
     with pytest.raises(RuntimeError, match="cannot take requests"):
         llm.stats()

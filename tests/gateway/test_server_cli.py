@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import httpx
@@ -96,12 +97,14 @@ def test_bad_worker_address_is_refused(capsys):
 
 
 @pytest.mark.slow
-def test_worker_on_another_host_serves_through_tcp():
+def test_worker_on_another_host_serves_through_tcp(tmp_path):
     with reserve_ports(2) as (port, _):  # the gateway binds port and port + 1
         address = f"tcp://127.0.0.1:{port}"
-        server = ServerProcess("--worker-address", address, "--max-model-len", "1024")
-        worker = subprocess.Popen([*spillway_command(), "worker", "--connect", address, "--max-model-len", "1024"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        key = tmp_path / "worker.key"
+        key.write_text(os.urandom(32).hex())  # the link is encrypted and authenticated (CURVE)
+        server = ServerProcess("--worker-address", address, "--max-model-len", "1024", "--worker-key-file", str(key))
+        worker = subprocess.Popen([*spillway_command(), "worker", "--connect", address, "--max-model-len", "1024",
+                                   "--worker-key-file", str(key)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             server.wait_healthy()
             reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
