@@ -145,16 +145,19 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.kv_cache_dtype)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None) -> torch.Tensor:
+    def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None,
+                logits_rows: list[int] | None = None) -> torch.Tensor:
         """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
 
-        `feed` takes some chunks' one token from the device (see `TokenFeed`). The result
+        `feed` takes some chunks' one token from the device (see `TokenFeed`). `logits_rows`:
+        return the logits of these rows of the step's flattened tokens instead (draft tokens
+        to verify: always eager, the decode graphs hold one query per sequence). The result
         may be a view of a buffer that the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
         graphs = self.graphs
-        if graphs is not None and len(chunks) <= graphs.max_batch_size and all(
+        if graphs is not None and logits_rows is None and len(chunks) <= graphs.max_batch_size and all(
             len(chunk.token_ids) == 1 for chunk in chunks
         ):
             bucket = graphs.bucket_for(len(chunks))
@@ -166,6 +169,8 @@ class ModelRunner:
         if feed is not None:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
             self._feed(layout.input_ids, feed, layout.last_rows)
+        if logits_rows is not None:
+            return self._forward(layout, torch.tensor(logits_rows, device=self.device))
         return self._forward(layout)
 
     @staticmethod
@@ -182,10 +187,10 @@ class ModelRunner:
         tokens = feed.tokens.index_select(0, torch.tensor(sources, device=feed.tokens.device))
         input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
-    def _forward(self, layout: StepLayout) -> torch.Tensor:
+    def _forward(self, layout: StepLayout, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         metadata = self.backend.metadata_for(layout)
         hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
-        return self.model.compute_logits(hidden[layout.last_rows])
+        return self.model.compute_logits(hidden[layout.last_rows if logits_rows is None else logits_rows])
 
     def _check_contexts(self, chunks: list[ChunkInput]) -> None:
         if self.max_context_len is None:
