@@ -96,7 +96,7 @@ class RejectionSampler:
             q_draft = torch.ones_like(p_draft)
         else:
             q_draft = draft_probs[draft_rows, padded_drafts]
-        uniform = self._uniforms(requests, max_drafts, device)
+        uniform = self._uniforms(requests, num_drafts, max_drafts, device)
         accept = valid & (uniform * q_draft < p_draft)  # u < p/q without dividing by q
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
 
@@ -117,34 +117,38 @@ class RejectionSampler:
             final = torch.where(rejected.unsqueeze(1), residual, final)
         return Verified(num_accepted, self._draw(final, requests, vocab_size))
 
-    def _uniforms(self, requests: Sequence[SamplingInput], width: int, device: torch.device) -> Tensor:
+    def _uniforms(self, requests: Sequence[SamplingInput], num_drafts: Sequence[int], width: int,
+                  device: torch.device) -> Tensor:
         """U[0, 1) per request and draft position; 0 for greedy requests (their p is a point
-        mass, so u does not matter) so that they draw nothing."""
+        mass, so u does not matter) so that they draw nothing. A seeded request draws one
+        per draft of its own, whatever the batch's widest."""
         uniform = torch.zeros(len(requests), width, device=device)
-        if width == 0:
-            return uniform
-        for row, request in enumerate(requests):
-            if request.params.greedy:
-                continue
-            generator = (self.sampler.shared_generator if request.params.seed is None
-                         else self.sampler.generator_for(request))
-            uniform[row].uniform_(generator=generator)
+        if width:
+            self._fill(uniform, requests, lambda block, generator: block.uniform_(generator=generator), num_drafts)
         return uniform
 
     def _draw(self, probs: Tensor, requests: Sequence[SamplingInput], vocab_size: int) -> Tensor:
         """One token per row of `probs`: argmax for greedy requests, else argmax(p / E),
         E ~ Exponential(1), which picks token i with probability p[i]."""
         token_ids = probs.argmax(dim=-1)
-        sampled_rows = [row for row, request in enumerate(requests) if not request.params.greedy]
-        if not sampled_rows:
+        if all(request.params.greedy for request in requests):
             return token_ids
-        noise = torch.empty(len(sampled_rows), vocab_size, device=probs.device)
-        for j, row in enumerate(sampled_rows):
-            request = requests[row]
-            generator = (self.sampler.shared_generator if request.params.seed is None
-                         else self.sampler.generator_for(request))
-            noise[j].exponential_(generator=generator)
+        noise = torch.ones(len(requests), vocab_size, device=probs.device)
+        self._fill(noise, requests, lambda block, generator: block.exponential_(generator=generator))
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        index = torch.tensor(sampled_rows, device=probs.device)
-        token_ids[index] = (probs[index] / noise).argmax(dim=-1)
-        return token_ids
+        sampled = torch.tensor([not request.params.greedy for request in requests], device=probs.device)
+        return torch.where(sampled, (probs / noise).argmax(dim=-1), token_ids)
+
+    def _fill(self, out: Tensor, requests: Sequence[SamplingInput], draw,
+              row_widths: Sequence[int] | None = None) -> None:
+        """Fill the rows of sampled requests with `draw(block, generator)`: the unseeded ones
+        in one block from the shared generator, each seeded one from its own."""
+        shared = [row for row, request in enumerate(requests)
+                  if not request.params.greedy and request.params.seed is None]
+        if shared:
+            block = draw(torch.empty(len(shared), out.shape[1], device=out.device), self.sampler.shared_generator)
+            out[torch.tensor(shared, device=out.device)] = block
+        for row, request in enumerate(requests):
+            if not request.params.greedy and request.params.seed is not None:
+                width = out.shape[1] if row_widths is None else row_widths[row]
+                draw(out[row, :width], self.sampler.generator_for(request))
