@@ -15,6 +15,7 @@ import time
 
 from spillway.gateway import engine_args
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
+from spillway.gateway.spec_args import speculative_config
 from spillway.gateway.reasoning import PARSERS
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.config import KV_CACHE_DTYPES
@@ -63,13 +64,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-model", help="a draft model with the target's tokenizer")
+    spec.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per step")
+    spec.add_argument("--speculative-draft-tensor-parallel-size", type=int, help="1 (no tensor parallelism yet)")
+    spec.add_argument("--speculative-config", metavar="JSON",
+                      help='{"method": "draft_model" | "ngram", "num_speculative_tokens": K, '
+                           '"prompt_lookup_min": N, "prompt_lookup_max": N}')
     refused = parser.add_argument_group("not available yet (refused)")
     refused.add_argument("--cpu-offload-gb", type=float)
     refused.add_argument("--swap-space", type=float)
-    refused.add_argument("--speculative-model")
-    refused.add_argument("--num-speculative-tokens", type=int)
-    refused.add_argument("--speculative-draft-tensor-parallel-size", type=int)
-    refused.add_argument("--speculative-config")
     refused.add_argument("--quantization", "-q")
     refused.add_argument("--enable-lora", action="store_true")
 
@@ -138,6 +142,10 @@ def worker_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        speculative=speculative_config(
+            speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+            speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
+            speculative_config=args.speculative_config),
     )
     return config, args.served_model_name or [files.name]
 

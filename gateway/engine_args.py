@@ -17,10 +17,6 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 NOT_YET = (
     ("cpu_offload_gb", 0, "the CPU KV tier"),
     ("swap_space", 0, "the CPU KV tier"),
-    ("speculative_model", None, "speculative decoding"),
-    ("num_speculative_tokens", 0, "speculative decoding"),
-    ("speculative_draft_tensor_parallel_size", None, "speculative decoding"),
-    ("speculative_config", None, "speculative decoding"),
     ("quantization", None, "quantised execution"),
     ("enable_lora", False, "LoRA adapters"),
     ("tensor_parallel_size", 1, "tensor parallelism"),
