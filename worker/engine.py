@@ -67,12 +67,19 @@ class Engine:
                                  kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=self.max_num_batched_tokens,
                                  max_model_len=self.max_model_len)
+        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:  # before the pool is sized: a draft model takes its share first
+            self.spec = build_spec_decoder(
+                config.speculative, self.sampler, target_vocab_size=self.vocab_size, device=self.device,
+                dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
         num_blocks = self._num_blocks(hf_config)
         self.executor.allocate_kv_cache(num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.executor.capture_graphs()
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
-        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -84,12 +91,6 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
-        self.spec: SpecDecoder | None = None
-        if config.speculative is not None:
-            self.spec = build_spec_decoder(config.speculative, self.sampler, target_vocab_size=self.vocab_size,
-                                           device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
-                                           max_num_seqs=config.max_num_seqs, block_size=self.block_size)
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)

@@ -134,3 +134,60 @@ def test_speculation_with_asynchronous_scheduling_equals_plain_decoding(tiny_mod
     engine = make_engine(tiny_model, async_scheduling=True)
     got = run(engine, jobs, NgramProposer(1, 2))
     assert tokens_and_reasons(got) == tokens_and_reasons(expected)
+
+
+def save_tiny_model(path, vocab_size: int, seed: int) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=1)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def draft_engine(target: str, draft: str) -> Engine:
+    return make_engine(target, speculative=SpeculativeConfig(method="draft_model", model=draft,
+                                                             num_speculative_tokens=K))
+
+
+@pytest.mark.parametrize("draft_kind", ["the-target", "another-model"])
+def test_a_draft_model_gives_plain_greedy_outputs(tiny_model, tmp_path, draft_kind):
+    draft = tiny_model if draft_kind == "the-target" else save_tiny_model(tmp_path / "draft", VOCAB, seed=3)
+    jobs = mixed_jobs()
+    expected = run(make_engine(tiny_model), jobs, None)
+    engine = draft_engine(tiny_model, draft)
+    got = run(engine, jobs, engine.spec.proposer)
+    assert tokens_and_reasons(got) == tokens_and_reasons(expected)
+    metrics = engine.spec.metrics
+    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # penalties, budgets: drafts miss
+    assert not engine.spec.proposer._sequences  # every finished request's draft blocks were released
+    if draft_kind == "the-target":  # without penalties or forced tokens it proposes what the target decodes
+        plain_jobs = [Job("a", list(range(100, 120)), greedy()), Job("b", [9, 8, 7], greedy(max_tokens=21))]
+        engine = draft_engine(tiny_model, draft)
+        assert tokens_and_reasons(run(engine, plain_jobs, engine.spec.proposer)) == tokens_and_reasons(
+            run(make_engine(tiny_model), plain_jobs, None))
+        # a: 29 tokens after prefill, 5 steps of K + 1 then 3 drafts + 1 (max_tokens); b: 20, 4 steps of K + 1.
+        assert engine.spec.metrics.num_accepted_tokens == engine.spec.metrics.num_draft_tokens == 5 * K + 3 + 4 * K
+
+
+def test_a_draft_model_samples_with_seeds_repeated(tiny_model):
+    params = SamplingParams(temperature=0.8, top_k=40, seed=4, max_tokens=20, ignore_eos=True)
+    jobs = [Job("s", list(range(30, 50)), params), Job("t", list(range(60, 70)), params)]
+    outputs = []
+    for _ in range(2):
+        engine = draft_engine(tiny_model, tiny_model)
+        outputs.append(tokens_and_reasons(run(engine, jobs, engine.spec.proposer)))
+        assert engine.spec.metrics.num_accepted_tokens > 0
+    assert outputs[0] == outputs[1]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model, tmp_path):
+    other = save_tiny_model(tmp_path / "other-vocab", VOCAB // 2, seed=1)
+    with pytest.raises(ValueError, match="vocabulary has 192 tokens and the target's 384"):
+        draft_engine(tiny_model, other)

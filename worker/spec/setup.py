@@ -20,7 +20,7 @@ DRAFT_MODEL_COST = 0.1
 
 def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vocab_size: int,
                        device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                       block_size: int) -> SpecDecoder:
+                       block_size: int, max_num_batched_tokens: int) -> SpecDecoder:
     """The proposer, the switch and the verification; ValueError for a configuration no
     worker can run (a draft model whose vocabulary differs from the target's, ...)."""
     problem = config.problem()
@@ -36,9 +36,10 @@ def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vo
         case "draft_model":
             from spillway.worker.spec.draft_model import DraftModelProposer
 
-            proposer = DraftModelProposer.load(config.model, target_vocab_size=target_vocab_size, device=device,
-                                               dtype=dtype, max_model_len=max_model_len,
-                                               max_num_seqs=max_num_seqs, block_size=block_size, sampler=sampler)
+            proposer = DraftModelProposer.load(
+                config.model, target_vocab_size=target_vocab_size, device=device, dtype=dtype,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens)
             draft_cost = DRAFT_MODEL_COST
         case _:
             raise AssertionError(config.method)
