@@ -165,7 +165,7 @@ def test_a_draft_model_gives_plain_greedy_outputs(tiny_model, tmp_path, draft_ki
     got = run(engine, jobs, engine.spec.proposer)
     assert tokens_and_reasons(got) == tokens_and_reasons(expected)
     metrics = engine.spec.metrics
-    assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # penalties, budgets: drafts miss
+    assert metrics.num_accepted_tokens < metrics.num_draft_tokens  # penalties, budgets, another model: misses
     assert not engine.spec.proposer._sequences  # every finished request's draft blocks were released
     if draft_kind == "the-target":  # without penalties or forced tokens it proposes what the target decodes
         plain_jobs = [Job("a", list(range(100, 120)), greedy()), Job("b", [9, 8, 7], greedy(max_tokens=21))]
