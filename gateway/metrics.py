@@ -12,6 +12,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from spillway.gateway.spec_metrics import SpecDecodeMetrics
 from spillway.protocol.messages import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -96,6 +97,7 @@ class GatewayMetrics:
                                    "not, NaN until a check (debug mode, or a CHECK_INVARIANTS control).")
         self.invariants_ok.set(float("nan"))  # a routine report does not walk the blocks
         self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
+        self.spec_decode = SpecDecodeMetrics(self.registry, model_name)
         self._last: Stats | None = None
 
     def on_stats(self, stats: Stats) -> None:
@@ -106,6 +108,7 @@ class GatewayMetrics:
         self.prefix_cache_queries.inc(queries)
         self.prefix_cache_hits.inc(hits)
         self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self.spec_decode.on_stats(stats, last)
         self._hit_rate.add(queries, hits)
         rate = self._hit_rate.hit_rate
         self.prefix_cache_hit_rate.set(rate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 
 from spillway.kernels.utils import use_programmatic_launch
@@ -258,8 +259,15 @@ class Engine:
     def stats(self, check_invariants: bool = False) -> Stats:
         """Counters for the gateway; the block manager's invariants (a walk over every block)
         are checked only when asked or in debug mode (`invariants_ok` is None otherwise)."""
-        return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
-                             check_invariants=check_invariants or self.debug_invariants)
+        stats = collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
+                              check_invariants=check_invariants or self.debug_invariants)
+        if self.spec is None:
+            return stats
+        metrics = self.spec.metrics
+        return msgspec.structs.replace(
+            stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
+            spec_num_accepted_tokens=metrics.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -103,7 +103,10 @@ def test_the_true_continuation_needs_fewer_steps(tiny_model):
     assert got["a"].tokens == expected["a"].tokens
     # Prefill, then K + 1 tokens per step: 1 + 40 / 5 steps instead of 41.
     assert (plain_engine.num_steps, spec_engine.num_steps) == (41, 9)
-    assert spec_engine.spec.metrics.accepted_per_position == [8] * K
+    stats = spec_engine.stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (8, 8 * K, 8 * K)
+    assert stats.spec_num_accepted_tokens_per_pos == [8] * K
+    assert plain_engine.stats().spec_num_accepted_tokens_per_pos == []
 
 
 def test_a_run_is_cut_at_a_stop_token_and_at_max_tokens(tiny_model):
