@@ -97,7 +97,7 @@ def test_greedy_outputs_equal_plain_decoding_whatever_the_drafts(tiny_model, pro
 
 def test_the_true_continuation_needs_fewer_steps(tiny_model):
     jobs = [Job("a", list(range(10, 30)), greedy(max_tokens=41))]
-    plain_engine, spec_engine = make_engine(tiny_model), make_engine(tiny_model)
+    plain_engine, spec_engine = make_engine(tiny_model, speculative=None), make_engine(tiny_model)
     expected = run(plain_engine, jobs, None)
     got = run(spec_engine, jobs, ReplayProposer({tuple(jobs[0].prompt): expected["a"].tokens}))
     assert got["a"].tokens == expected["a"].tokens
