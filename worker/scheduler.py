@@ -156,11 +156,10 @@ class Scheduler:
                     break
             elif not self._allocate_or_preempt(request, num_tokens):
                 break  # the request was the newest and preempted itself
-            chunk = self._chunk(request, num_tokens)
-            if lookahead and chunk.sample and num_tokens == 1:
-                self._reserve_draft_slots(chunk, min(lookahead, budget - 1))
-            chunks.append(chunk)
-            budget -= num_tokens + chunk.num_draft_slots
+            chunks.append(self._chunk(request, num_tokens))
+            budget -= num_tokens
+        if lookahead:  # after every running request has its blocks: drafts never cause a preemption
+            budget = self._reserve_draft_slots(chunks, lookahead, budget)
         # After running out of blocks, admitting new work would only be preempted again.
         preempted = self.num_preemptions != num_preemptions_before
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
@@ -171,15 +170,21 @@ class Scheduler:
             budget -= chunk.num_tokens
         return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks))
 
-    def _reserve_draft_slots(self, chunk: ScheduledChunk, lookahead: int) -> None:
-        """Slots for up to `lookahead` drafts after a decode, cut so that a fully accepted run
-        (drafts + bonus token) stays within max_tokens and max_model_len."""
-        request = chunk.request
-        room = min(lookahead, request.params.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        if room > 0 and self.block_manager.allocate(request.request_id, request.num_tokens + room):
-            chunk.num_draft_slots = room
-            chunk.slot_table = self.block_manager.slot_table(request.request_id)
+    def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, budget: int) -> int:
+        """Slots for up to `lookahead` drafts after each one-token decode, from free blocks and
+        the token budget left, cut so that a fully accepted run (drafts and the token after
+        them) stays within max_tokens and max_model_len. Returns the budget left."""
+        for chunk in chunks:
+            request = chunk.request
+            if not (chunk.sample and chunk.num_tokens == 1):
+                continue
+            room = min(lookahead, budget, request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1)
+            if room > 0 and self.block_manager.allocate(request.request_id, request.num_tokens + room):
+                chunk.num_draft_slots = room
+                chunk.slot_table = self.block_manager.slot_table(request.request_id)
+                budget -= room
+        return budget
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed

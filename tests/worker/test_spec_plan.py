@@ -45,6 +45,19 @@ def test_draft_slots_never_preempt_and_fit_the_token_budget():
     assert other.num_preemptions == 0
 
 
+def test_drafts_take_only_the_blocks_no_running_request_needs():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=16)
+    older, newer = make_request("older", [1, 2, 3], 0), make_request("newer", list(range(10, 18)), 1)
+    scheduler.add(older)
+    scheduler.add(newer)
+    prefill = scheduler.schedule()
+    scheduler.update(prefill, {"older": 7, "newer": 7})  # older: 4 tokens in 1 block; newer: 9 in 2 so far
+    assert scheduler.block_manager.num_free_blocks == 1
+    plan = scheduler.schedule(lookahead=4)  # newer's decode takes the last free block, not older's drafts
+    assert [(c.request.request_id, c.num_draft_slots) for c in plan.chunks] == [("older", 0), ("newer", 0)]
+    assert scheduler.num_preemptions == 0 and scheduler.block_manager.num_free_blocks == 0
+
+
 def test_pack_step_asks_for_every_verified_row():
     scheduler = make_scheduler()
     a, b, c = make_request("a", [1, 2, 3], 0), make_request("b", [4, 5], 1), make_request("c", [6, 7, 8], 2)
