@@ -14,6 +14,7 @@ from spillway.protocol.messages import SamplingParams
 from spillway.protocol.reasoning import ThinkingPolicy
 from spillway.worker.config import WorkerConfig
 from spillway.worker.engine import Engine
+from spillway.worker.spec.draft_model import DraftModelProposer
 from spillway.worker.spec.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import Job, RandomProposer, run, tokens_and_reasons
@@ -43,18 +44,39 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-@pytest.mark.parametrize("proposer_kind", ["ngram", "random", "replay"])
-def test_greedy_outputs_equal_plain_decoding(engine, prompts, proposer_kind):
-    jobs = [Job(f"r{i}", prompt, greedy(32), arrival_step=2 * i) for i, prompt in enumerate(prompts)]
-    expected = run(engine, jobs, None)
-    proposer = {"ngram": NgramProposer(1, 4), "random": RandomProposer(engine.vocab_size, seed=3),
-                "replay": ReplayProposer({tuple(j.prompt): expected[j.request_id].tokens for j in jobs})}[proposer_kind]
-    accepted_before = engine.spec.metrics.num_accepted_tokens
+def draft_equal_to_target(engine: Engine) -> DraftModelProposer:
+    """The default model again, as its own draft."""
+    return DraftModelProposer.load(str(model_files.default_model_path()), target_vocab_size=engine.vocab_size,
+                                   device=engine.device, dtype=engine.dtype, max_model_len=engine.max_model_len,
+                                   max_num_seqs=8, block_size=engine.block_size,
+                                   max_num_batched_tokens=engine.max_num_batched_tokens, num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def greedy_plainly(engine, prompts) -> tuple[list[Job], dict]:
+    jobs = [Job(f"r{i}", prompt, greedy(28), arrival_step=2 * i) for i, prompt in enumerate(prompts)]
+    return jobs, run(engine, jobs, None)
+
+
+@pytest.mark.parametrize("proposer_kind", ["ngram", "random", "replay", "draft-equal-to-target"])
+def test_greedy_outputs_equal_plain_decoding(engine, greedy_plainly, proposer_kind):
+    jobs, expected = greedy_plainly
+    if proposer_kind == "draft-equal-to-target":
+        proposer = draft_equal_to_target(engine)
+    else:
+        proposer = {"ngram": NgramProposer(1, 4), "random": RandomProposer(engine.vocab_size, seed=3),
+                    "replay": ReplayProposer({tuple(j.prompt): expected[j.request_id].tokens for j in jobs})
+                    }[proposer_kind]
+    metrics = engine.spec.metrics
+    drafted_before, accepted_before = metrics.num_draft_tokens, metrics.num_accepted_tokens
     got = run(engine, jobs, proposer)
     assert tokens_and_reasons(got) == tokens_and_reasons(expected)
     assert got["r0"].num_cached_tokens > 0  # the plain run's blocks, hashed from committed tokens
-    if proposer_kind != "random":
-        assert engine.spec.metrics.num_accepted_tokens - accepted_before >= 20
+    drafted, accepted = metrics.num_draft_tokens - drafted_before, metrics.num_accepted_tokens - accepted_before
+    if proposer_kind in ("replay", "draft-equal-to-target"):
+        assert accepted == drafted > 20
+    elif proposer_kind == "ngram":
+        assert accepted >= 20
 
 
 BUDGETS = (0, 1, 7, 64)
