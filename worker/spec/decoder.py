@@ -120,15 +120,17 @@ class SpecDecoder:
     def verify(self, logits: Tensor, plan: StepPlan, sample_rows: list[int]) -> VerifiedStep:
         """`logits`: the rows of `PackedStep.logits_rows`, the sampled chunks in order."""
         chunks = [plan.chunks[row] for row in sample_rows]
-        rows: list[SamplingInput] = []
+        rows: list[SamplingInput] = []  # one per verified position
+        first_rows: list[int] = []  # each request's first row
         flat_drafts: list[int] = []
         for chunk in chunks:
             drafts = chunk.draft_token_ids
+            first_rows.append(len(rows))
             rows += [sampling_input(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
             flat_drafts += drafts
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         num_drafts = [len(chunk.draft_token_ids) for chunk in chunks]
-        firsts = [rows[sum(num_drafts[:i]) + i] for i in range(len(chunks))]
+        firsts = [rows[row] for row in first_rows]
         probs = target_probs(logits, rows, self.sampler.eos_token_ids)
         verified = self.rejection.verify(probs, firsts, num_drafts, flat_drafts,
                                          self._gather_draft_probs(chunks, probs.shape[-1], probs.device))
@@ -136,7 +138,7 @@ class SpecDecoder:
         accepted = {chunk.request.request_id: list(chunk.draft_token_ids[:count])
                     for chunk, count in zip(chunks, num_accepted)}
         self._count(num_drafts, num_accepted)
-        logprobs = self._logprobs(logits, rows, chunks, num_accepted, verified.token_ids)
+        logprobs = self._logprobs(logits, rows, first_rows, chunks, num_accepted, verified.token_ids)
         return VerifiedStep(verified.token_ids, accepted, logprobs)
 
     def _gather_draft_probs(self, chunks, vocab_size: int, device: torch.device) -> Tensor | None:
@@ -163,8 +165,8 @@ class SpecDecoder:
                     metrics.accepted_per_position[position] += 1
         self.switch.observe(sum(num_drafts), sum(num_accepted))
 
-    def _logprobs(self, logits: Tensor, rows: list[SamplingInput], chunks, num_accepted: list[int],
-                  final_tokens: Tensor) -> dict[str, list[TokenLogprobs]]:
+    def _logprobs(self, logits: Tensor, rows: list[SamplingInput], first_rows: list[int], chunks,
+                  num_accepted: list[int], final_tokens: Tensor) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of each committed token (accepted drafts, then the last), from the raw
         logits of its row, for the requests that asked."""
         wanted = [i for i, chunk in enumerate(chunks) if chunk.request.params.logprobs is not None]
@@ -176,8 +178,7 @@ class SpecDecoder:
         owners: list[str] = []
         for i in wanted:
             chunk, count = chunks[i], num_accepted[i]
-            first = sum(len(c.draft_token_ids) + 1 for c in chunks[:i])
-            row_index += range(first, first + count + 1)
+            row_index += range(first_rows[i], first_rows[i] + count + 1)
             token_ids += [*chunk.draft_token_ids[:count], finals[i]]
             owners += [chunk.request.request_id] * (count + 1)
         device = logits.device
