@@ -65,19 +65,25 @@ def test_a_bad_flag_ends_serve_with_its_reason(capsys):
     assert "num_speculative_tokens must be an integer of at least 1, got 0" in capsys.readouterr().err
 
 
-def test_llm_with_ngram_speculation_gives_plain_greedy_outputs():
+def test_llm_with_ngram_speculation_gives_plain_greedy_outputs_and_stops_at_a_stop_string():
+    """The n-gram drafts run on past the stop string: the output still ends where it completes."""
     from spillway.gateway import LLM, SamplingParams
 
     prompt = "One, two, three, four. One, two, three, four. One, two,"
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["four."])
     outputs = []
-    for settings in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
+    for settings in ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}):
         llm = LLM(dtype="float32", device="cpu", max_model_len=512, **settings)
         try:
-            outputs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+            outputs.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                            for o in (llm.generate([prompt], params)[0] for params in (free, stopped))])
         finally:
             llm.shutdown()
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 24
+    assert outputs[0] == outputs[1]
+    (free_ids, _, _), (stop_ids, stop_text, reason) = outputs[0]
+    # " three" "," " four" "." completes the stop string, which the text leaves out.
+    assert len(free_ids) == 24 and (stop_ids, stop_text, reason) == (free_ids[:4], " three, ", "stop")
 
 
 def test_llm_refuses_bad_speculative_settings_before_starting_a_worker():

@@ -190,6 +190,17 @@ def test_a_draft_model_samples_with_seeds_repeated(tiny_model):
     assert outputs[0] == outputs[1]
 
 
+def test_greedy_and_sampled_requests_share_a_draft_model_step(tiny_model):
+    """Sampled requests carry the draft's q, greedy ones a point mass, in one verification."""
+    greedy_job = Job("g", list(range(100, 116)), greedy(max_tokens=24))
+    sampled = Job("s", list(range(200, 216)), SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True))
+    expected = run(make_engine(tiny_model), [greedy_job], None)
+    engine = draft_engine(tiny_model, tiny_model)
+    got = run(engine, [greedy_job, sampled], engine.spec.proposer)
+    assert got["g"].tokens == expected["g"].tokens and len(got["s"].tokens) == 24
+    assert engine.spec.metrics.num_accepted_tokens > 0
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     other = save_tiny_model(tmp_path / "other-vocab", VOCAB // 2, seed=1)
     with pytest.raises(ValueError, match="vocabulary has 192 tokens and the target's 384"):

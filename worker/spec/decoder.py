@@ -150,7 +150,7 @@ class SpecDecoder:
             probs = self._draft_probs.get(chunk.request.request_id)
             if probs is None:  # a point mass per draft
                 probs = torch.zeros(len(drafts), vocab_size, device=device)
-                probs[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+                probs[torch.arange(len(drafts), device=device), torch.tensor(drafts, device=device)] = 1.0
             parts.append(probs.to(device=device, dtype=torch.float32))
         return torch.cat(parts)
 

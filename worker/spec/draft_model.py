@@ -125,6 +125,7 @@ class DraftModelProposer:
             valid += 1
         # The last committed token is always fed again: its logits give the first draft.
         del sequence.tokens[min(valid, len(committed) - 1):]
+        sequence.num_committed = min(sequence.num_committed, len(sequence.tokens))
         needed = -(-(len(committed) + count - 1) // self.block_size)
         if needed - len(sequence.blocks) > len(self._free_blocks):
             return False
