@@ -30,7 +30,7 @@ from spillway.protocol.messages import TokenLogprobs
 from spillway.protocol.reasoning import advance, forced_token
 from spillway.worker.request import Request
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
-from spillway.worker.spec.proposer import NO_PROPOSAL, Proposal, Proposer
+from spillway.worker.spec.proposer import Proposer
 from spillway.worker.spec.rejection import RejectionSampler, target_probs
 from spillway.worker.spec.switch import SpeculationSwitch
 from spillway.worker.step_plan import StepPlan
@@ -192,5 +192,3 @@ class SpecDecoder:
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
 
-
-__all__ = ["SpecDecoder", "SpecMetrics", "VerifiedStep", "sampling_input", "NO_PROPOSAL", "Proposal"]
