@@ -15,6 +15,7 @@ import time
 
 from spillway.gateway import engine_args
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
+from spillway.gateway.spec_args import speculative_config
 from spillway.gateway.reasoning import PARSERS
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
@@ -70,12 +71,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-model", help="a draft model with the target's tokenizer")
+    spec.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per step")
+    spec.add_argument("--speculative-draft-tensor-parallel-size", type=int, help="1 (no tensor parallelism yet)")
+    spec.add_argument("--speculative-config", metavar="JSON",
+                      help='{"method": "draft_model" | "ngram", "num_speculative_tokens": K, '
+                           '"prompt_lookup_min": N, "prompt_lookup_max": N}')
     refused = parser.add_argument_group("not available yet (refused)")
     refused.add_argument("--swap-space", type=float)
-    refused.add_argument("--speculative-model")
-    refused.add_argument("--num-speculative-tokens", type=int)
-    refused.add_argument("--speculative-draft-tensor-parallel-size", type=int)
-    refused.add_argument("--speculative-config")
     refused.add_argument("--quantization", "-q")
     refused.add_argument("--enable-lora", action="store_true")
 
@@ -163,6 +167,10 @@ def worker_config(args: argparse.Namespace):
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
+        speculative=speculative_config(
+            speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+            speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
+            speculative_config=args.speculative_config),
     )
     return config, args.served_model_name or [files.name]
 

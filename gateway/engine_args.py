@@ -19,10 +19,6 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # nothing, feature). A value of None is never a request either.
 NOT_YET = (
     ("swap_space", 0, "a swap space apart from the CPU KV tier (--cpu-offload-gb)"),
-    ("speculative_model", None, "speculative decoding"),
-    ("num_speculative_tokens", 0, "speculative decoding"),
-    ("speculative_draft_tensor_parallel_size", None, "speculative decoding"),
-    ("speculative_config", None, "speculative decoding"),
     ("quantization", None, "quantised execution"),
     ("enable_lora", False, "LoRA adapters"),
     ("tensor_parallel_size", 1, "tensor parallelism"),

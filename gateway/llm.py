@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineUnavailable, WorkerLost
+from spillway.gateway import spec_args
 from spillway.gateway.engine_args import NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.offline import EngineThread, run_generations
@@ -65,6 +66,10 @@ class LLM:
         enable_reasoning: bool = False,
         reasoning_parser: str | None = None,
         reasoning_config: str | dict | None = None,
+        speculative_model: str | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_draft_tensor_parallel_size: int | None = None,
+        speculative_config: str | dict | None = None,
         **unsupported,
     ) -> None:
         for name in unsupported:
@@ -95,6 +100,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
+            speculative=spec_args.speculative_config(
+                speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+                speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,
+                speculative_config=speculative_config),
         )
         try:
             self._hf_tokenizer = model_files.load_tokenizer(files)

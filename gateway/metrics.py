@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from spillway.gateway.spec_metrics import SpecDecodeMetrics
 from spillway.protocol.messages import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -127,6 +128,7 @@ class GatewayMetrics:
                                    "not, NaN until a check (debug mode, or a CHECK_INVARIANTS control).")
         self.invariants_ok.set(float("nan"))  # a routine report does not walk the blocks
         self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
+        self.spec_decode = SpecDecodeMetrics(self.registry, model_name)
         self._last: Stats | None = None
 
     def on_stats(self, stats: Stats) -> None:
@@ -139,6 +141,7 @@ class GatewayMetrics:
         self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         for name, metric in self._cumulative():
             metric.inc(max(getattr(stats, name) - getattr(last, name), 0))
+        self.spec_decode.on_stats(stats, last)
         self._hit_rate.add(queries, hits)
         rate = self._hit_rate.hit_rate
         self.prefix_cache_hit_rate.set(rate)

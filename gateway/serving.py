@@ -23,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineClient, RequestStream
@@ -178,6 +180,9 @@ class Generation:
         if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
             raise api.bad_request(f"the engine refused the request: {delta.error or 'no reason given'}",
                                   code="engine_refused")
+        if len(delta.new_token_ids) > 1 and self.job.params.stop_strings:
+            self._apply_token_by_token(update, delta)
+            return
         if delta.num_cached_tokens >= 0:
             sample.num_cached_tokens = delta.num_cached_tokens
         new_ids = delta.new_token_ids
@@ -212,6 +217,18 @@ class Generation:
                 last = delta.new_token_ids[-1]
                 stop_reason = last if last in self.job.params.stop_token_ids else None
             self._finish(sample, delta.finish_reason.value, stop_reason)
+
+    def _apply_token_by_token(self, update: Update, delta: RequestDelta) -> None:
+        """A delta of several tokens (a run of accepted draft tokens), one token at a time: a
+        stop string ends the output at the token that completes it, as without speculation."""
+        last = len(delta.new_token_ids) - 1
+        for index, token in enumerate(delta.new_token_ids):
+            self._apply(update, msgspec.structs.replace(
+                delta, new_token_ids=[token], finish_reason=delta.finish_reason if index == last else None,
+                logprobs=delta.logprobs[index:index + 1] if delta.logprobs else None,
+                num_cached_tokens=delta.num_cached_tokens if index == 0 else -1))
+            if update.sample.output.stop is not None:
+                return
 
     def _route(self, update: Update, sample: Sample, token_ids: list[int]) -> None:
         """Output tokens to the sample's text: its content (and reasoning, when split)."""

@@ -28,6 +28,51 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 logger = logging.getLogger("spillway.worker")
 
 
+SPECULATIVE_METHODS = ("draft_model", "ngram", "replay")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding (worker/spec/): who proposes drafts and how many per step.
+
+    `draft_model`: a small model with the target's tokenizer (`model`); `ngram`: prompt
+    lookup over the request's own tokens; `replay`: a recorded target output per prompt
+    (`replay_path`, JSON lines {"prompt_token_ids": [...], "output_token_ids": [...]}), for
+    benchmarks only. Above `disable_by_batch_size` running requests a step decodes plainly.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    draft_tensor_parallel_size: int = 1
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    replay_path: str | None = None
+    disable_by_batch_size: int = 32
+
+    def problem(self) -> str | None:
+        """Why a worker cannot run this configuration, or None."""
+        if self.method not in SPECULATIVE_METHODS:
+            return f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            return f"num_speculative_tokens must be an integer of at least 1, got {k!r}"
+        if self.draft_tensor_parallel_size != 1:
+            return (f"speculative draft tensor parallel size must be 1 (no tensor parallelism yet), "
+                    f"got {self.draft_tensor_parallel_size!r}")
+        if self.method == "draft_model" and not self.model:
+            return "the draft_model method needs a speculative model"
+        if self.method != "draft_model" and self.model:
+            return f"a speculative model is used by the draft_model method only, not {self.method!r}"
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            return (f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                    f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.method == "replay" and not self.replay_path:
+            return "the replay method needs replay_path"
+        if self.disable_by_batch_size < 1:
+            return f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}"
+        return None
+
+
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker needs to start. Built by the gateway, sent to the worker process."""
 
@@ -53,6 +98,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Plan the next decode step while the device runs this one; None: on for CUDA.
     async_scheduling: bool | None = None
     hash_seed: bytes = DEFAULT_HASH_SEED
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # Kernel switches, on by default; off only to measure what they save (SPILLWAY_PDL=0,
     # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).
     programmatic_launch: bool = True  # Triton kernels with programmatic dependent launch

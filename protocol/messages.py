@@ -155,6 +155,12 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     kv_offload_seconds_cpu_to_gpu: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
+    # Speculative decoding, cumulative (vLLM's vllm:spec_decode_* counters): verified requests
+    # with drafts, draft tokens, accepted ones, and accepted ones by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = []
     # Whether the block manager's invariants held; None: not checked for this report (they
     # are checked on CHECK_INVARIANTS and, in debug mode, always: the walk is O(blocks)).
     invariants_ok: bool | None = None

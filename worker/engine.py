@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import torch
 
 from spillway.kernels.utils import use_programmatic_launch
@@ -33,6 +34,8 @@ from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.request import Request
 from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler
+from spillway.worker.spec.decoder import SpecDecoder
+from spillway.worker.spec.setup import build_spec_decoder
 from spillway.worker.stats import collect_stats
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
@@ -65,6 +68,14 @@ class Engine:
                                  kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=self.max_num_batched_tokens,
                                  max_model_len=self.max_model_len)
+        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:  # before the pool is sized: a draft model takes its share first
+            self.spec = build_spec_decoder(
+                config.speculative, self.sampler, target_vocab_size=self.vocab_size, device=self.device,
+                dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
         num_blocks = self._num_blocks(hf_config)
         self.executor.allocate_kv_cache(num_blocks)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
@@ -74,7 +85,6 @@ class Engine:
             self.executor.capture_graphs()
         self.executor.warm_up()
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
-        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -86,7 +96,6 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -161,7 +170,7 @@ class Engine:
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
         aborted = self.scheduler.abort(request_ids)
         for request in aborted:
-            self.sampler.forget(request.request_id)
+            self._forget(request.request_id)
         return [RequestDelta(request_id=r.request_id, new_token_ids=[],
                              finish_reason=FinishReason.ABORT) for r in aborted]
 
@@ -180,7 +189,12 @@ class Engine:
         committed meanwhile. A plan that may run ahead (with async scheduling) is launched
         before the step in flight is committed, and is itself committed one call later."""
         previous = self._in_flight
-        plan = self.scheduler.schedule(ahead=previous is not None)
+        lookahead = 0  # draft slots per decode: speculation needs every token committed
+        if self.spec is not None and previous is None:
+            lookahead = self.spec.lookahead(self.scheduler.num_running)
+        plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead)
+        if lookahead:
+            self.spec.propose(plan)  # a plan with drafts does not run ahead
         run_ahead = self.async_scheduling and plan.run_ahead
         deltas: list[RequestDelta] = []
         if previous is not None and not run_ahead:
@@ -210,34 +224,44 @@ class Engine:
         if not packed.sample_rows:
             return self._readback.start(plan, [], None, {}, ahead)
         requests = [plan.chunks[row].request for row in packed.sample_rows]
+        if packed.logits_rows:  # draft tokens to verify: committed at once
+            verified = self.spec.verify(logits, plan, packed.sample_rows)
+            launched = self._readback.start(plan, requests, verified.token_ids, verified.logprobs, False)
+            launched.accepted = verified.accepted
+            return launched
         inputs = [self._sampling_input(request) for request in requests]
         token_ids = self.sampler.sample_ids(logits, inputs)
         logprobs = {}
         if not plan.run_ahead:  # a plan that runs ahead has no request that asks for logprobs
-            logprobs = {requests[row].request_id: token_logprobs
+            logprobs = {requests[row].request_id: [token_logprobs]
                         for row, token_logprobs in self.sampler.logprobs(logits, inputs, token_ids).items()}
         return self._readback.start(plan, requests, token_ids, logprobs, ahead)
 
     def _commit(self, step: LaunchedStep) -> list[RequestDelta]:
         """Apply a launched step's tokens (Scheduler.update); the deltas for the gateway."""
-        results = self.scheduler.update(step.plan, step.read())
+        results = self.scheduler.update(step.plan, step.read(), step.accepted)
         self.num_steps += 1
         deltas = []
         for result in results:
             request_id = result.request.request_id
             if result.finish_reason is not None:
-                self.sampler.forget(request_id)
+                self._forget(request_id)
             token_logprobs = step.logprobs.get(request_id)
             deltas.append(RequestDelta(
                 request_id=request_id,
                 new_token_ids=result.new_token_ids,
                 finish_reason=result.finish_reason,
-                logprobs=[token_logprobs] if token_logprobs is not None else None,
+                logprobs=token_logprobs[:len(result.new_token_ids)] if token_logprobs is not None else None,
                 num_cached_tokens=result.num_cached_tokens,
             ))
         if self.debug_invariants:
             self.block_manager.check_invariants()
         return deltas
+
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     @staticmethod
     def _sampling_input(request: Request) -> SamplingInput:
@@ -248,9 +272,16 @@ class Engine:
     def stats(self, check_invariants: bool = False) -> Stats:
         """Counters for the gateway; the block manager's invariants (a walk over every block)
         are checked only when asked or in debug mode (`invariants_ok` is None otherwise)."""
-        return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
-                             check_invariants=check_invariants or self.debug_invariants,
-                             copier=self.executor.kv_copier)
+        stats = collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
+                              check_invariants=check_invariants or self.debug_invariants,
+                              copier=self.executor.kv_copier)
+        if self.spec is None:
+            return stats
+        metrics = self.spec.metrics
+        return msgspec.structs.replace(
+            stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
+            spec_num_accepted_tokens=metrics.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -14,7 +14,7 @@ Start-up, in this order on CUDA (the pool is what is left once the model and one
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,6 +38,8 @@ class PackedStep:
     Chunk `feed_rows[i]` takes its one input token from the device: row `feed_sources[i]` of
     the token ids the step before sampled, not yet read by the host (its `token_ids` hold a
     placeholder). `sample_rows`: the chunks whose last-token logits the sampler reads.
+    `logits_rows`: when set (draft tokens to verify), the rows of the step's flattened tokens
+    whose logits are returned instead: each sampled chunk's last 1 + drafts rows.
     """
 
     chunks: list[ChunkInput]
@@ -45,6 +47,7 @@ class PackedStep:
     feed_sources: list[int]
     sample_rows: list[int]
     kv_copies: KVCopies = NO_KV_COPIES
+    logits_rows: list[int] = field(default_factory=list)
 
 
 def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,
@@ -130,7 +133,8 @@ class Executor:
             self.runner.warm_up()
 
     def execute(self, step: PackedStep, fed_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits of the sampled chunks' last tokens, `[len(step.sample_rows), vocab]`.
+        """float32 logits of the sampled chunks' last tokens, `[len(step.sample_rows), vocab]`
+        (of `step.logits_rows` instead when set).
 
         `fed_tokens`: the step before's sampled ids on the device, when `step.feed_rows` is
         set. The result may be a view of a buffer that the next step overwrites.
@@ -140,6 +144,8 @@ class Executor:
         elif self.kv_copier is not None:
             self.kv_copier.wait_for_loads()
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
+        if step.logits_rows:
+            return self.runner.execute(step.chunks, feed, step.logits_rows)
         logits = self.runner.execute(step.chunks, feed)
         if len(step.sample_rows) == len(step.chunks):
             return logits

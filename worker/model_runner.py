@@ -148,17 +148,20 @@ class ModelRunner:
         self.kv_cache = torch.zeros((num_blocks, *self.kv_cache_shape), device=self.device, dtype=self.kv_cache_dtype)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None) -> torch.Tensor:
+    def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None,
+                logits_rows: list[int] | None = None) -> torch.Tensor:
         """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
 
-        `feed` takes some chunks' one token from the device (see `TokenFeed`). The result
+        `feed` takes some chunks' one token from the device (see `TokenFeed`). `logits_rows`:
+        return the logits of these rows of the step's flattened tokens instead (draft tokens
+        to verify: always eager, the graphs keep one row per sequence). The result
         may be a view of a buffer that the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
         graphs = self.graphs
         num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
-        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
+        if graphs is not None and logits_rows is None and num_tokens == len(chunks) <= graphs.max_bucket:
             bucket = graphs.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
             if feed is not None:
@@ -166,7 +169,8 @@ class ModelRunner:
             return graphs.replay(bucket)[: len(chunks)]
         if feed is not None:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
-        bucket = self._prefill_bucket(num_tokens, len(chunks))
+        # Verification reads several rows per chunk: the graphs keep one (the last) per chunk.
+        bucket = self._prefill_bucket(num_tokens, len(chunks)) if logits_rows is None else None
         if bucket is not None:
             layout = self.inputs.stage_prefill(chunks, bucket, self._prefill_graph_seqs(bucket))
             if feed is not None:
@@ -175,6 +179,8 @@ class ModelRunner:
         layout = self.inputs.stage(chunks)
         if feed is not None:
             self._feed(layout.input_ids, feed, layout.last_rows)
+        if logits_rows is not None:
+            return self._forward(layout, torch.tensor(logits_rows, device=self.device))
         return self._forward(layout)
 
     def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
@@ -206,10 +212,10 @@ class ModelRunner:
         tokens = feed.tokens.index_select(0, torch.tensor(sources, device=feed.tokens.device))
         input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
-    def _forward(self, layout: StepLayout) -> torch.Tensor:
+    def _forward(self, layout: StepLayout, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         metadata = self.backend.metadata_for(layout)
         hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
-        return self.model.compute_logits(hidden[layout.last_rows])
+        return self.model.compute_logits(hidden[layout.last_rows if logits_rows is None else logits_rows])
 
     def _check_contexts(self, chunks: list[ChunkInput]) -> None:
         if self.max_context_len is None:

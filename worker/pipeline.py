@@ -6,6 +6,7 @@ Every step takes one path:
     inputs   pack_step: a PackedStep, plain data, no requests            (here)
     execute  Executor.execute: logits of the sampled chunks              (worker/executor.py)
     sample   Sampler.sample_ids on the device; TokenReadback starts the copy to the host
+             (with draft tokens: SpecDecoder.verify, worker/spec/)
     commit   Scheduler.update: stop checks, thinking-budget state, block hashing
 
 Asynchronous scheduling is "commit one step later". While the device runs step N, the
@@ -25,7 +26,7 @@ planned ahead. Outputs are the same with asynchronous scheduling on or off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,7 +47,11 @@ class LaunchedStep:
     host_tokens: torch.Tensor | None
     copied: torch.cuda.Event | None  # recorded after that copy; None on the CPU
     rows: dict[str, int]  # request id -> its row of token_ids
-    logprobs: dict[str, TokenLogprobs]  # by request id, for the requests that asked
+    # By request id, for the requests that asked: one entry per token of the request's run.
+    logprobs: dict[str, list[TokenLogprobs]]
+    # Request id -> draft tokens accepted before its sampled token (worker/spec/); empty
+    # without speculation. Such a step is committed at once (never run ahead).
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
     def read(self) -> dict[str, int]:
         """Request id -> sampled token; waits for the copy."""
@@ -65,6 +70,9 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
     feed_rows: list[int] = []
     feed_sources: list[int] = []
     sample_rows: list[int] = []
+    logits_rows: list[int] = []  # with draft tokens: every sampled chunk's verified rows
+    verifies = any(chunk.draft_token_ids for chunk in plan.chunks)
+    num_rows = 0
     for row, chunk in enumerate(plan.chunks):
         request = chunk.request
         if request.num_pending_tokens:
@@ -74,10 +82,16 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
             token_ids = [0]  # a placeholder: the feed overwrites it on the device
         else:
             token_ids = request.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        if chunk.draft_token_ids:
+            assert chunk.sample and len(chunk.draft_token_ids) <= chunk.num_draft_slots
+            token_ids = token_ids + list(chunk.draft_token_ids)
         chunks.append(ChunkInput(token_ids, chunk.start, chunk.slot_table))
+        num_rows += len(token_ids)
         if chunk.sample:
             sample_rows.append(row)
-    return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies)
+            if verifies:
+                logits_rows.extend(range(num_rows - 1 - len(chunk.draft_token_ids), num_rows))
+    return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies, logits_rows)
 
 
 class TokenReadback:
@@ -91,7 +105,7 @@ class TokenReadback:
         self._turn = 0
 
     def start(self, plan: StepPlan, requests: list[Request], token_ids: torch.Tensor | None,
-              logprobs: dict[str, TokenLogprobs], ahead: bool) -> LaunchedStep:
+              logprobs: dict[str, list[TokenLogprobs]], ahead: bool) -> LaunchedStep:
         """Start reading `token_ids` (row i: `requests[i]`'s token; None: nothing sampled).
         Only a step that runs `ahead` (committed one step later) needs the asynchronous copy."""
         rows = {request.request_id: row for row, request in enumerate(requests)}

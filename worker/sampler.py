@@ -258,11 +258,11 @@ class Sampler:
                 generator=self.shared_generator)
         for row, sampling_input in enumerate(inputs):
             if sampling_input.params.seed is not None:
-                noise[row].exponential_(generator=self._generator_for(sampling_input))
+                noise[row].exponential_(generator=self.generator_for(sampling_input))
         # A zero draw would turn a dropped token's 0 / q into NaN, which argmax prefers.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def _generator_for(self, sampling_input: SamplingInput) -> torch.Generator:
+    def generator_for(self, sampling_input: SamplingInput) -> torch.Generator:
         generator = self.request_generators.get(sampling_input.request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)

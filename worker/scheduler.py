@@ -23,7 +23,7 @@ the next step on, when the load has landed; the requests behind it are not held 
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import BlockHash, FinishReason
@@ -148,11 +148,14 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
-    def schedule(self, ahead: bool = False) -> StepPlan:
+    def schedule(self, ahead: bool = False, lookahead: int = 0) -> StepPlan:
         """The next step. `ahead`: the step before is still running (`mark_in_flight`), so its
         tokens are counted but unknown: requests whose pending token is surely their last are
         left out, and nothing is preempted (a step that runs short of blocks just stops
-        adding requests; the next step, scheduled with every token known, preempts)."""
+        adding requests; the next step, scheduled with every token known, preempts).
+        `lookahead`: KV slots to reserve after each one-token decode for draft tokens
+        (speculative decoding; never with `ahead`), where blocks are free without preempting."""
+        assert not (ahead and lookahead), "draft tokens need every token of the step before"
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         num_preemptions_before = self.num_preemptions
@@ -170,6 +173,8 @@ class Scheduler:
                 break  # the request was the newest and preempted itself
             chunks.append(self._chunk(request, num_tokens))
             budget -= num_tokens
+        if lookahead:  # after every running request has its blocks: drafts never cause a preemption
+            budget = self._reserve_draft_slots(chunks, lookahead, budget)
         # After running out of blocks, admitting new work would only be preempted again.
         preempted = self.num_preemptions != num_preemptions_before
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
@@ -181,6 +186,22 @@ class Scheduler:
                 budget -= chunk.num_tokens
         return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks),
                         self.block_manager.take_copies())
+
+    def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, budget: int) -> int:
+        """Slots for up to `lookahead` drafts after each one-token decode, from free blocks and
+        the token budget left, cut so that a fully accepted run (drafts and the token after
+        them) stays within max_tokens and max_model_len. Returns the budget left."""
+        for chunk in chunks:
+            request = chunk.request
+            if not (chunk.sample and chunk.num_tokens == 1):
+                continue
+            room = min(lookahead, budget, request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1)
+            if room > 0 and self.block_manager.allocate(request.request_id, request.num_tokens + room):
+                chunk.num_draft_slots = room
+                chunk.slot_table = self.block_manager.slot_table(request.request_id)
+                budget -= room
+        return budget
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed
@@ -197,26 +218,47 @@ class Scheduler:
         return (request.num_output_tokens + 1 >= request.params.max_tokens
                 or request.num_tokens + 1 >= self.max_model_len)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[StepResult]:
-        """Apply a computed plan: `sampled` maps request id -> token for chunks with `sample`."""
+    def update(self, plan: StepPlan, sampled: dict[str, int],
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[StepResult]:
+        """Apply a computed plan: `sampled` maps request id -> token for chunks with `sample`.
+
+        `accepted`: for chunks with draft tokens, the drafts the verification accepted; they
+        come before the sampled (recovered or bonus) token, and the run is committed token by
+        token with every stop rule and the thinking budget, cut at the first that finishes."""
         results = []
         for chunk in plan.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted after schedule()
             request.num_computed_tokens = chunk.start + chunk.num_tokens
-            if chunk.sample:
-                token = sampled[request.request_id]
-                request.append_token(token)
-                request.num_pending_tokens = 0
-                if request.thinking_state is not None:
-                    request.thinking_state = advance(request.thinking_policy, request.thinking_state, token)[0]
+            if not chunk.sample:
+                self._commit_full_blocks(request, chunk.start)
+                continue
+            request.num_pending_tokens = 0
+            token = sampled[request.request_id]
+            run = [*accepted[request.request_id], token] if accepted and request.request_id in accepted else [token]
+            committed, reason = self._append_run(request, run)
+            # Accepted drafts were computed in this forward; the last token of the run never is.
+            request.num_computed_tokens += len(committed) - 1
             self._commit_full_blocks(request, chunk.start)
-            if chunk.sample:
-                results.append(self._check_stop(request))
+            if reason is not None:
+                self._release(request, finished_status(reason))
+            num_cached = request.num_cached_tokens if request.num_output_tokens == len(committed) else -1
+            results.append(StepResult(request, committed, reason, num_cached))
         if any(result.finish_reason is not None for result in results):
             self.running = [request for request in self.running if not request.is_finished]
         return results
+
+    def _append_run(self, request: Request, run: list[int]) -> tuple[list[int], FinishReason | None]:
+        """Append the run's tokens up to the first that finishes the request."""
+        for index, token in enumerate(run):
+            request.append_token(token)
+            if request.thinking_state is not None:
+                request.thinking_state = advance(request.thinking_policy, request.thinking_state, token)[0]
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                return run[: index + 1], reason
+        return run, None
 
     def _has_free_seq_slot(self) -> bool:
         return len(self.running) < self.max_num_seqs
@@ -293,14 +335,6 @@ class Scheduler:
             return
         self._hash_full_blocks(request)
         self.block_manager.commit(request.request_id, request.block_hashes[:num_full])
-
-    def _check_stop(self, request: Request) -> StepResult:
-        token = request.all_token_ids[-1]
-        reason = self._finish_reason(request, token)
-        if reason is not None:
-            self._release(request, finished_status(reason))
-        num_cached = request.num_cached_tokens if request.num_output_tokens == 1 else -1
-        return StepResult(request, [token], reason, num_cached)
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         params, num_outputs = request.params, request.num_output_tokens

@@ -2,7 +2,7 @@
 
 The plan lives on the driver (it points at the requests); what the executors receive is
 packed from it (worker/pipeline.py). Features to come are fields here, not branches in the
-loop: KV copies between tiers, draft tokens to verify.
+loop: KV copies between tiers, draft tokens to verify (`ScheduledChunk.draft_token_ids`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ class ScheduledChunk:
     num_tokens: int
     slot_table: list[int]  # GPU slots of its blocks, a snapshot covering start + num_tokens tokens
     sample: bool  # the chunk reaches the request's last token: sample the next one
-    # Proposed tokens after the chunk's last one, verified in the same forward (speculative
-    # decoding; none yet). They are never committed unless accepted.
+    # KV slots reserved after the chunk for draft tokens (its slot table covers them): at most
+    # this many may be proposed. Set on one-token decodes when the step speculates.
+    num_draft_slots: int = 0
+    # Proposed tokens after the chunk's last one, verified in the same forward (worker/spec/).
+    # Their KV is written but counts as computed only where they are accepted.
     draft_token_ids: tuple[int, ...] = ()
 
 

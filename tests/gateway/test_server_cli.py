@@ -14,10 +14,6 @@ from spillway.gateway.cli import main
 
 REFUSED = [
     (["--swap-space", "4"], "--swap-space"),
-    (["--speculative-model", "draft"], "--speculative-model"),
-    (["--num-speculative-tokens", "3"], "--num-speculative-tokens"),
-    (["--speculative-draft-tensor-parallel-size", "1"], "--speculative-draft-tensor-parallel-size"),
-    (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["-tp", "4"], "--tensor-parallel-size"),
 ]
@@ -73,10 +69,10 @@ def test_settings_the_local_device_cannot_run_end_the_command_with_the_workers_r
 
 
 def test_refusal_is_a_nonzero_exit_of_the_command():
-    result = subprocess.run([*spillway_command(), "serve", "--speculative-model", "x", "--enable-lora"],
+    result = subprocess.run([*spillway_command(), "serve", "--cpu-offload-gb", "2", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--speculative-model" in result.stderr and "--enable-lora" in result.stderr
+    assert "--cpu-offload-gb" in result.stderr and "--enable-lora" in result.stderr
 
 
 @pytest.mark.parametrize("flags", [["--reasoning-config", "{not json"],

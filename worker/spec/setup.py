@@ -1,0 +1,59 @@
+"""A worker's speculative decoding, built from its `SpeculativeConfig`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from spillway.protocol.config import SpeculativeConfig
+from spillway.worker.sampler import Sampler
+from spillway.worker.spec.decoder import SpecDecoder
+from spillway.worker.spec.proposer import NgramProposer, Proposer, ReplayProposer
+from spillway.worker.spec.switch import SpeculationSwitch
+
+# Proposing one token with a draft model, relative to one decode step of the target: a guess
+# for a draft about a tenth of the target's size, run eagerly. Calibrate on the GPU.
+DRAFT_MODEL_COST = 0.1
+
+
+def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vocab_size: int,
+                       device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
+                       block_size: int, max_num_batched_tokens: int) -> SpecDecoder:
+    """The proposer, the switch and the verification; ValueError for a configuration no
+    worker can run (a draft model whose vocabulary differs from the target's, ...)."""
+    problem = config.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    proposer: Proposer
+    draft_cost = 0.0
+    match config.method:
+        case "ngram":
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        case "replay":
+            proposer = ReplayProposer(load_replay(Path(config.replay_path)))
+        case "draft_model":
+            from spillway.worker.spec.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer.load(
+                config.model, target_vocab_size=target_vocab_size, device=device, dtype=dtype,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens)
+            draft_cost = DRAFT_MODEL_COST
+        case _:
+            raise AssertionError(config.method)
+    switch = SpeculationSwitch(config.num_speculative_tokens, max_batch_size=config.disable_by_batch_size,
+                               draft_cost=draft_cost)
+    return SpecDecoder(proposer, switch, sampler)
+
+
+def load_replay(path: Path) -> dict[tuple[int, ...], list[int]]:
+    """Recorded outputs by prompt: JSON lines {"prompt_token_ids": [...], "output_token_ids": [...]}."""
+    outputs = {}
+    with path.open() as lines:
+        for line in lines:
+            if line.strip():
+                record = json.loads(line)
+                outputs[tuple(record["prompt_token_ids"])] = list(record["output_token_ids"])
+    return outputs

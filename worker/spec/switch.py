@@ -1,0 +1,60 @@
+"""When speculation pays: a cost model decides, step by step, how many draft slots to plan.
+
+A step that verifies k drafts per request, of which the fraction r is accepted (measured:
+accepted / drafted tokens), commits
+
+    E(k) = 1 + r * k     tokens per request (the accepted drafts and one more),
+
+and costs, relative to a one-token decode step of the same batch,
+
+    C(k) = 1 + k * (draft_cost + verify_cost)
+
+where draft_cost is proposing one token (0 for prompt lookup) and verify_cost one more row
+in the target's forward. Speculation runs while E(k) / C(k) >= 1, that is while
+r >= draft_cost + verify_cost, and the batch is at most
+`max_batch_size` (a large batch is bound by compute: more rows cost their full price). When
+the measured rate makes it a loss it stops, and one step in `probe_interval` speculates
+again to measure whether it pays again. The defaults are estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SpeculationSwitch:
+    """Per-step on/off for speculation, from the batch size and the measured acceptance."""
+
+    num_speculative_tokens: int
+    max_batch_size: int = 32
+    draft_cost: float = 0.0
+    verify_cost: float = 0.05
+    acceptance: float = 0.5  # accepted / drafted tokens: a moving average of what is measured
+    smoothing: float = 0.1  # weight of a new measurement
+    probe_interval: int = 16
+    _steps_off: int = 0
+
+    def gain(self) -> float:
+        """E(k) / C(k) at the current acceptance estimate."""
+        k = self.num_speculative_tokens
+        return (1.0 + self.acceptance * k) / (1.0 + k * (self.draft_cost + self.verify_cost))
+
+    def lookahead(self, batch_size: int) -> int:
+        """Draft slots per request for the next step: k, or 0 to decode plainly."""
+        if batch_size > self.max_batch_size:
+            return 0
+        if self.gain() >= 1.0:
+            self._steps_off = 0
+            return self.num_speculative_tokens
+        self._steps_off += 1
+        if self._steps_off >= self.probe_interval:
+            self._steps_off = 0
+            return self.num_speculative_tokens
+        return 0
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One verifying step's counts: the acceptance estimate moves toward their ratio."""
+        if num_draft_tokens:
+            measured = num_accepted_tokens / num_draft_tokens
+            self.acceptance += self.smoothing * (measured - self.acceptance)
