@@ -69,10 +69,10 @@ def test_settings_the_local_device_cannot_run_end_the_command_with_the_workers_r
 
 
 def test_refusal_is_a_nonzero_exit_of_the_command():
-    result = subprocess.run([*spillway_command(), "serve", "--cpu-offload-gb", "2", "--enable-lora"],
+    result = subprocess.run([*spillway_command(), "serve", "--swap-space", "2", "--enable-lora"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "--cpu-offload-gb" in result.stderr and "--enable-lora" in result.stderr
+    assert "--swap-space" in result.stderr and "--enable-lora" in result.stderr
 
 
 @pytest.mark.parametrize("flags", [["--reasoning-config", "{not json"],
