@@ -19,25 +19,14 @@ from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason, Generate, SamplingParams
 from spillway.worker.config import WorkerConfig
 from spillway.worker.engine import Engine
+from tiny_models import TINY_VOCAB, save_tiny_qwen3
 
-VOCAB = 384
+VOCAB = TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=1)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)  # large weights: outputs that do not loop on one token
-    path = tmp_path_factory.mktemp("tiny-qwen3-async")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-async"))
 
 
 def make_engine(path: str, async_scheduling: bool, **overrides) -> Engine:

@@ -18,26 +18,15 @@ from spillway.worker.engine import Engine
 from spillway.worker.spec.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import Job, RandomProposer, run, tokens_and_reasons
+from tiny_models import TINY_VOCAB, save_tiny_qwen3
 
-VOCAB = 384
+VOCAB = TINY_VOCAB
 K = 4
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=1)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("tiny-qwen3-spec")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-spec"))
 
 
 def make_engine(path: str, **overrides) -> Engine:
