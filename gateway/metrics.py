@@ -7,6 +7,7 @@ measured by the gateway as deltas arrive. Each app owns its registry.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator
 
@@ -20,6 +21,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The prefix-cache hit-rate gauges cover roughly this many recently queried prompt tokens.
 HIT_RATE_WINDOW_TOKENS = 100_000
 _TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type labels
+# A `*_created` sample, or the HELP/TYPE line of such a family.
+_CREATED = re.compile(rb"(# (HELP|TYPE) )?[^#\s{]+_created[{\s]")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
@@ -174,4 +177,7 @@ class GatewayMetrics:
         self._request_success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text exposition without prometheus_client's `*_created` timestamps, which vLLM
+        does not export (a dashboard summing a family would count them as values)."""
+        lines = generate_latest(self.registry).split(b"\n")
+        return b"\n".join(line for line in lines if not _CREATED.match(line))

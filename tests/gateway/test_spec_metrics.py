@@ -7,8 +7,7 @@ from spillway.protocol.messages import Stats
 
 
 def sample_lines(metrics: GatewayMetrics) -> list[str]:
-    return [line for line in metrics.render().decode().splitlines()
-            if line.startswith("vllm:spec_decode") and "_created" not in line]
+    return [line for line in metrics.render().decode().splitlines() if line.startswith("vllm:spec_decode")]
 
 
 def test_spec_decode_counters_add_the_workers_increments():
@@ -29,3 +28,13 @@ def test_spec_decode_counters_add_the_workers_increments():
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 2.0',
     ]
+
+
+def test_no_created_timestamps_are_exported():
+    metrics = GatewayMetrics("m")
+    metrics.on_stats(Stats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=4,
+                           spec_num_accepted_tokens_per_pos=[1, 1, 1, 1]))
+    text = metrics.render().decode()
+    assert "vllm:spec_decode_num_drafts_total" in text and "vllm:prompt_tokens_total" in text
+    assert "_created" not in text
+    assert text.endswith("\n")
