@@ -139,8 +139,7 @@ def _combine_splits_kernel(
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (row, head): out = sum_s 2^(max_s - M) acc_s / sum_s 2^(max_s - M) sum_s
-    over the splits that hold keys. Rows past the last sequence's read leftovers: their
-    output is unspecified, as without splits."""
+    over the splits that hold keys. Rows past the last sequence's have a count of 0: zeros."""
     wait_for_inputs(PDL)
     part_row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, NUM_SPLITS)
@@ -228,7 +227,7 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
         parts = (torch.empty(part_rows * num_splits, dtype=torch.float32, device=device),
                  torch.empty(part_rows * num_splits, dtype=torch.float32, device=device),
                  torch.empty(part_rows * num_splits * head_dim, dtype=torch.float32, device=device),
-                 torch.empty(part_rows, dtype=torch.int32, device=device))
+                 torch.zeros(part_rows, dtype=torch.int32, device=device))  # rows never written: 0 splits
     for_device(_prefill_kernel, device)[grid](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out, *parts,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -135,6 +135,7 @@ def test_split_keys_match_the_reference(case, num_splits):
     module._launch(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens), out,
                    num_splits=num_splits, min_split_len=64)
     assert relative_error(out[:num_rows], ref[:num_rows]) < 1e-5
+    assert bool((out[num_rows:] == 0).all())  # the padded rows: no split counted, zeros
     # Through the public call (splits of at least MIN_SPLIT keys): the same result.
     public = paged_prefill_attention(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens),
                                      num_splits=num_splits)
