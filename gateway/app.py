@@ -8,6 +8,7 @@ a 4xx; handlers never block the event loop on the worker.
 from __future__ import annotations
 
 import gc
+import hashlib
 import hmac
 import logging
 import time
@@ -180,7 +181,20 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
+def _check_json_body(request: Request) -> None:
+    """415 unless the body says it is JSON (or says nothing, as scripts may): a page in a
+    browser can send `text/plain` or a form to a server without --api-key with no CORS check."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise api.ApiError(415, f"the request body must be application/json, not {media_type or 'empty'}",
+                           code="unsupported_media_type")
+
+
 async def _read_json(request: Request, request_type: type):
+    _check_json_body(request)
     limit = _gateway(request).settings.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -286,12 +300,18 @@ class ApiKeyMiddleware:
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = hashlib.sha256(api_key.encode()).digest()
+
+    def _authorized(self, header: bytes) -> bool:
+        """`Bearer <key>`, the scheme in any case (RFC 9110); the keys compared as digests of one
+        length, in constant time, so the comparison says nothing of the key's length."""
+        scheme, _, token = header.strip().partition(b" ")
+        given = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(given, self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 error = api.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
                                      code="invalid_api_key")
                 await error_response(error)(scope, receive, send)

@@ -125,6 +125,9 @@ class JobBuilder:
                                   param="thinking_budget")
         max_tokens = [self._check_prompt(p.token_ids, params.max_tokens, "messages" if chat else "prompt")
                       for p in prompts]
+        if params.min_tokens > min(max_tokens):
+            raise api.bad_request(f"min_tokens ({params.min_tokens}) exceeds the room left for the completion "
+                                  f"({min(max_tokens)} tokens in this model's context)", param="min_tokens")
         options = request.stream_options
         stream = bool(request.stream)
         return Job(

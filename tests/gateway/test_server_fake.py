@@ -115,6 +115,25 @@ def test_api_key_guards_the_v1_routes(files, script):
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
+        # The scheme in any case (RFC 9110); never another scheme, a prefix or a longer key.
+        for header, status in (("bearer sekrit", 200), ("BEARER  sekrit", 200), ("Basic sekrit", 401),
+                               ("Bearer sekri", 401), ("Bearer sekrit2", 401), ("sekrit", 401)):
+            assert httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code == status, header
+
+
+def test_bodies_that_are_not_json_are_refused_and_min_tokens_must_fit(url):
+    body = json.dumps({**CHAT, "max_tokens": 4})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        answer = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": content_type})
+        assert answer.status_code == 415, content_type
+        assert answer.json()["error"]["code"] == "unsupported_media_type"
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        answer = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": content_type})
+        assert answer.status_code == 200, content_type
+    # No max_tokens: the room left in the context (256 here) bounds min_tokens.
+    answer = httpx.post(url + "/v1/chat/completions", json={**CHAT, "min_tokens": 10**15})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "min_tokens"
+    assert "exceeds the room left" in answer.json()["error"]["message"]
 
 
 def test_overload_is_answered_with_429_and_retry_after(files, script):
