@@ -8,14 +8,13 @@ a 4xx; handlers never block the event loop on the worker.
 from __future__ import annotations
 
 import gc
-import hashlib
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -24,6 +23,7 @@ from starlette.routing import Route
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
+from spillway.gateway.guards import ApiKeyMiddleware, check_json_body
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -161,6 +161,8 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
+        Route("/invocations", invocations, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -181,20 +183,12 @@ def _gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-def _check_json_body(request: Request) -> None:
-    """415 unless the body says it is JSON (or says nothing, as scripts may): a page in a
-    browser can send `text/plain` or a form to a server without --api-key with no CORS check."""
-    content_type = request.headers.get("content-type")
-    if content_type is None:
-        return
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise api.ApiError(415, f"the request body must be application/json, not {media_type or 'empty'}",
-                           code="unsupported_media_type")
-
-
 async def _read_json(request: Request, request_type: type):
-    _check_json_body(request)
+    return api.decode_request(await _read_body(request), request_type)
+
+
+async def _read_body(request: Request) -> bytes:
+    check_json_body(request.headers.get("content-type"))
     limit = _gateway(request).settings.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -205,7 +199,7 @@ async def _read_json(request: Request, request_type: type):
         if size > limit:
             raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    return api.decode_request(b"".join(chunks), request_type)
+    return b"".join(chunks)
 
 
 async def chat_completions(request: Request):
@@ -217,6 +211,25 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     gateway = _gateway(request)
     job = await gateway.jobs.completion_job(await _read_json(request, api.CompletionRequest))
+    return gateway.run(job)
+
+
+async def invocations(request: Request):
+    """SageMaker's entry point, as vLLM serves it: a body with `messages` is a chat completion,
+    one with `prompt` a completion."""
+    gateway = _gateway(request)
+    body = await _read_body(request)
+    try:
+        fields = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise api.bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if isinstance(fields, dict) and "messages" in fields:
+        job = await gateway.jobs.chat_job(api.decode_request(body, api.ChatCompletionRequest))
+    elif isinstance(fields, dict) and "prompt" in fields:
+        job = await gateway.jobs.completion_job(api.decode_request(body, api.CompletionRequest))
+    else:
+        raise api.bad_request("an /invocations body needs `messages` (chat) or `prompt` (completion)",
+                              param="messages")
     return gateway.run(job)
 
 
@@ -293,27 +306,3 @@ async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
     return error_response(api.ApiError(500, "internal server error", type="server_error"))
-
-
-class ApiKeyMiddleware:
-    """With --api-key, /v1/* requires `Authorization: Bearer <key>`."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = hashlib.sha256(api_key.encode()).digest()
-
-    def _authorized(self, header: bytes) -> bool:
-        """`Bearer <key>`, the scheme in any case (RFC 9110); the keys compared as digests of one
-        length, in constant time, so the comparison says nothing of the key's length."""
-        scheme, _, token = header.strip().partition(b" ")
-        given = hashlib.sha256(token.strip()).digest()
-        return hmac.compare_digest(given, self.expected) and scheme.lower() == b"bearer"
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
-                error = api.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
-                                     code="invalid_api_key")
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

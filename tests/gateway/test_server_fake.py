@@ -115,10 +115,23 @@ def test_api_key_guards_the_v1_routes(files, script):
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/invocations", json={**CHAT, "max_tokens": 1}).status_code == 401
         # The scheme in any case (RFC 9110); never another scheme, a prefix or a longer key.
         for header, status in (("bearer sekrit", 200), ("BEARER  sekrit", 200), ("Basic sekrit", 401),
                                ("Bearer sekri", 401), ("Bearer sekrit2", 401), ("sekrit", 401)):
             assert httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code == status, header
+
+
+def test_ping_and_invocations_as_sagemaker_calls_them(url, script):
+    assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
+    chat = httpx.post(url + "/invocations", json={**CHAT, "max_tokens": 3}).json()
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 3
+    text = httpx.post(url + "/invocations", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).json()
+    assert text["object"] == "text_completion" and text["usage"]["completion_tokens"] == 2
+    neither = httpx.post(url + "/invocations", json={"model": MODEL})
+    assert neither.status_code == 400 and "needs `messages`" in neither.json()["error"]["message"]
+    assert httpx.post(url + "/invocations", content=b"{no", headers={"Content-Type": "application/json"}
+                      ).json()["error"]["code"] == "invalid_json"
 
 
 def test_bodies_that_are_not_json_are_refused_and_min_tokens_must_fit(url):
