@@ -129,18 +129,7 @@ def test_speculation_with_asynchronous_scheduling_equals_plain_decoding(tiny_mod
 
 
 def save_tiny_model(path, vocab_size: int, seed: int) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=1)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0, 0.3)
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_qwen3(path, vocab_size=vocab_size, seed=seed, hidden_size=32, num_layers=1, num_heads=2)
 
 
 def draft_engine(target: str, draft: str) -> Engine:
