@@ -98,7 +98,7 @@ def measure_served(folder: Path, work: Workload, settings: dict, args) -> dict:
     pending = max(4 * settings.get("max_num_seqs", 256), work.largest_batch())  # all at once: no 429
     flags += ["--max-pending-requests", str(pending)]
     results: dict = {}
-    with Server(folder, flags, SERVED_NAME, args.startup_timeout) as server:
+    with Server(folder, flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
         url = server.url
         asyncio.run(stream_each(url, work.warmup, 4, SERVED_NAME))
         if "ttft" in work.rows:
@@ -114,13 +114,14 @@ def measure_served(folder: Path, work: Workload, settings: dict, args) -> dict:
         if "itl" in work.rows:
             results["itl"] = asyncio.run(stream_each(url, work.itl, args.itl_tokens, SERVED_NAME))
         for name, (prompts, out) in work.batches.items():
+            print(f"{name}: the served batch starts at {time.strftime('%H:%M:%S')}", flush=True)
             cpu_before, client_before = server.cpu_seconds(), time.process_time()
             timings, wall = asyncio.run(stream_all(url, prompts, out, SERVED_NAME))
             # The client's own CPU too: near one core, it (not the server) may be the limit.
             results[name] = (timings, wall, server.cpu_seconds() - cpu_before, time.process_time() - client_before)
     if "prefix" in work.rows:
         off_flags = flags + ["--no-enable-prefix-caching"]
-        with Server(folder, off_flags, SERVED_NAME, args.startup_timeout) as server:
+        with Server(folder, off_flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
             asyncio.run(stream_each(server.url, work.warmup, 4, SERVED_NAME))
             results["cold_off"] = asyncio.run(stream_each(server.url, work.cold, 1, SERVED_NAME))
     return results
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=float, default=900, help="seconds for a server to be healthy")
     parser.add_argument("--seed", type=int, default=0, help="of the prompts")
     parser.add_argument("--results", help="append every row here as a JSON line")
+    parser.add_argument("--server-log", type=Path, help="append each server's output (gateway and worker) here")
     engine = parser.add_argument_group("engine flags (to both `spillway serve` and LLM)")
     for name, kind in ENGINE_FLAGS:
         flag = "--" + name.replace("_", "-")

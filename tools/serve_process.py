@@ -122,7 +122,9 @@ def wait_gone(pids: list[int], timeout_s: float) -> None:
 class Server:
     """`spillway serve FOLDER --load-format dummy` with the given flags, on a free port."""
 
-    def __init__(self, folder: Path, flags: list[str], model_name: str, startup_timeout_s: float) -> None:
+    def __init__(self, folder: Path, flags: list[str], model_name: str, startup_timeout_s: float,
+                 keep_log: Path | None = None) -> None:
+        self.keep_log = keep_log  # the server's output is appended there when it stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = model_name
@@ -171,6 +173,10 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
                 wait_gone(children, 10)
+        if self.keep_log is not None and not self.log.closed:
+            self.log.seek(0)
+            with open(self.keep_log, "ab") as kept:
+                kept.write(self.log.read())
         self.log.close()
 
     def __enter__(self) -> Server:

@@ -34,6 +34,7 @@ from spillway.protocol.messages import (
     encoder,
     gateway_decoder,
 )
+from spillway.worker.compile_log import log_late_compiles
 from spillway.worker.engine import Engine
 
 logger = logging.getLogger("spillway.worker")
@@ -72,6 +73,8 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     gc.collect()
     gc.freeze()
     ready = msgspec.structs.replace(engine.ready(), worker_session=os.urandom(8))
+    if engine.device.type == "cuda":
+        log_late_compiles()
     out.send(enc.encode(ready))
     try:
         _busy_loop(engine, ready, inp, out, parent_pid)
