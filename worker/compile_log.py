@@ -29,9 +29,9 @@ def log_late_compiles() -> bool:
     started = time.monotonic()
 
     def hook(*args, **kwargs):
-        name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", None) or "a kernel"
-        logger.warning("compiling %s %.1f s after start-up: the step that needs it waits for it",
-                       name, time.monotonic() - started)
+        name = (kwargs.get("repr") or "a kernel").split("[")[0]
+        logger.warning("compiling %s %.1f s after start-up (specialisation %s): the step that needs it waits for it",
+                       name, time.monotonic() - started, str(kwargs.get("key"))[:600])
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_cache_hook = hook

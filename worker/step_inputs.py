@@ -7,6 +7,8 @@ device side:
     | input_ids [R] | positions [R] | slot_mapping [R] | last_rows [S] |
     | context_lens [S] | query_start_loc [S + 1] | block_tables [S, width] |
 
+each field starting at a multiple of 16 bytes (`FIELD_ALIGN`).
+
 R rows (the step's tokens), S sequences. A padded row has token 0, position 0 and slot -1;
 a padded sequence has context length 0, so the kernels skip both.
 
@@ -42,10 +44,29 @@ class StepLayout:
     block_tables: torch.Tensor  # [seqs, width]
 
 
+# Every field starts 16 bytes into alignment and an unpadded step's block tables are a whole
+# number of 16-entry rows wide. Triton specialises a kernel on its pointers' 16-byte alignment
+# and on integer arguments that are 1 or multiples of 16: with fields packed end to end, the
+# eager path met a new combination of the step's row and sequence counts every few shapes and
+# compiled a kernel variant inside a request (~0.5-1 s each).
+FIELD_ALIGN = 4  # int32 elements
+TABLE_WIDTH_MULTIPLE = 16  # blocks
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _field_sizes(num_rows: int, num_seqs: int) -> tuple[int, ...]:
+    return num_rows, num_rows, num_rows, num_seqs, num_seqs, num_seqs + 1
+
+
 def _offsets(num_rows: int, num_seqs: int) -> tuple[int, ...]:
     """Start of each field in the packed buffer, then the start of the block tables."""
-    starts = [0, num_rows, 2 * num_rows, 3 * num_rows, 3 * num_rows + num_seqs, 3 * num_rows + 2 * num_seqs]
-    return (*starts, starts[-1] + num_seqs + 1)
+    starts = [0]
+    for size in _field_sizes(num_rows, num_seqs):
+        starts.append(starts[-1] + _round_up(size, FIELD_ALIGN))
+    return tuple(starts)
 
 
 class StepInputs:
@@ -89,7 +110,7 @@ class StepInputs:
     def _fields(buffer, num_rows: int, num_seqs: int, width: int) -> list:
         """Views of the packed fields of `buffer` (a numpy array or a tensor), in layout order."""
         offsets = _offsets(num_rows, num_seqs)
-        fields = [buffer[a:b] for a, b in zip(offsets, offsets[1:])]
+        fields = [buffer[start: start + size] for start, size in zip(offsets, _field_sizes(num_rows, num_seqs))]
         tables = buffer[offsets[-1]: offsets[-1] + num_seqs * width]
         return [*fields, tables.reshape(num_seqs, width)]  # contiguous: a view, never a copy
 
@@ -108,9 +129,11 @@ class StepInputs:
         return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width))
 
     def stage(self, chunks) -> StepLayout:
-        """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context."""
+        """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context
+        rounded up to `TABLE_WIDTH_MULTIPLE` (within the runner's limit)."""
         query_lens = [len(chunk.token_ids) for chunk in chunks]
-        width = max(-(-(chunk.start + n) // self.block_size) for chunk, n in zip(chunks, query_lens))
+        needed = max(-(-(chunk.start + n) // self.block_size) for chunk, n in zip(chunks, query_lens))
+        width = max(needed, min(_round_up(needed, TABLE_WIDTH_MULTIPLE), self.capacity[2]))
         self._reserve(sum(query_lens), len(chunks), width)
         return self._stage_rows(chunks, query_lens, sum(query_lens), len(chunks), width, clear_tables=True)
 

@@ -186,7 +186,7 @@ def test_preemption_in_a_small_pool(tiny_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_with_graphs_greedy_and_stop_tokens_equal_synchronous_stepping(tiny_model):
     batch = prompts(12, seed=7)
-    cuda = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, gpu_memory_utilization=0.2)
+    cuda = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, num_gpu_blocks_override=512)
     free_run = drive(make_engine(tiny_model, False, **cuda),
                      {0: [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
                           for i, p in enumerate(batch)]})

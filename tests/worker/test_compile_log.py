@@ -20,7 +20,7 @@ def test_a_late_compile_is_logged_and_the_compile_still_happens(caplog):
                                                 fn=None, compile=None, is_manual_warmup=False,
                                                 already_compiled=False)
         assert not skip  # a true value would make Triton skip the compile
-        assert "compiling _prefill_kernel[num_warps=4]" in caplog.text
+        assert "compiling _prefill_kernel " in caplog.text and "specialisation k" in caplog.text
     finally:
         knobs.runtime.jit_cache_hook = before
 

@@ -16,7 +16,8 @@ from tests.worker.test_spec_engine import K, make_engine, mixed_jobs, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CUDA_SETTINGS = dict(device="cuda", async_scheduling=True, gpu_memory_utilization=0.3)
+# A pool of a few hundred blocks: the invariant check every test step walks all of them.
+CUDA_SETTINGS = dict(device="cuda", async_scheduling=True, num_gpu_blocks_override=512)
 
 
 @pytest.mark.parametrize("proposer_kind", ["ngram", "replay", "draft-model"])

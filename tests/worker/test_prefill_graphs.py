@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from spillway.worker.cuda_graphs import StepGraphs, prefill_buckets, prefill_graph_seqs
@@ -150,3 +151,21 @@ def test_warm_up_runs_one_eager_step_in_the_pools_first_blocks_and_skips_a_pool_
     runner.kv_cache = torch.zeros_like(runner.kv_cache[:2])
     runner.warm_up(num_tokens=40)  # 3 blocks do not fit a pool of 2: nothing runs
     assert runner.kv_cache.abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("num_rows,num_seqs", [(513, 1), (8192, 64), (8191, 63), (7, 3), (130, 129)])
+def test_every_field_starts_16_byte_aligned_and_eager_tables_are_16_entries_wide(num_rows, num_seqs):
+    """Triton compiles a kernel variant per combination of pointer alignments and of integer
+    arguments that are 1 or multiples of 16: one combination for every step shape means no
+    compile inside a request."""
+    block_size = 16
+    inputs = StepInputs(max_num_tokens=8192, max_num_seqs=256, max_blocks_per_seq=64, block_size=block_size,
+                        device=CPU)
+    per_seq = [num_rows // num_seqs + (seq < num_rows % num_seqs) for seq in range(num_seqs)]
+    chunks = [ChunkInput([1] * n, 3, list(range(-(-(n + 3) // block_size)))) for n in per_seq]
+    layout = inputs.stage(chunks)
+    fields = [layout.input_ids, layout.positions, layout.slot_mapping, layout.last_rows, layout.context_lens,
+              layout.query_start_loc, layout.block_tables]
+    assert all(field.data_ptr() % 16 == 0 for field in fields)
+    assert layout.block_tables.shape[1] % 16 == 0 and layout.block_tables.stride(0) % 16 == 0
+    assert layout.query_start_loc.tolist()[-1] == num_rows and layout.context_lens.tolist() == [n + 3 for n in per_seq]
