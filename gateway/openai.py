@@ -259,9 +259,10 @@ def completion_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
+    kinds = set(map(type, prompt))  # one pass in C: a long token-id prompt is the common case
+    if kinds == {int}:
         return [list(prompt)]
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+    if kinds == {str} or kinds == {list}:
         return list(prompt)
     raise bad_request("prompt must be a string, a list of token ids, or a list of either", param="prompt")
 

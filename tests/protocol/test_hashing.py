@@ -57,3 +57,18 @@ def test_bad_arguments():
         block_hashes([1, 2], 0, ROOT)
     with pytest.raises(ValueError):
         block_hashes([1] * 32, 16, ROOT, start=1)
+
+
+def test_the_packed_chain_equals_hashing_block_by_block():
+    import random
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(2**32) for _ in range(16 * 40 + 7)]
+    root = root_hash(b"seed", "model")
+    expected, prev = [], root
+    for i in range(40):
+        prev = hash_block(prev, tokens[16 * i: 16 * (i + 1)], b"salt" if i == 0 else b"")
+        expected.append(prev)
+    assert block_hashes(tokens, 16, root, cache_salt="salt") == expected
+    assert block_hashes(tokens, 16, root, cache_salt="salt", start=25, parent=expected[24]) == expected[25:]
+    assert block_hashes(tokens[:15], 16, root) == []
