@@ -1,0 +1,52 @@
+"""tools/bench_tier.py's workload pieces and checks (the rows themselves run on the GPU)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools import bench_tier  # noqa: E402
+
+
+def test_each_turn_extends_the_one_before_by_a_reply_and_a_user_message():
+    turns = bench_tier.conversation_turns(random.Random(0), 1000, turns=3, user_len=5, reply_len=7)
+    assert [len(t) for t in turns] == [5, 17, 29]
+    assert turns[1][:5] == turns[0] and turns[2][:17] == turns[1]
+    assert all(256 <= token < 1000 for token in turns[2])
+
+
+def test_turns_go_round_robin_over_the_conversations():
+    a, b = [[1], [1, 2]], [[3], [3, 4]]
+    assert bench_tier.round_robin([a, b]) == [(0, [1]), (0, [3]), (1, [1, 2]), (1, [3, 4])]
+
+
+def test_the_cpu_tier_hits_are_read_from_the_metrics_text():
+    text = ('# TYPE spillway:cached_tokens counter\n'
+            'spillway:cached_tokens_total{model_name="bench",source="gpu"} 12.0\n'
+            'spillway:cached_tokens_total{model_name="bench",source="cpu"} 4096.0\n')
+    assert bench_tier.cpu_cached_in(text) == 4096.0
+    assert bench_tier.cpu_cached_in("") == 0.0
+
+
+def test_sizes_are_checked_before_any_server_starts():
+    args = bench_tier.build_parser().parse_args(["--quick", "--concurrency", "9"])
+    with pytest.raises(SystemExit, match="--concurrency"):
+        bench_tier.resolve_sizes(args)
+    args = bench_tier.build_parser().parse_args(["--gpu-blocks", "10"])
+    with pytest.raises(SystemExit, match="--prefix-len"):
+        bench_tier.resolve_sizes(args)
+    args = bench_tier.build_parser().parse_args([])
+    bench_tier.resolve_sizes(args)
+    history = args.conversations * (args.turns * args.user_len + (args.turns - 1) * args.reply_len)
+    assert history >= 2.5 * args.gpu_blocks * args.block_size  # the multi-turn row outgrows the pool
+    assert args.max_model_len == 16384
+
+
+def test_unknown_rows_are_refused():
+    with pytest.raises(SystemExit):
+        bench_tier.build_parser().parse_args(["--rows", "convoy,nope"])

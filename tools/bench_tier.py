@@ -1,0 +1,258 @@
+"""The CPU KV tier through `spillway serve`: multi-turn chat whose history outgrows the GPU
+pool, and a convoy of requests on a prefix held only in the CPU tier, each against a baseline
+measured in the same run.
+
+    python tools/bench_tier.py --tokenizer-dir tok                  # qwen3-8b shape, dummy weights (GPU)
+    python tools/bench_tier.py --quick --model smollm2-135m         # small sizes (the CPU too)
+
+The model is a built-in config with dummy weights and the default model's tokenizer (as
+tools/bench_serve.py builds it); the GPU pool is fixed with --gpu-blocks so that the workload
+outgrows it by a known factor. Prompts are token ids on /v1/completions, greedy, `ignore_eos`.
+
+Rows (`--rows`):
+    multiturn  `--conversations` conversations of `--turns` turns, taken round robin (turn 1 of
+               each, then turn 2, ...), `--concurrency` requests at once. A turn's prompt is the
+               conversation so far: the previous prompt, a reply of `--reply-len` tokens and
+               `--user-len` new ones; `--output-len` tokens come back. Served with the tier
+               (`--cpu-offload-gb`) and by a second server without it: TTFT p50 of turns 2 on
+               (without / with: >= 3 is the target), the P99 inter-token gap each way (the tier
+               may add <= 5 ms), and the prompt tokens served from cache.
+    convoy     a `--prefix-len`-token prefix computed once, then pushed out of the GPU pool by
+               filler prompts (so only the CPU tier holds it), then `--convoy` requests at once on
+               it (each with 32 tokens of its own): their TTFT p50 against one request alone on
+               the same prefix, pushed out the same way first (<= 1.2x is the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
+
+import httpx  # noqa: E402
+
+from tools import bench_table  # noqa: E402
+from tools.bench_table import Rows, print_table, row  # noqa: E402
+from tools.loadgen.report import percentile  # noqa: E402
+from tools.serve_process import Server, build_model_folder, default_tokenizer_dir, machine, raise_open_files_limit  # noqa: E402
+from tools.serve_stream import StreamTiming, stream_all, stream_completion  # noqa: E402
+
+ROWS = ("multiturn", "convoy")
+SERVED_NAME = "bench"
+_CPU_HITS = re.compile(r'^spillway:cached_tokens_total\{[^}]*source="cpu"[^}]*\} (\S+)$', re.MULTILINE)
+
+
+# ---- the workloads: token-id prompts, seeded -----------------------------------------------
+
+def conversation_turns(rng: random.Random, vocab: int, turns: int, user_len: int, reply_len: int) -> list[list[int]]:
+    """The prompts of one conversation's turns: each is the one before, a reply, then a new
+    user message (the first is a user message alone)."""
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(256, vocab) for _ in range(count)]
+
+    prompts = [tokens(user_len)]
+    for _ in range(turns - 1):
+        prompts.append(prompts[-1] + tokens(reply_len) + tokens(user_len))
+    return prompts
+
+
+def round_robin(conversations: list[list[list[int]]]) -> list[tuple[int, list[int]]]:
+    """(turn index, prompt) of turn 1 of every conversation, then turn 2 of every one, ..."""
+    return [(turn, conversation[turn]) for turn in range(len(conversations[0])) for conversation in conversations]
+
+
+async def run_bounded(url: str, requests: list[tuple[int, list[int]]], output_len: int,
+                      concurrency: int) -> list[tuple[int, StreamTiming]]:
+    """Every request, at most `concurrency` at once, in order of submission (a conversation's
+    turn t + 1 is submitted after its turn t, `concurrency` <= conversations keeps that true)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(turn: int, prompt: list[int]) -> tuple[int, StreamTiming]:
+        async with gate:
+            return turn, await stream_completion(url, prompt, output_len, SERVED_NAME)
+
+    return list(await asyncio.gather(*(one(turn, prompt) for turn, prompt in requests)))
+
+
+def cpu_cached_tokens(url: str) -> float:
+    """The server's prompt tokens served from the CPU tier so far (0 without the tier)."""
+    return cpu_cached_in(httpx.get(url + "/metrics", timeout=10, trust_env=False).text)
+
+
+def cpu_cached_in(metrics_text: str) -> float:
+    match = _CPU_HITS.search(metrics_text)
+    return float(match.group(1)) if match else 0.0
+
+
+# ---- rows -----------------------------------------------------------------------------------
+
+def measure_multiturn(folder: Path, vocab: int, flags: list[str], args) -> dict:
+    rng = random.Random(args.seed)
+    conversations = [conversation_turns(rng, vocab, args.turns, args.user_len, args.reply_len)
+                     for _ in range(args.conversations)]
+    requests = round_robin(conversations)
+    results = {}
+    for label, extra in (("tier", ["--cpu-offload-gb", str(args.cpu_offload_gb)]), ("no tier", [])):
+        with Server(folder, flags + extra, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+            warm = [[rng.randrange(256, vocab) for _ in range(args.user_len)] for _ in range(2)]
+            asyncio.run(run_bounded(server.url, [(0, p) for p in warm], 4, 1))
+            before = cpu_cached_tokens(server.url)
+            timed = asyncio.run(run_bounded(server.url, requests, args.output_len, args.concurrency))
+            results[label] = (timed, cpu_cached_tokens(server.url) - before)
+    return results
+
+
+def report_multiturn(results: dict, args, rows: Rows) -> None:
+    def later_turns(label: str) -> list[StreamTiming]:
+        return [t for turn, t in results[label][0] if turn > 0]
+
+    ttft = {label: percentile([t.ttft for t in later_turns(label)], 50) * 1e3 for label in results}
+    itl = {label: percentile([g for _, t in results[label][0] for g in t.gaps], 99) * 1e3 for label in results}
+    cached = {label: sum(t.cached_tokens or 0 for t in later_turns(label)) for label in results}
+    prompt = sum(t.prompt_tokens or 0 for t in later_turns("tier"))
+    history = args.conversations * (args.turns * args.user_len + (args.turns - 1) * args.reply_len)
+    note = (f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at once; all histories "
+            f"{history:,} tokens = {history / (args.gpu_blocks * args.block_size):.1f}x the GPU pool; turns 2+: "
+            f"prompt tokens {prompt:,}, from cache with the tier {cached['tier']:,} "
+            f"(from the CPU tier {results['tier'][1]:,.0f}), without {cached['no tier']:,}")
+    rows.add(row(f"{args.model} multi-turn TTFT p50, turns 2+", ttft["tier"], "ms", "without the tier",
+                 ttft["no tier"], ttft["no tier"] / ttft["tier"], target=3, note=note))
+    rows.add(row(f"{args.model} multi-turn P99 ITL added by the tier", itl["tier"] - itl["no tier"], "ms",
+                 "P99 ITL without the tier", itl["no tier"], target=5, lower_is_better=True,
+                 note=f"P99 ITL with the tier {itl['tier']:.2f} ms"))
+
+
+def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
+    rng = random.Random(args.seed + 1)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(256, vocab) for _ in range(count)]
+
+    prefix = tokens(args.prefix_len)
+    pool_tokens = args.gpu_blocks * args.block_size
+    filler_len = min(args.prefix_len, pool_tokens // 2)
+    fillers = -(-(pool_tokens + args.prefix_len) // filler_len)  # more than the pool holds
+
+    def push_out(url: str) -> None:
+        """Compute distinct prompts enough to evict every block the GPU pool holds."""
+        asyncio.run(run_bounded(url, [(0, tokens(filler_len)) for _ in range(fillers)], 1, 1))
+
+    flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
+    with Server(folder, flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+        url = server.url
+        asyncio.run(run_bounded(url, [(0, prefix + tokens(32))], 1, 1))  # the prefix computed once
+        push_out(url)
+        before = cpu_cached_tokens(url)
+        single = asyncio.run(run_bounded(url, [(0, prefix + tokens(32))], 1, 1))[0][1]
+        single_cpu = cpu_cached_tokens(url) - before
+        push_out(url)
+        before = cpu_cached_tokens(url)
+        convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(32) for _ in range(args.convoy)], 1, SERVED_NAME))
+        convoy_cpu = cpu_cached_tokens(url) - before
+    return {"single": single, "single_cpu": single_cpu, "convoy": convoy, "convoy_cpu": convoy_cpu,
+            "fillers": fillers, "filler_len": filler_len}
+
+
+def report_convoy(results: dict, args, rows: Rows) -> None:
+    single = results["single"].ttft * 1e3
+    convoy = percentile([t.ttft for t in results["convoy"]], 50) * 1e3
+    ratio = single / convoy
+    spread = "/".join(f"{percentile([t.ttft for t in results['convoy']], q) * 1e3:,.1f}" for q in (50, 90, 99))
+    rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix, TTFT p50",
+                 convoy, "ms", "one request alone", single, ratio, target=round(1 / 1.2, 3),  # convoy <= 1.2x alone
+                 note=f"prefix tokens from the CPU tier: alone {results['single_cpu']:,.0f}, convoy "
+                      f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
+                      f"{spread}; "
+                      f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens"))
+
+
+# ---- the command line -----------------------------------------------------------------------
+
+def parse_rows(text: str) -> list[str]:
+    chosen = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in chosen if name not in ROWS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown row {unknown[0]!r}: {', '.join(ROWS)}")
+    return [name for name in ROWS if name in chosen]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=parse_rows, default=list(ROWS), help=f"comma-separated: {', '.join(ROWS)}")
+    parser.add_argument("--model", default="qwen3-8b", help="built-in config (dummy weights)")
+    parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a few seconds of work a row")
+    parser.add_argument("--gpu-blocks", type=int, help="the GPU pool in blocks (default 2048; --quick 64)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--cpu-offload-gb", type=float, default=40, help="the CPU tier of the served runs, GiB")
+    parser.add_argument("--conversations", type=int)
+    parser.add_argument("--turns", type=int)
+    parser.add_argument("--user-len", type=int)
+    parser.add_argument("--reply-len", type=int)
+    parser.add_argument("--output-len", type=int)
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--prefix-len", type=int)
+    parser.add_argument("--convoy", type=int)
+    parser.add_argument("--max-model-len", type=int, help="default: what the GPU pool holds, at most 16,384")
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-log", type=Path, help="append each server's output here")
+    parser.add_argument("--results", help="append every row here as a JSON line")
+    return parser
+
+
+FULL = dict(gpu_blocks=2048, conversations=18, turns=6, user_len=512, reply_len=512, output_len=32, concurrency=4,
+            prefix_len=10_000, convoy=50)
+QUICK = dict(gpu_blocks=32, conversations=4, turns=4, user_len=48, reply_len=48, output_len=4, concurrency=2,
+             prefix_len=400, convoy=6)
+
+
+def resolve_sizes(args) -> None:
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.max_model_len is None:
+        args.max_model_len = min(16384, args.gpu_blocks * args.block_size)
+    if args.concurrency > args.conversations:
+        raise SystemExit("--concurrency must not exceed --conversations (a conversation's turns go in order)")
+    if args.prefix_len + 32 > args.gpu_blocks * args.block_size:
+        raise SystemExit("--prefix-len must fit the GPU pool (--gpu-blocks x --block-size) with 32 tokens to spare")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    resolve_sizes(args)
+    raise_open_files_limit()
+    tokenizer_dir = args.tokenizer_dir or default_tokenizer_dir()
+    bench_table.MACHINE = machine()
+    print(f"{bench_table.MACHINE}, {date.today()}", flush=True)
+    flags = ["--num-gpu-blocks-override", str(args.gpu_blocks), "--block-size", str(args.block_size),
+             "--max-model-len", str(args.max_model_len), "--max-pending-requests", str(4 * max(args.convoy, 64))]
+    rows = Rows(args.results)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tier-"))
+    try:
+        folder = build_model_folder(args.model, tokenizer_dir, tmp)
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        if "multiturn" in args.rows:
+            report_multiturn(measure_multiturn(folder, vocab, flags, args), args, rows)
+        if "convoy" in args.rows:
+            report_convoy(measure_convoy(folder, vocab, flags, args), args, rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print_table(rows.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
