@@ -54,13 +54,15 @@ _CPU_HITS = re.compile(r'^spillway:cached_tokens_total\{[^}]*source="cpu"[^}]*\}
 
 # ---- the workloads: token-id prompts, seeded -----------------------------------------------
 
-def conversation_turns(rng: random.Random, vocab: int, turns: int, user_len: int, reply_len: int) -> list[list[int]]:
+def conversation_turns(rng: random.Random, vocab: int, turns: int, user_len: int, reply_len: int,
+                       first_len: int | None = None) -> list[list[int]]:
     """The prompts of one conversation's turns: each is the one before, a reply, then a new
-    user message (the first is a user message alone)."""
+    user message. The first is a user message alone, of `first_len` tokens (a document, a long
+    system prompt; default `user_len`)."""
     def tokens(count: int) -> list[int]:
         return [rng.randrange(256, vocab) for _ in range(count)]
 
-    prompts = [tokens(user_len)]
+    prompts = [tokens(user_len if first_len is None else first_len)]
     for _ in range(turns - 1):
         prompts.append(prompts[-1] + tokens(reply_len) + tokens(user_len))
     return prompts
@@ -98,7 +100,7 @@ def cpu_cached_in(metrics_text: str) -> float:
 
 def measure_multiturn(folder: Path, vocab: int, flags: list[str], args) -> dict:
     rng = random.Random(args.seed)
-    conversations = [conversation_turns(rng, vocab, args.turns, args.user_len, args.reply_len)
+    conversations = [conversation_turns(rng, vocab, args.turns, args.user_len, args.reply_len, args.first_len)
                      for _ in range(args.conversations)]
     requests = round_robin(conversations)
     results = {}
@@ -120,8 +122,9 @@ def report_multiturn(results: dict, args, rows: Rows) -> None:
     itl = {label: percentile([g for _, t in results[label][0] for g in t.gaps], 99) * 1e3 for label in results}
     cached = {label: sum(t.cached_tokens or 0 for t in later_turns(label)) for label in results}
     prompt = sum(t.prompt_tokens or 0 for t in later_turns("tier"))
-    history = args.conversations * (args.turns * args.user_len + (args.turns - 1) * args.reply_len)
-    note = (f"{args.conversations} conversations x {args.turns} turns, {args.concurrency} at once; all histories "
+    history = args.conversations * history_tokens(args)
+    note = (f"{args.conversations} conversations x {args.turns} turns (first {args.first_len}, then +{args.reply_len} "
+            f"reply +{args.user_len} user tokens a turn, {args.output_len} out), {args.concurrency} at once; all histories "
             f"{history:,} tokens = {history / (args.gpu_blocks * args.block_size):.1f}x the GPU pool; turns 2+: "
             f"prompt tokens {prompt:,}, from cache with the tier {cached['tier']:,} "
             f"(from the CPU tier {results['tier'][1]:,.0f}), without {cached['no tier']:,}")
@@ -197,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-offload-gb", type=float, default=40, help="the CPU tier of the served runs, GiB")
     parser.add_argument("--conversations", type=int)
     parser.add_argument("--turns", type=int)
+    parser.add_argument("--first-len", type=int, help="the first turn's prompt (a document, a long system prompt)")
     parser.add_argument("--user-len", type=int)
     parser.add_argument("--reply-len", type=int)
     parser.add_argument("--output-len", type=int)
@@ -211,10 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-FULL = dict(gpu_blocks=2048, conversations=18, turns=6, user_len=512, reply_len=512, output_len=32, concurrency=4,
-            prefix_len=10_000, convoy=50)
-QUICK = dict(gpu_blocks=32, conversations=4, turns=4, user_len=48, reply_len=48, output_len=4, concurrency=2,
-             prefix_len=400, convoy=6)
+# A conversation over a document: a 2,048-token first turn, then 256 reply and 256 user tokens a
+# turn (the reply is re-sent as prompt tokens never computed before, where a real reply's KV would
+# mostly be cached already: a conservative shape).
+FULL = dict(gpu_blocks=2048, conversations=22, turns=6, first_len=2048, user_len=256, reply_len=256, output_len=32,
+            concurrency=4, prefix_len=10_000, convoy=50)
+QUICK = dict(gpu_blocks=32, conversations=4, turns=4, first_len=48, user_len=48, reply_len=48, output_len=4,
+             concurrency=2, prefix_len=400, convoy=6)
+
+
+def history_tokens(args) -> int:
+    """One conversation's last prompt."""
+    return args.first_len + (args.turns - 1) * (args.reply_len + args.user_len)
 
 
 def resolve_sizes(args) -> None:

@@ -18,6 +18,8 @@ def test_each_turn_extends_the_one_before_by_a_reply_and_a_user_message():
     assert [len(t) for t in turns] == [5, 17, 29]
     assert turns[1][:5] == turns[0] and turns[2][:17] == turns[1]
     assert all(256 <= token < 1000 for token in turns[2])
+    first = bench_tier.conversation_turns(random.Random(0), 1000, turns=2, user_len=5, reply_len=7, first_len=30)
+    assert [len(t) for t in first] == [30, 42]
 
 
 def test_turns_go_round_robin_over_the_conversations():
@@ -42,8 +44,8 @@ def test_sizes_are_checked_before_any_server_starts():
         bench_tier.resolve_sizes(args)
     args = bench_tier.build_parser().parse_args([])
     bench_tier.resolve_sizes(args)
-    history = args.conversations * (args.turns * args.user_len + (args.turns - 1) * args.reply_len)
-    assert history >= 2.5 * args.gpu_blocks * args.block_size  # the multi-turn row outgrows the pool
+    history = args.conversations * bench_tier.history_tokens(args)
+    assert history >= 3 * args.gpu_blocks * args.block_size  # the multi-turn row outgrows the pool
     assert args.max_model_len == 16384
 
 
