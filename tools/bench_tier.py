@@ -19,8 +19,10 @@ Rows (`--rows`):
                may add <= 5 ms), and the prompt tokens served from cache.
     convoy     a `--prefix-len`-token prefix computed once, then pushed out of the GPU pool by
                filler prompts (so only the CPU tier holds it), then `--convoy` requests at once on
-               it (each with 32 tokens of its own): their TTFT p50 against one request alone on
-               the same prefix, pushed out the same way first (<= 1.2x is the target).
+               it (each with `--suffix-len` tokens of its own, default 4: what the row measures is
+               one load shared by all without anyone waiting on another, not the compute of long
+               suffixes, which grows with their sum): their TTFT p50 against one request alone
+               on the same prefix, pushed out the same way first (<= 1.2x is the target).
 """
 
 from __future__ import annotations
@@ -153,14 +155,15 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
     with Server(folder, flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
         url = server.url
-        asyncio.run(run_bounded(url, [(0, prefix + tokens(32))], 1, 1))  # the prefix computed once
+        asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
         push_out(url)
         before = cpu_cached_tokens(url)
-        single = asyncio.run(run_bounded(url, [(0, prefix + tokens(32))], 1, 1))[0][1]
+        single = asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))[0][1]
         single_cpu = cpu_cached_tokens(url) - before
         push_out(url)
         before = cpu_cached_tokens(url)
-        convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(32) for _ in range(args.convoy)], 1, SERVED_NAME))
+        convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(args.convoy)], 1,
+                                           SERVED_NAME))
         convoy_cpu = cpu_cached_tokens(url) - before
     return {"single": single, "single_cpu": single_cpu, "convoy": convoy, "convoy_cpu": convoy_cpu,
             "fillers": fillers, "filler_len": filler_len}
@@ -171,7 +174,8 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
     convoy = percentile([t.ttft for t in results["convoy"]], 50) * 1e3
     ratio = single / convoy
     spread = "/".join(f"{percentile([t.ttft for t in results['convoy']], q) * 1e3:,.1f}" for q in (50, 90, 99))
-    rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix, TTFT p50",
+    rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix "
+                 f"(+{args.suffix_len} each), TTFT p50",
                  convoy, "ms", "one request alone", single, ratio, target=round(1 / 1.2, 3),  # convoy <= 1.2x alone
                  note=f"prefix tokens from the CPU tier: alone {results['single_cpu']:,.0f}, convoy "
                       f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
@@ -207,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--prefix-len", type=int)
     parser.add_argument("--convoy", type=int)
+    parser.add_argument("--suffix-len", type=int, default=4, help="convoy: each request's own tokens after the prefix")
     parser.add_argument("--max-model-len", type=int, help="default: what the GPU pool holds, at most 16,384")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--seed", type=int, default=0)
@@ -237,8 +242,10 @@ def resolve_sizes(args) -> None:
         args.max_model_len = min(16384, args.gpu_blocks * args.block_size)
     if args.concurrency > args.conversations:
         raise SystemExit("--concurrency must not exceed --conversations (a conversation's turns go in order)")
-    if args.prefix_len + 32 > args.gpu_blocks * args.block_size:
-        raise SystemExit("--prefix-len must fit the GPU pool (--gpu-blocks x --block-size) with 32 tokens to spare")
+    if args.suffix_len < 1:
+        raise SystemExit("--suffix-len must be at least 1 (the requests differ)")
+    if args.prefix_len + args.suffix_len > args.gpu_blocks * args.block_size:
+        raise SystemExit("--prefix-len + --suffix-len must fit the GPU pool (--gpu-blocks x --block-size)")
 
 
 def main(argv: list[str] | None = None) -> int:
