@@ -1,90 +1,207 @@
-"""The CPU tier's copies on the GPU: store (GPU -> pinned host) and restore (host -> GPU)
-bandwidth through the engine's own copier, against a plain pinned copy of the same bytes in
-the same run, and whether the bytes come back equal.
+"""The CPU tier's copies on the GPU, each row against a baseline measured in the same run.
 
-    python tools/bench_kv_offload.py                    # Qwen3-8B blocks (2.25 MiB), 2,048 of them
+    python tools/bench_kv_offload.py                                  # every row, Qwen3-8B blocks
+    python tools/bench_kv_offload.py --rows copies,both --blocks 4096
+    python tools/bench_kv_offload.py --rows reload --prefix-tokens 32768
     python tools/bench_kv_offload.py --model smollm2-135m --blocks 8192
 
-Rows: one contiguous run of slots (one transfer per run), and every other slot (one transfer
-per block, the worst case of a fragmented pool). The baseline is `tensor.copy_` of one pinned
-buffer of the same size, each direction.
+    copies        store (GPU -> pinned host) and restore (host -> GPU) GB/s through the engine's
+                  copier, one contiguous run of slots and every other slot (one transfer per
+                  block), against `tensor.copy_` of one pinned buffer of the same size; and
+                  whether a store, a wipe and a restore give back the same bytes
+    both          one `KVCopier.run` with --blocks stores and --blocks loads of disjoint slots:
+                  bytes moved both ways over the wall time, against two plain `copy_`s of the
+                  same spans on two streams at once
+    interference  a decode step (its captured graph at batch --decode-batch, --decode-context
+                  tokens each, dummy weights) while stores and loads of --blocks blocks run
+                  without pause on the copier's streams, against the same step alone
+    reload        restoring a --prefix-tokens prefix's blocks from the CPU pool through the
+                  copier, against recomputing it: eager prefill forwards of --chunk-tokens tokens
+                  each (the engine's steps of max_num_batched_tokens), host time included
+
+Rows are printed as they are measured and again as one table; --results FILE appends each row
+(with command, machine and date) as a JSON line. Record figures in docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
+from datetime import date
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
+from tools import bench_table  # noqa: E402
 from tools.bench_ceilings import machine  # noqa: E402
+from tools.bench_kv_reuse import run_interference, run_reload  # noqa: E402
+from tools.bench_table import Rows, print_table, row  # noqa: E402
+
+ROW_NAMES = ("copies", "both", "interference", "reload")
+TARGET_BOTH_WAYS_GB_S = 75.0
 
 
-def main() -> None:
+def row_names(text: str) -> tuple[str, ...]:
+    """`--rows`: comma-separated names from ROW_NAMES, each run once, in the order given."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in ROW_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown rows {', '.join(map(repr, unknown))} (choose from "
+                                         f"{','.join(ROW_NAMES)})" if unknown else "no rows given")
+    return names
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b", help="built-in config whose block size is copied")
-    parser.add_argument("--blocks", type=int, default=2048, help="blocks copied each way")
-    parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_kv_offload needs a CUDA GPU")
+    parser.add_argument("--rows", type=row_names, default=ROW_NAMES, help=f"comma-separated: {','.join(ROW_NAMES)}")
+    parser.add_argument("--model", default="qwen3-8b", help="built-in config whose KV blocks are copied, and "
+                                                            "the model of the interference and reload rows")
+    parser.add_argument("--blocks", type=positive_int, default=2048, help="blocks copied each way")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--decode-batch", type=positive_int, default=64)
+    parser.add_argument("--decode-context", type=positive_int, default=2048, help="tokens of each decoding sequence")
+    parser.add_argument("--decode-steps", type=positive_int, default=50, help="graph replays timed together")
+    parser.add_argument("--prefix-tokens", type=positive_int, default=32768)
+    parser.add_argument("--chunk-tokens", type=positive_int, default=8192, help="tokens per recompute step")
+    parser.add_argument("--results", help="append every row here as a JSON line")
+    return parser.parse_args(argv)
+
+
+def block_shape(args) -> tuple[int, ...]:
+    """One KV block of `args.model`: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
     from spillway.protocol.model_files import load_config, resolve_model
-    from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
     from spillway.worker.model_runner import _kv_dims
 
     layers, kv_heads, head_dim = _kv_dims(load_config(resolve_model(args.model, "dummy")))
-    shape = (layers, 2, args.block_size, kv_heads, head_dim)
-    num_slots = 2 * args.blocks  # room for the scattered row
-    gpu = torch.randn((num_slots, *shape), dtype=torch.bfloat16, device="cuda")
-    cpu = allocate_cpu_pool(num_slots, shape, torch.bfloat16, pinned=True)
-    copier = KVCopier(gpu, cpu)
-    block_bytes = gpu[0].nbytes
-    total = args.blocks * block_bytes
-    print(f"{machine()}; {args.model} blocks of {block_bytes / 2**20:.2f} MiB, {args.blocks} each way "
-          f"({total / 2**30:.2f} GiB)")
+    return layers, 2, args.block_size, kv_heads, head_dim
 
+
+def pooled_copier(args, num_slots: int):
+    """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each."""
+    from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
+
+    shape = block_shape(args)
+    gpu = torch.randn((num_slots, *shape), dtype=torch.bfloat16, device="cuda")
+    return KVCopier(gpu, allocate_cpu_pool(num_slots, shape, torch.bfloat16, pinned=True))
+
+
+def timed_seconds(queue) -> float:
+    """Device seconds from before `queue()` until compute has waited for all it queued."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    queue()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def run_copies(args, rows: Rows) -> None:
+    copier = pooled_copier(args, num_slots=2 * args.blocks)  # room for every other slot
+    total = args.blocks * copier.block_bytes
     host = torch.empty(total // 2, dtype=torch.bfloat16, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
-    baseline = {}
-    for name, dst, src in (("store", host, device), ("restore", device, host)):
-        seconds = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        baseline[name] = total / sorted(seconds)[2] / 1e9
-    print(f"{'copy':>26} {'store GB/s':>11} {'restore GB/s':>13} {'vs pinned copy':>15}")
-    print(f"{'pinned tensor copy_':>26} {baseline['store']:11.1f} {baseline['restore']:13.1f} {'1.000 / 1.000':>15}")
-
-    original = gpu[: 2 * args.blocks].clone()
+    baseline = {"store": total / median(timed_seconds(lambda: host.copy_(device, non_blocking=True))
+                                        for _ in range(5)) / 1e9,
+                "restore": total / median(timed_seconds(lambda: device.copy_(host, non_blocking=True))
+                                          for _ in range(5)) / 1e9}
+    measured = []
     for label, scattered in (("contiguous run", False), ("every other slot", True)):
-        results = sorted(copier.time_copies(args.blocks, scattered=scattered) for _ in range(5))
-        store_s, restore_s = results[2]
-        store, restore = total / store_s / 1e9, total / restore_s / 1e9
-        print(f"{'copier, ' + label:>26} {store:11.1f} {restore:13.1f} "
-              f"{store / baseline['store']:7.3f} / {restore / baseline['restore']:.3f}")
-    # Store, wipe, restore: every copied byte comes back.
-    slots = tuple((slot, slot) for slot in range(args.blocks))
-    copier.run(copier_copies(slots, to_cpu=True))
-    torch.cuda.synchronize()
-    gpu[: args.blocks].zero_()
-    copier.run(copier_copies(slots, to_cpu=False))
-    copier.wait_for_loads()
-    torch.cuda.synchronize()
-    equal = torch.equal(gpu[: args.blocks], original[: args.blocks])
-    print(f"bytes after a store and a restore equal the original: {equal}")
+        times = sorted(copier.time_copies(args.blocks, scattered=scattered) for _ in range(5))[2]
+        measured += [(f"{direction}, {label}", direction, total / seconds / 1e9)
+                     for direction, seconds in zip(("store", "restore"), times)]
+    note = (f"{args.blocks} blocks of {copier.block_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB); bytes after "
+            f"a store, a wipe and a restore equal the original: {stored_bytes_come_back(copier, args.blocks)}")
+    for name, direction, rate in measured:
+        rows.add(row(name, rate, "GB/s", "pinned copy_", baseline[direction], rate / baseline[direction], note=note))
 
 
-def copier_copies(pairs, *, to_cpu: bool):
+def stored_bytes_come_back(copier, num_blocks: int) -> bool:
     from spillway.worker.step_plan import KVCopies
 
-    return KVCopies(gpu_to_cpu=pairs) if to_cpu else KVCopies(cpu_to_gpu=pairs)
+    original = copier.gpu_pool[:num_blocks].clone()
+    slots = tuple((slot, slot) for slot in range(num_blocks))
+    copier.wait_for_loads()
+    copier.run(KVCopies(gpu_to_cpu=slots))
+    torch.cuda.synchronize()
+    copier.gpu_pool[:num_blocks].zero_()
+    copier.run(KVCopies(cpu_to_gpu=slots))
+    copier.wait_for_loads()
+    return torch.equal(copier.gpu_pool[:num_blocks], original)
+
+
+def run_both(args, rows: Rows) -> None:
+    """Stores of GPU slots 0..n-1 into CPU slots 0..n-1 and loads of CPU slots n..2n-1 into GPU
+    slots n..2n-1, in one step; the baseline copies the same two spans."""
+    from spillway.worker.step_plan import KVCopies
+
+    n = args.blocks
+    copier = pooled_copier(args, num_slots=2 * n)
+    gpu, cpu = copier.gpu_pool, copier.cpu_pool
+    cpu.copy_(gpu.neg())  # every byte differs from its GPU slot's until copied
+    copies = KVCopies(gpu_to_cpu=tuple((slot, slot) for slot in range(n)),
+                      cpu_to_gpu=tuple((slot, slot) for slot in range(n, 2 * n)))
+
+    def copier_step() -> None:
+        copier.run(copies)
+        copier.wait_for_loads()
+
+    ours = median(timed_seconds(copier_step) for _ in range(5))
+    equal = torch.equal(cpu[:n].cuda(), gpu[:n]) and torch.equal(gpu[n:], cpu[n:].cuda())
+    spans = ((cpu[:n], gpu[:n]), (gpu[n:], cpu[n:]))
+    streams = [torch.cuda.Stream() for _ in spans]
+
+    def two_stream_copies() -> None:
+        compute = torch.cuda.current_stream()
+        for stream, (dst, src) in zip(streams, spans):
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        for stream in streams:
+            compute.wait_stream(stream)
+
+    baseline = median(timed_seconds(two_stream_copies) for _ in range(5))
+    moved = 2 * n * copier.block_bytes
+    rows.add(row("both ways at once, one run", moved / ours / 1e9, "GB/s", "copy_ on 2 streams",
+                 moved / baseline / 1e9, baseline / ours, target=TARGET_BOTH_WAYS_GB_S, target_is_value=True,
+                 note=f"{n} stores + {n} loads of {copier.block_bytes / 2**20:.2f} MiB blocks, disjoint "
+                      f"slots; bytes moved both ways / wall time; bytes equal after: {equal}"))
+
+
+BENCHMARKS = {"copies": run_copies, "both": run_both, "interference": run_interference, "reload": run_reload}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kv_offload needs a CUDA GPU")
+    bench_table.MACHINE = machine()
+    print(f"{bench_table.MACHINE}, {date.today()}")
+    rows = Rows(args.results)
+    for name in args.rows:
+        BENCHMARKS[name](args, rows)
+        gc.collect()  # the next row allocates its own pools: give back this one's
+        torch.cuda.empty_cache()
+    print()
+    print_table(rows.rows)
 
 
 if __name__ == "__main__":

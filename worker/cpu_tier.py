@@ -6,9 +6,10 @@ went elsewhere; a hit on it gives the block a new GPU slot and plans a load (`lo
 
 Within one step's plan, every CPU slot that a copy reads or writes is pinned (out of the
 CPU LRU, so never evicted and never reused) until `take_copies` hands the copies to the
-plan. That makes the step's copies order-free but for one rule: all stores run before all
-loads, because a GPU slot that a store reads may be the slot a load then fills, while a CPU
-slot is never both a load's source and a store's destination in one step. A lookup pins the
+plan. That makes the step's copies order-free but for one rule: a load runs after the stores
+when it fills a GPU slot that a store reads (the slot of a block evicted in the same step;
+worker/kv_copies.py), while a CPU slot is never both a load's source and a store's destination
+in one step. A lookup pins the
 CPU copies it hits before any slot is taken, so no eviction between lookup and load can
 drop them.
 

@@ -2,19 +2,27 @@
 
 Both pools have the runner's layout, `[num_blocks, num_layers, 2, block_size, kv_heads,
 head_dim]`, so a block is one contiguous span and a copy of a run of consecutive slots is
-one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on a copy stream of
-their own, ordered by events:
+one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on two copy streams
+of their own, stores on one and loads on the other, so that the two directions' copy engines
+work at once; events order them:
 
-    copy stream:    wait for compute ─ stores (GPU->CPU) ─● stored ─ loads (CPU->GPU) ─● landed
+    store stream:   wait for compute ─ stores (GPU->CPU) ─● stored
+    load stream:    wait for compute ─ (wait stored) ─ loads (CPU->GPU) ─● landed
     compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ wait landed ─ step N+1
 
-- The copy stream first waits for everything compute has queued, so a store reads a block
+- Both copy streams first wait for everything compute has queued, so a store reads a block
   after its KV was written and a load never overwrites a slot an earlier step still reads.
 - This step's forward waits for the stores only: the GPU slots they read may be rewritten by
   it (the block manager reuses an evicted block's slot at once).
 - The loads overlap this step's forward: no request of this step reads a block loaded by it
   (the scheduler starts such a request a step later), and the next step waits for them.
+- A load into a GPU slot that a store of the same step reads waits for the stores (the
+  block manager may give an evicted block's slot to a block loaded in the same step); when
+  the step's load destinations and store sources are disjoint, both directions run at once.
+  A CPU slot is never both a store's destination and a load's source in one step
+  (worker/cpu_tier.py), so no other wait is needed between the two streams.
 
+Each direction is timed by events on its own stream (a load's time starts after its wait).
 On the CPU device the same copies run in order, synchronously.
 """
 
@@ -94,22 +102,25 @@ class KVCopier:
         self.cpu_pool = cpu_pool
         self.block_bytes = gpu_pool[0].nbytes
         on_cuda = gpu_pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
-        self._landed: torch.cuda.Event | None = None  # the last step's loads
-        # (started, stored, landed) of the steps whose times are not read yet
-        self._timings: list[tuple[torch.cuda.Event, ...]] = []
+        self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
+        self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
+        self._landed: torch.cuda.Event | None = None  # the last step's loads, until compute waits for them
+        # (started, finished) events per direction of the steps whose times are not read yet
+        self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes_to_cpu = 0
         self.bytes_to_gpu = 0
         self._seconds_to_cpu = 0.0
         self._seconds_to_gpu = 0.0
 
     def run(self, copies: KVCopies) -> None:
-        """Start the step's copies: stores, then loads. Call before the step's forward, after
-        `wait_for_loads`."""
-        self.seconds()  # fold the finished timings: the list stays short without stats reads
+        """Start the step's copies: stores on the store stream, loads on the load stream (after
+        the stores when a load fills a GPU slot a store reads). Call before the step's forward,
+        after `wait_for_loads`."""
+        self.seconds()  # fold the finished timings: the lists stay short without stats reads
         self.bytes_to_cpu += len(copies.gpu_to_cpu) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
-        if self.stream is None:
+        if self.store_stream is None:
             started = time.perf_counter()
             copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
             stored = time.perf_counter()
@@ -118,17 +129,32 @@ class KVCopier:
             self._seconds_to_gpu += time.perf_counter() - stored
             return
         compute = torch.cuda.current_stream(self.gpu_pool.device)
-        self.stream.wait_stream(compute)
-        started, stored, landed = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        with torch.cuda.stream(self.stream):
-            started.record()
-            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
-            stored.record()
-            copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
-            landed.record()
+        # After loads compute has not waited for (no `wait_for_loads`): they may read the CPU
+        # slots these stores write, as one stream would have ordered them.
+        stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool, self.cpu_pool,
+                             copies.gpu_to_cpu, self._store_timings)
+        refills_a_stored_slot = not {gpu_slot for _, gpu_slot in copies.cpu_to_gpu}.isdisjoint(
+            gpu_slot for gpu_slot, _ in copies.gpu_to_cpu)
+        self._landed = self._queue(self.load_stream, compute, stored if refills_a_stored_slot else None,
+                                   self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
         compute.wait_event(stored)
-        self._landed = landed
-        self._timings.append((started, stored, landed))
+
+    @staticmethod
+    def _queue(stream: torch.cuda.Stream, compute: torch.cuda.Stream, after: torch.cuda.Event | None,
+               src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]],
+               timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> torch.cuda.Event:
+        """Queue `copy_blocks(src, dst, pairs)` on `stream` after all compute has queued (and
+        after `after`), between two timing events; returns the one after the copies."""
+        stream.wait_stream(compute)
+        if after is not None:
+            stream.wait_event(after)
+        started, finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            started.record()
+            copy_blocks(src, dst, pairs)
+            finished.record()
+        timings.append((started, finished))
+        return finished
 
     def wait_for_loads(self) -> None:
         """Make compute wait for the loads of the steps before (call before every forward
@@ -157,13 +183,21 @@ class KVCopier:
         return after[0] - before[0], after[1] - before[1]
 
     def _synchronize(self) -> None:
-        if self.stream is not None:
+        if self.store_stream is not None:
             torch.cuda.synchronize(self.gpu_pool.device)
 
     def seconds(self) -> tuple[float, float]:
         """Cumulative seconds of the stores and of the loads (on CUDA, of those finished)."""
-        while self._timings and self._timings[0][2].query():
-            started, stored, landed = self._timings.pop(0)
-            self._seconds_to_cpu += started.elapsed_time(stored) / 1000
-            self._seconds_to_gpu += stored.elapsed_time(landed) / 1000
+        self._seconds_to_cpu += self._finished_seconds(self._store_timings)
+        self._seconds_to_gpu += self._finished_seconds(self._load_timings)
         return self._seconds_to_cpu, self._seconds_to_gpu
+
+    @staticmethod
+    def _finished_seconds(timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+        """Seconds of the finished (started, finished) pairs at the head of `timings`, which
+        leave it (one stream's copies finish in order)."""
+        seconds = 0.0
+        while timings and timings[0][1].query():
+            started, finished = timings.pop(0)
+            seconds += started.elapsed_time(finished) / 1000
+        return seconds

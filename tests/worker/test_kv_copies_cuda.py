@@ -1,7 +1,10 @@
-"""KVCopier on CUDA: the copy stream's order against compute (skipped without a GPU).
+"""KVCopier on CUDA: the copy streams' order against compute and against each other (skipped
+without a GPU).
 
 The pools are large enough (a few hundred MiB a step) that a copy running unordered beside
-the compute stream's writes would read or leave the wrong bytes."""
+the compute stream's writes would read or leave the wrong bytes. Between the two copy streams,
+a sleep queued on the store stream makes the stores late: a load that does not wait for them
+finishes first."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 BLOCK_SHAPE = (8, 2, 16, 8, 128)  # 512 KiB per block in bfloat16
 NUM_BLOCKS = 1024
+STALL_CYCLES = 200_000_000  # ~0.1 s of the store stream: far longer than any copy here
 
 
 def pools() -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,3 +76,43 @@ def test_stores_run_before_loads_that_refill_their_slots():
     to_cpu, to_gpu = copier.seconds()
     assert to_cpu > 0 and to_gpu > 0
     assert copier.bytes_to_cpu == copier.bytes_to_gpu == gpu[0].nbytes
+
+
+def test_stores_and_loads_of_disjoint_slots_run_at_once_and_both_land():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    half = NUM_BLOCKS // 2
+    gpu[:half].fill_(7.0)
+    cpu[half:].fill_(8.0)
+    stores = tuple((slot, slot) for slot in range(half))
+    loads = tuple((slot, slot) for slot in range(half, NUM_BLOCKS))
+    with torch.cuda.stream(copier.store_stream):
+        torch.cuda._sleep(STALL_CYCLES)
+    copier.run(KVCopies(gpu_to_cpu=stores, cpu_to_gpu=loads))
+    copier.load_stream.synchronize()
+    assert not copier.store_stream.query()  # the loads did not wait for the late stores
+    assert bool((gpu[half:] == 8.0).all())
+    copier.wait_for_loads()
+    torch.cuda.synchronize()
+    assert bool((cpu[:half] == 7.0).all())
+    assert bool((gpu[:half] == 7.0).all())
+    assert copier.bytes_to_cpu == copier.bytes_to_gpu == half * gpu[0].nbytes
+    to_cpu, to_gpu = copier.seconds()
+    assert to_cpu > 0 and to_gpu > 0
+
+
+def test_a_load_into_a_slot_a_late_store_reads_waits_for_it_and_is_timed_alone():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    gpu[4].fill_(5.0)
+    cpu[0].fill_(6.0)
+    with torch.cuda.stream(copier.store_stream):
+        torch.cuda._sleep(STALL_CYCLES)
+    copier.run(KVCopies(gpu_to_cpu=((4, 3),), cpu_to_gpu=((0, 4),)))
+    copier.wait_for_loads()
+    torch.cuda.synchronize()
+    assert cpu[3].float().mean().item() == 5.0  # the store read the old bytes
+    assert gpu[4].float().mean().item() == 6.0
+    to_cpu, to_gpu = copier.seconds()
+    # Each direction's events bracket its copies alone: neither the stall nor the wait counts.
+    assert 0 < to_cpu < 0.02 and 0 < to_gpu < 0.02

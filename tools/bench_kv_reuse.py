@@ -1,0 +1,146 @@
+"""The rows of tools/bench_kv_offload.py that run a model (dummy weights of a built-in config):
+what continuous offload traffic costs a decode step, and reloading a long prefix from the CPU
+tier against recomputing it."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from tools.bench_table import Rows, row
+
+TARGET_RELOAD_SPEEDUP = 10.0
+ASSUMED_MAX_COPY_BYTES_PER_S = 60e9  # above one direction's ~55 GB/s: traffic sized by it lasts long enough
+
+
+def make_engine(args, *, max_model_len: int, max_num_seqs: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                enforce_eager: bool, max_num_batched_tokens: int | None = None):
+    """An engine over `args.model`'s dummy weights, both KV pools fixed (no profiling run)."""
+    from spillway.protocol.config import worker_config_from_env
+    from spillway.worker.engine import Engine
+
+    return Engine(worker_config_from_env(
+        model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", block_size=args.block_size,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks_override=num_gpu_blocks,
+        num_cpu_blocks_override=num_cpu_blocks, enforce_eager=enforce_eager))
+
+
+def run_interference(args, rows: Rows) -> None:
+    """Sequence i decodes over GPU slots [i * per_seq, (i + 1) * per_seq); the traffic stores GPU
+    slots after those and loads into the ones after those (disjoint: it never touches the step's
+    KV). Median of 3 timings of --decode-steps replays each, alone and with traffic."""
+    from spillway.worker.model_runner import ChunkInput
+
+    per_seq = math.ceil(args.decode_context / args.block_size)
+    decode_blocks, n = args.decode_batch * per_seq, args.blocks
+    engine = make_engine(args, max_model_len=args.decode_context, max_num_seqs=args.decode_batch,
+                         num_gpu_blocks=decode_blocks + 2 * n, num_cpu_blocks=2 * n, enforce_eager=False)
+    runner, copier = engine.runner, engine.executor.kv_copier
+    chunks = [ChunkInput([1000 + i], args.decode_context - 1, list(range(i * per_seq, (i + 1) * per_seq)))
+              for i in range(args.decode_batch)]
+    runner.execute(chunks)  # stages the inputs the decode graph replays, and warms it
+    bucket = runner.graphs.bucket_for(args.decode_batch)
+    stores = tuple(zip(range(decode_blocks, decode_blocks + n), range(n)))
+    loads = tuple(zip(range(n, 2 * n), range(decode_blocks + n, decode_blocks + 2 * n)))
+
+    def replays() -> None:
+        for _ in range(args.decode_steps):
+            runner.graphs.replay(bucket)
+
+    alone = sorted(step_seconds(replays, args.decode_steps) for _ in range(3))[1]
+    window_s = 2 * alone * args.decode_steps  # the steps may slow down beside the traffic: room to spare
+    rounds = math.ceil(window_s * ASSUMED_MAX_COPY_BYTES_PER_S / (n * copier.block_bytes)) + 1
+    beside = sorted(step_seconds_beside_traffic(replays, args.decode_steps, copier, stores, loads, rounds)
+                    for _ in range(3))[1]
+    seconds, covered, rates = beside
+    rows.add(row("decode step beside offload traffic", seconds * 1e3, "ms/step", "the step alone", alone * 1e3,
+                 seconds / alone, note=f"ratio with / without (lower is better); graph replay, batch "
+                 f"{args.decode_batch} x {args.decode_context} tokens, {args.model} dummy weights; traffic: "
+                 f"{n}-block stores and loads repeated {rounds}x on the copier's two streams, "
+                 f"{rates[0] / 1e9:.1f} GB/s to host and {rates[1] / 1e9:.1f} GB/s to GPU meanwhile; "
+                 f"traffic ran through every timed step: {covered}"))
+
+
+def step_seconds(replays, num_steps: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replays()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / num_steps
+
+
+def step_seconds_beside_traffic(replays, num_steps: int, copier, stores, loads,
+                                rounds: int) -> tuple[float, bool, tuple[float, float]]:
+    """Seconds per step of `replays` while `rounds` of `stores` and `loads` run on the copier's
+    streams, unordered against compute (whose replays start once both copies have begun);
+    whether both directions ran until the last step ended; each direction's bytes/s."""
+    from spillway.worker.kv_copies import copy_blocks
+
+    torch.cuda.synchronize()
+    compute = torch.cuda.current_stream()
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record()
+    traffic = []
+    for stream, src, dst, pairs in ((copier.store_stream, copier.gpu_pool, copier.cpu_pool, stores),
+                                    (copier.load_stream, copier.cpu_pool, copier.gpu_pool, loads)):
+        begun, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(compute)  # after `origin`
+        with torch.cuda.stream(stream):
+            begun.record()
+            for _ in range(rounds):
+                copy_blocks(src, dst, pairs)
+            ended.record()
+        compute.wait_event(begun)
+        traffic.append((begun, ended))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    replays()
+    end.record()
+    torch.cuda.synchronize()
+    steps_end_ms = origin.elapsed_time(end)
+    covered = all(origin.elapsed_time(ended) >= steps_end_ms for _, ended in traffic)
+    moved = rounds * len(stores) * copier.block_bytes
+    rates = tuple(moved / (begun.elapsed_time(ended) / 1e3) for begun, ended in traffic)
+    return start.elapsed_time(end) / 1e3 / num_steps, covered, rates
+
+
+def run_reload(args, rows: Rows) -> None:
+    """The prefix's KV in GPU slots 0..n-1 (written by the recompute), stored to CPU slots
+    0..n-1 and restored from there; medians of 3 recomputes (after one that compiles) and of 5
+    restores."""
+    from spillway.worker.model_runner import ChunkInput
+
+    num_blocks = math.ceil(args.prefix_tokens / args.block_size)
+    engine = make_engine(args, max_model_len=num_blocks * args.block_size, max_num_seqs=1,
+                         num_gpu_blocks=num_blocks, num_cpu_blocks=num_blocks, enforce_eager=True,
+                         max_num_batched_tokens=args.chunk_tokens)
+    runner, copier = engine.runner, engine.executor.kv_copier
+    rng = random.Random(3)
+    tokens = [rng.randrange(256, engine.vocab_size) for _ in range(args.prefix_tokens)]
+    table = list(range(num_blocks))
+    steps = [ChunkInput(tokens[start:start + args.chunk_tokens], start,
+                        table[:math.ceil(min(start + args.chunk_tokens, len(tokens)) / args.block_size)])
+             for start in range(0, len(tokens), args.chunk_tokens)]
+
+    def recompute() -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for step in steps:
+            runner.execute([step])
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    recompute()
+    recompute_s = sorted(recompute() for _ in range(3))[1]
+    reload_s = sorted(copier.time_copies(num_blocks)[1] for _ in range(5))[2]
+    rows.add(row(f"reload a {args.prefix_tokens}-token prefix", reload_s * 1e3, "ms", "recompute",
+                 recompute_s * 1e3, recompute_s / reload_s, target=TARGET_RELOAD_SPEEDUP,
+                 note=f"{num_blocks} blocks ({num_blocks * copier.block_bytes / 2**30:.2f} GiB) through "
+                      f"KVCopier.run, contiguous slots; recompute: {len(steps)} eager prefill steps of up to "
+                      f"{args.chunk_tokens} tokens, {args.model} dummy weights; ratio recompute / reload"))
