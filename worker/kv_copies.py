@@ -93,6 +93,17 @@ def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.
     return pool
 
 
+def _overlap(copies: KVCopies) -> bool:
+    """Whether a load of the step must wait for its stores: it refills a GPU slot a store
+    reads, or reads a CPU slot a store writes (one stream ordered stores first; the two
+    streams keep that order where it matters)."""
+    if not copies.gpu_to_cpu or not copies.cpu_to_gpu:
+        return False
+    stored_gpu, stored_cpu = zip(*copies.gpu_to_cpu)
+    loaded_cpu, loaded_gpu = zip(*copies.cpu_to_gpu)
+    return not set(stored_gpu).isdisjoint(loaded_gpu) or not set(stored_cpu).isdisjoint(loaded_cpu)
+
+
 class KVCopier:
     """Runs each step's `KVCopies` between the GPU pool and the CPU pool (module doc), and
     counts the bytes and the time they took."""
@@ -133,9 +144,7 @@ class KVCopier:
         # slots these stores write, as one stream would have ordered them.
         stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool, self.cpu_pool,
                              copies.gpu_to_cpu, self._store_timings)
-        refills_a_stored_slot = not {gpu_slot for _, gpu_slot in copies.cpu_to_gpu}.isdisjoint(
-            gpu_slot for gpu_slot, _ in copies.gpu_to_cpu)
-        self._landed = self._queue(self.load_stream, compute, stored if refills_a_stored_slot else None,
+        self._landed = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
                                    self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
         compute.wait_event(stored)
 

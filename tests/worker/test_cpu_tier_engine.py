@@ -165,3 +165,13 @@ def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
     assert copier.bytes_to_cpu == copier.bytes_to_gpu == 4 * pool[0].nbytes
     with pytest.raises(ValueError, match="do not fit"):
         copier.time_copies(5, scattered=True)
+
+
+def test_a_load_waits_for_the_stores_only_when_they_share_a_slot():
+    from spillway.worker.kv_copies import _overlap
+    from spillway.worker.step_plan import KVCopies
+
+    assert not _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 2),)))
+    assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 1),)))  # refills the stored GPU slot
+    assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((10, 2),)))  # reads the CPU slot being written
+    assert not _overlap(KVCopies(cpu_to_gpu=((10, 2),)))
