@@ -272,11 +272,7 @@ async def detokenize(request: Request) -> Response:
     gateway = _gateway(request)
     body = await _read_json(request, api.DetokenizeRequest)
     gateway.jobs.check_model(body.model)
-    tokenizer = gateway.jobs.require_tokenizer()
-    vocab_size = gateway.client.ready.vocab_size
-    if any(not 0 <= t < vocab_size for t in body.tokens):
-        raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
-    return json_response(answers.DetokenizeResponse(tokenizer.decode(body.tokens)))
+    return json_response(answers.DetokenizeResponse(await gateway.jobs.decode(body.tokens)))
 
 
 async def version_endpoint(request: Request) -> Response:

@@ -259,8 +259,12 @@ def completion_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
+    if isinstance(prompt[0], int):
+        try:  # msgspec checks a long id list in C, where a Python loop would hold the event loop
+            return [msgspec.convert(prompt, list[int])]
+        except msgspec.ValidationError:
+            raise bad_request("prompt must be a string, a list of token ids, or a list of either",
+                              param="prompt") from None
     if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
         return list(prompt)
     raise bad_request("prompt must be a string, a list of token ids, or a list of either", param="prompt")
