@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from spillway.gateway.chat_content import ContentAsText
 from spillway.gateway.detok import decoding_backend
 from spillway.protocol.hashing import block_hashes, root_hash
 from spillway.protocol.messages import BlockHash, Ready
@@ -32,12 +33,18 @@ class PromptHasher:
 
 
 class PromptTokenizer:
-    """Wraps a Hugging Face tokenizer with what the gateway needs from it."""
+    """Wraps a Hugging Face tokenizer with what the gateway needs from it.
 
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+    Special-token text inside chat messages is tokenized as text (gateway/chat_content.py)
+    unless `allow_special_tokens_in_content`, for deployments whose users may write control
+    tokens."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None,
+                 allow_special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._backend = decoding_backend(tokenizer)
+        self._content_as_text = None if allow_special_tokens_in_content else ContentAsText(tokenizer)
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -77,6 +84,9 @@ class PromptTokenizer:
     def chat_prompt(self, messages: Sequence[dict], **kwargs) -> tuple[str, list[int]]:
         """The conversation rendered by the chat template once: its text and its token ids."""
         text = self.apply_chat_template(messages, **kwargs)
+        if self._content_as_text is not None and self._content_as_text.holds_special_text(messages):
+            return text, self._content_as_text.encode(messages, text,
+                                                      lambda marked: self.apply_chat_template(marked, **kwargs))
         # The template already placed the special tokens it wants.
         return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
