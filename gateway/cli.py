@@ -208,6 +208,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from spillway.gateway.app import ServerSettings, build_app
+    from spillway.gateway.http_protocol import server_config
     from spillway.gateway.remote_worker import worker_addresses
 
     try:
@@ -242,8 +243,8 @@ def serve_command(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
     )
     loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = uvicorn.Server(uvicorn.Config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
-                                           log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
+                                          log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly

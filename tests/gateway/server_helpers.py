@@ -20,6 +20,7 @@ from ports import HOST, listening_socket, reserve_ports
 from prometheus_client.parser import text_string_to_metric_families
 
 from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http_protocol import server_config
 from spillway.protocol.config import WorkerConfig
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -118,7 +119,7 @@ def server_in_thread(app):
     here and handed over, so no other process can take the port in between."""
     sock = listening_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
+    server = uvicorn.Server(server_config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
