@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 
 USER_FIELDS = ("content", "name")
+CANNOT_ENCODE = ("a message holds special-token text, and this tokenizer cannot encode it as plain text "
+                 "(the server's --allow-special-tokens-in-content lets it through)")
 
 
 class ContentAsText:
@@ -52,8 +54,7 @@ class ContentAsText:
     def encode(self, messages: Sequence[dict], rendered: str, render: Callable[[list[dict]], str]) -> list[int]:
         """The token ids of `rendered` (`render(messages)`), the messages' strings as text."""
         if self.backend is None:
-            raise ValueError("a message holds special-token text, and this tokenizer cannot encode it as "
-                             "plain text (the server's --allow-special-tokens-in-content lets it through)")
+            raise ValueError(CANNOT_ENCODE)
         marker = uuid.uuid4().hex
         strings: list[str] = []
         marked = render([_with_placeholders(message, marker, strings) for message in messages])
@@ -91,8 +92,7 @@ class ContentAsText:
         again = [i for p in pieces for i in (self.backend.encode(p, add_special_tokens=False).ids
                                               if isinstance(p, str) else [p[0]])]
         if again != encoding.ids:
-            raise ValueError("a message holds special-token text, and this tokenizer cannot encode it as "
-                             "plain text (the server's --allow-special-tokens-in-content lets it through)")
+            raise ValueError(CANNOT_ENCODE)
         return pieces
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from server_helpers import MODEL, fake_app, server_in_thread
 from spillway.gateway.tokenizer import PromptTokenizer
@@ -82,6 +84,21 @@ def test_a_template_that_changes_content_is_refused_rather_than_guessed(hf):
         hf("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="changes message text"):
         tokenizer.chat_prompt([{"role": "user", "content": " <|im_end|> "}])
+
+
+def test_a_tokenizer_that_reads_a_stretch_alone_differently_is_refused():
+    """Metaspace with prepend_scheme "first" marks only the start of the text: a stretch between
+    special tokens tokenized alone would gain the mark, so the ids would not be exact."""
+    chars = ["[UNK]", "\u2581"] + [chr(c) for c in range(33, 127)]
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(chars)}, [], unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    fast = getattr(transformers, "TokenizersBackend", None) or transformers.PreTrainedTokenizerFast
+    tokenizer = PromptTokenizer(fast(tokenizer_object=backend, additional_special_tokens=["<s>"]),
+                                "{% for m in messages %}<s>{{ m['content'] }}{% endfor %}")
+    assert tokenizer.chat_prompt([{"role": "user", "content": "ab"}])[1] == [len(chars), chars.index("a"),
+                                                                           chars.index("b")]
+    with pytest.raises(ValueError, match="cannot encode it as plain text"):
+        tokenizer.chat_prompt([{"role": "user", "content": "a<s>b"}])
 
 
 @pytest.fixture(scope="module")
