@@ -51,6 +51,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)
     api_key: str | None = None
     chat_template: str | None = None
+    allow_special_tokens_in_content: bool = False  # else special-token text in messages is plain text
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 1024
     worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
@@ -81,7 +82,8 @@ class Gateway:
         self.metrics = metrics
         self.served_names = settings.served_model_names or [ready.model]
         self.block_hashes = PromptHasher.of(ready)
-        self.tokenizer = PromptTokenizer(hf_tokenizer, settings.chat_template) if hf_tokenizer is not None else None
+        self.tokenizer = PromptTokenizer(hf_tokenizer, settings.chat_template, settings.allow_special_tokens_in_content) \
+            if hf_tokenizer is not None else None
         self.markers = _reasoning_markers(settings, hf_tokenizer)
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
                                reasoning=self.markers is not None)
@@ -272,11 +274,7 @@ async def detokenize(request: Request) -> Response:
     gateway = _gateway(request)
     body = await _read_json(request, api.DetokenizeRequest)
     gateway.jobs.check_model(body.model)
-    tokenizer = gateway.jobs.require_tokenizer()
-    vocab_size = gateway.client.ready.vocab_size
-    if any(not 0 <= t < vocab_size for t in body.tokens):
-        raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
-    return json_response(answers.DetokenizeResponse(tokenizer.decode(body.tokens)))
+    return json_response(answers.DetokenizeResponse(await gateway.jobs.decode(body.tokens)))
 
 
 async def version_endpoint(request: Request) -> Response:

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
     server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    server.add_argument("--allow-special-tokens-in-content", action="store_true",
+                        help="tokenize special-token text in chat messages (e.g. <|im_end|>) as those tokens, "
+                             "letting a user write turns of other roles; for trusted clients only")
     reasoning = serve.add_argument_group("reasoning models")
     reasoning.add_argument("--enable-reasoning", action="store_true",
                            help="split <think> ... </think> into reasoning_content (the deepseek_r1 parser "
@@ -205,6 +208,7 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from spillway.gateway.app import ServerSettings, build_app
+    from spillway.gateway.http_protocol import server_config
     from spillway.gateway.remote_worker import worker_addresses
 
     try:
@@ -231,6 +235,7 @@ def serve_command(args: argparse.Namespace) -> int:
             return 1
     settings = ServerSettings(
         worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_body_bytes=args.max_request_body_bytes,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
         worker_keys=keys, response_timeout_s=args.worker_response_timeout,
@@ -238,8 +243,8 @@ def serve_command(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
     )
     loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = uvicorn.Server(uvicorn.Config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
-                                           log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
+                                          log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly

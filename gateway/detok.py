@@ -39,12 +39,8 @@ def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     def through_transformers(token_ids: list[int], skip_special_tokens: bool) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    base = _fast_tokenizer_class()
-    if (backend is None or base is None or not isinstance(tokenizer, base)
-            or getattr(tokenizer, "clean_up_tokenization_spaces", True)
-            or type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode
-            or "decode" in getattr(tokenizer, "__dict__", {})):
+    backend = decoding_backend(tokenizer)
+    if backend is None:
         return through_transformers
     backend_decode = backend.decode
 
@@ -52,6 +48,19 @@ def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
         return backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     return through_backend
+
+
+def decoding_backend(tokenizer):
+    """The tokenizer's Rust backend where its `decode` is the same computation as the
+    tokenizer's own (see `ids_decoder`), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    base = _fast_tokenizer_class()
+    if (backend is None or base is None or not isinstance(tokenizer, base)
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode
+            or "decode" in getattr(tokenizer, "__dict__", {})):
+        return None
+    return backend
 
 
 def _fast_tokenizer_class() -> type | None:

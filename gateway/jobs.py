@@ -1,5 +1,9 @@
 """From a validated OpenAI request to a Job: the model name checked, the prompts tokenized
-(long ones off the event loop), the lengths checked against the worker's limits."""
+(long ones off the event loop), the lengths checked against the worker's limits.
+
+Nothing here holds the event loop for long: text over INLINE_TOKENIZE_CHARS and id lists over
+LONG_DECODE_TOKENS are (de)tokenized on a thread, and prompt text too long to fit the context
+whatever its tokens is refused with 413 before the tokenizer sees it."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from dataclasses import dataclass, field
 
 from spillway.gateway import openai as api
 from spillway.gateway.sampling_params import SamplingParams
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
 from spillway.protocol.messages import Ready
 
 # Prompts longer than this are tokenized off the event loop.
@@ -73,6 +77,7 @@ class JobBuilder:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         params = api.sampling_params(request, max_tokens, logprobs)
+        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         token_ids = await self.encode_chat(messages, request.add_generation_prompt, request.chat_template_kwargs)
         return self._job("chatcmpl", True, model, [Prompt(token_ids)], params, request)
 
@@ -84,6 +89,7 @@ class JobBuilder:
         prompts = []
         for prompt in api.completion_prompts(request.prompt):
             if isinstance(prompt, str):
+                self._check_prompt_chars(len(prompt), "prompt")
                 prompts.append(Prompt(await self.encode(prompt), prompt))
             else:
                 prompts.append(Prompt(list(prompt)))
@@ -116,6 +122,33 @@ class JobBuilder:
         if sum(len(m["content"]) for m in messages) > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(encode)
         return encode()
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids checked against the vocabulary, then decoded; a long list on a thread."""
+        tokenizer = self.require_tokenizer()
+        vocab_size = self.ready.vocab_size
+
+        def decode() -> str:
+            # Checked a slice at a time: one min() over millions of ids holds the GIL for tens of ms.
+            for start in range(0, len(token_ids), LONG_DECODE_TOKENS):
+                part = token_ids[start:start + LONG_DECODE_TOKENS]
+                if min(part) < 0 or max(part) >= vocab_size:
+                    raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
+            return tokenizer.decode(token_ids)
+
+        if len(token_ids) > LONG_DECODE_TOKENS:
+            return await asyncio.to_thread(decode)
+        return decode()
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """No token stands for more than `max_token_chars` characters, so longer text than the
+        context times that never fits: refused before the tokenizer spends seconds on it."""
+        tokenizer = self.require_tokenizer()
+        limit = self.ready.max_model_len * tokenizer.max_token_chars
+        if num_chars > limit:
+            raise api.ApiError(413, f"the prompt has {num_chars} characters; this model takes at most {limit} "
+                               f"({self.ready.max_model_len} tokens of context, each at most "
+                               f"{tokenizer.max_token_chars} characters)", param=param, code="request_too_large")
 
     def _job(self, prefix: str, chat: bool, model: str, prompts: list[Prompt], params: SamplingParams,
              request) -> Job:
@@ -151,8 +184,6 @@ class JobBuilder:
         limit = ready.max_model_len
         if not token_ids:
             raise api.bad_request("the prompt is empty", param=param)
-        if min(token_ids) < 0 or max(token_ids) >= ready.vocab_size:
-            raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
         if len(token_ids) >= limit or (max_tokens is not None and len(token_ids) + max_tokens > limit):
             requested = len(token_ids) + (max_tokens or 1)
             raise api.bad_request(
@@ -160,4 +191,6 @@ class JobBuilder:
                 f"{requested} tokens ({len(token_ids)} in the prompt, {max_tokens or 1} for the completion). "
                 "Please reduce the length of the prompt or the completion.",
                 param=param, code="context_length_exceeded")
+        if min(token_ids) < 0 or max(token_ids) >= ready.vocab_size:  # after the length: a short scan
+            raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
         return limit - len(token_ids) if max_tokens is None else max_tokens

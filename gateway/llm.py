@@ -63,6 +63,7 @@ class LLM:
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         chat_template: str | None = None,
+        allow_special_tokens_in_content: bool = False,
         enable_reasoning: bool = False,
         reasoning_parser: str | None = None,
         reasoning_config: str | dict | None = None,
@@ -126,7 +127,8 @@ class LLM:
             self._finalizer()
             raise
         self._hasher = PromptHasher.of(self.ready)
-        self._tokenizer = PromptTokenizer(self._hf_tokenizer, chat_template) if self._hf_tokenizer else None
+        self._tokenizer = PromptTokenizer(self._hf_tokenizer, chat_template, allow_special_tokens_in_content) \
+            if self._hf_tokenizer else None
         self._ids = itertools.count()
 
     # ---- public API -----------------------------------------------------------------------

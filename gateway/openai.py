@@ -20,6 +20,7 @@ MAX_STOP_STRING_CHARS = 128
 MAX_STOP_TOKEN_IDS = 256
 INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -232,11 +233,15 @@ def chat_logprobs(request: ChatCompletionRequest) -> int | None:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template wants them; text parts only."""
+    """Messages as the chat template wants them; text parts only, roles the API defines only
+    (a template copies the role into the prompt as it is)."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     result = []
     for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise bad_request(f"unknown role {message.role!r}: a message's role is one of {', '.join(ROLES)}",
+                              param=f"messages[{index}].role")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -259,9 +264,13 @@ def completion_prompts(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
-    kinds = set(map(type, prompt))  # one pass in C: a long token-id prompt is the common case
-    if kinds == {int}:
-        return [list(prompt)]
+    if isinstance(prompt[0], int):
+        try:  # msgspec checks a long id list in C, where a Python loop would hold the event loop
+            return [msgspec.convert(prompt, list[int])]
+        except msgspec.ValidationError:
+            raise bad_request("prompt must be a string, a list of token ids, or a list of either",
+                              param="prompt") from None
+    kinds = set(map(type, prompt))  # one pass in C
     if kinds == {str} or kinds == {list}:
         return list(prompt)
     raise bad_request("prompt must be a string, a list of token ids, or a list of either", param="prompt")

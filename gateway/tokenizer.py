@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+from spillway.gateway.chat_content import ContentAsText
+from spillway.gateway.detok import decoding_backend
 from spillway.protocol.hashing import block_hashes, root_hash
 from spillway.protocol.messages import BlockHash, Ready
+
+# Id lists longer than this decode through the backend's batch decode, which releases the GIL.
+LONG_DECODE_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +33,25 @@ class PromptHasher:
 
 
 class PromptTokenizer:
-    """Wraps a Hugging Face tokenizer with what the gateway needs from it."""
+    """Wraps a Hugging Face tokenizer with what the gateway needs from it.
 
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+    Special-token text inside chat messages is tokenized as text (gateway/chat_content.py)
+    unless `allow_special_tokens_in_content`, for deployments whose users may write control
+    tokens."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None,
+                 allow_special_tokens_in_content: bool = False) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self._backend = decoding_backend(tokenizer)
+        self._content_as_text = None if allow_special_tokens_in_content else ContentAsText(tokenizer)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for, bounded by its vocabulary string
+        (byte-level and SentencePiece vocabularies spell each byte or character of the text it
+        covers with at least one character; added tokens are their own text)."""
+        return max(map(len, self.tokenizer.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -64,8 +84,15 @@ class PromptTokenizer:
     def chat_prompt(self, messages: Sequence[dict], **kwargs) -> tuple[str, list[int]]:
         """The conversation rendered by the chat template once: its text and its token ids."""
         text = self.apply_chat_template(messages, **kwargs)
+        if self._content_as_text is not None and self._content_as_text.holds_special_text(messages):
+            return text, self._content_as_text.encode(messages, text,
+                                                      lambda marked: self.apply_chat_template(marked, **kwargs))
         # The template already placed the special tokens it wants.
         return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None and len(token_ids) > LONG_DECODE_TOKENS:
+            # The backend's batch decode lets go of the GIL while it runs (its single decode
+            # does not), so a long decode on a thread leaves the event loop running.
+            return self._backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

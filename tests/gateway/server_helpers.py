@@ -1,5 +1,5 @@
 """Helpers for the server tests: a real `spillway serve` process, an in-process server for
-fake-worker tests, and metric scraping."""
+fake-worker tests (and the app around a fake worker), and metric scraping."""
 
 from __future__ import annotations
 
@@ -15,8 +15,13 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from fake_worker import FakeWorkerProcess
 from ports import HOST, listening_socket, reserve_ports
 from prometheus_client.parser import text_string_to_metric_families
+
+from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http_protocol import server_config
+from spillway.protocol.config import WorkerConfig
 
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 600
@@ -88,13 +93,33 @@ def real_server(*args: str):
         server.stop()
 
 
+def worker_config(files, max_model_len: int = 256) -> WorkerConfig:
+    return WorkerConfig(model=str(files.path), served_model_name=MODEL, max_model_len=max_model_len)
+
+
+def fake_app(files, script: list[int], *, step_s: float = 0.002, start_delay_s: float = 0.0,
+             max_model_len: int = 256, **settings):
+    """The server's app over fake workers that replay `script`; also returns the workers started."""
+    config = worker_config(files, max_model_len)
+    launches = []
+
+    def start_worker():
+        if launches:
+            time.sleep(start_delay_s)  # a replacement worker takes a while, as a real one does
+        launches.append(FakeWorkerProcess(config, script, step_s=step_s))
+        return launches[-1]
+
+    app = build_app(ServerSettings(worker=config, served_model_names=[MODEL], **settings), start_worker)
+    return app, launches
+
+
 @contextmanager
 def server_in_thread(app):
     """Serve an app from a thread of this process (for fake-worker tests), on a socket bound
     here and handed over, so no other process can take the port in between."""
     sock = listening_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
+    server = uvicorn.Server(server_config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -13,9 +13,9 @@ import httpx
 import msgspec
 import pytest
 
-from fake_worker import FakeWorkerProcess, fake_worker_main
+from fake_worker import fake_worker_main
 from ports import reserve_ports
-from server_helpers import MODEL, scrape, server_in_thread, sse_events
+from server_helpers import MODEL, fake_app, scrape, server_in_thread, sse_events, worker_config
 from spillway.gateway.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol import model_files
@@ -32,24 +32,6 @@ def files():
 @pytest.fixture(scope="module")
 def script(files) -> list[int]:
     return model_files.load_tokenizer(files)(MIXED, add_special_tokens=False)["input_ids"]
-
-
-def worker_config(files) -> WorkerConfig:
-    return WorkerConfig(model=str(files.path), served_model_name=MODEL, max_model_len=256)
-
-
-def fake_app(files, script, *, step_s: float = 0.002, start_delay_s: float = 0.0, **settings):
-    config = worker_config(files)
-    launches = []
-
-    def start_worker():
-        if launches:
-            time.sleep(start_delay_s)  # a replacement worker takes a while, as a real one does
-        launches.append(FakeWorkerProcess(config, script, step_s=step_s))
-        return launches[-1]
-
-    app = build_app(ServerSettings(worker=config, served_model_names=[MODEL], **settings), start_worker)
-    return app, launches
 
 
 @pytest.fixture(scope="module")
