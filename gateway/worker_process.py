@@ -80,8 +80,11 @@ class ChildProcess:
             self._popen.stdin.flush()
         except BrokenPipeError:
             pass  # it died at once: wait_ready reports its exit code
-        # Closing stdin (or exiting) tells the worker its gateway is gone; ends it at exit too.
+        # Closing stdin (or exiting) tells the worker its gateway is gone. Not run at exit: the
+        # owner's own close (an `LLM`'s finalizer, made earlier, so run later) stops the worker
+        # in order first; without one, the pipe closing with this process ends the worker.
         self._finalizer = weakref.finalize(self, _stop, self._popen, self.sentinel)
+        self._finalizer.atexit = False
 
     @property
     def exitcode(self) -> int | None:
