@@ -16,6 +16,7 @@ import time
 
 from spillway.gateway.client import EngineClient
 from spillway.gateway.metrics import GatewayMetrics
+from spillway.protocol.messages import Stats
 
 STATS_LOG_INTERVAL_S = 10.0
 
@@ -57,7 +58,9 @@ class StatsLogger:
 
     def line(self, prompt_throughput: float, generation_throughput: float) -> str:
         stats = self._client.last_stats
-        running, waiting, usage = (stats.num_running, stats.num_waiting, stats.gpu_cache_usage) if stats else (0, 0, 0.0)
+        if stats is None:
+            stats = Stats()
+        running, waiting, usage = stats.num_running, stats.num_waiting, stats.gpu_cache_usage
         return (f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
                 f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: {100 * usage:.1f}%, "
