@@ -71,7 +71,10 @@ class ChildProcess:
         # readable (EOF) when the child has exited, as multiprocessing's sentinel does.
         self.sentinel, child_end = os.pipe()
         try:
-            self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,))
+            # A session of its own: a terminal's Ctrl-C, sent to the gateway's process group,
+            # never reaches the worker (not even while it imports); its gateway stops it.
+            self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,),
+                                           start_new_session=True)
         finally:
             os.close(child_end)
         self.pid = self._popen.pid
@@ -182,6 +185,8 @@ class WorkerProcess:
         return self.process.is_alive()
 
     def close(self) -> None:
+        if self.ready is None:
+            self._child.release()  # still loading, deaf to SHUTDOWN: the pipe's EOF ends it at once
         if self.process.is_alive():
             try:
                 # Not blocking: a worker that is exiting (after a start-up error) has left no
