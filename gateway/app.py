@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -29,8 +30,10 @@ from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
+from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
 from spillway.gateway.serving import Generation
+from spillway.gateway.stats_log import StatsLogger
 from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol import model_files
@@ -66,6 +69,9 @@ class ServerSettings:
     # The server owns its process (`spillway serve`): start-up's objects leave the collector's
     # reach. False where apps come and go in one process (tests), whose cycles would never be freed.
     freeze_startup_objects: bool = False
+    tokenizer: str | None = None  # a folder with the tokenizer to use instead of the model's
+    request_defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    log_stats: bool = False  # a stats line every 10 s while busy (`spillway serve` without --disable-log-stats)
 
     @property
     def reasoning(self) -> bool:
@@ -86,7 +92,7 @@ class Gateway:
             if hf_tokenizer is not None else None
         self.markers = _reasoning_markers(settings, hf_tokenizer)
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
-                               reasoning=self.markers is not None)
+                               reasoning=self.markers is not None, defaults=settings.request_defaults)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
 
@@ -115,8 +121,12 @@ def _reasoning_markers(settings: ServerSettings, hf_tokenizer) -> ReasoningMarke
     return resolve_markers(hf_tokenizer, settings.reasoning_parser, settings.reasoning_config)
 
 
-def _load_tokenizer(config: WorkerConfig):
+def _load_tokenizer(settings: ServerSettings):
+    config = settings.worker
     files = model_files.resolve_model(config.model, config.load_format)
+    if settings.tokenizer is not None:
+        return model_files.load_tokenizer(model_files.ModelFiles(settings.tokenizer, Path(settings.tokenizer),
+                                                                 files.load_format))
     try:
         return model_files.load_tokenizer(files)
     except model_files.TokenizerNotFoundError:
@@ -134,7 +144,7 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
             if settings.worker_address else None
         factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
         metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
-                                 else settings.worker.served_model_name or "model")
+                                 else settings.worker.served_model_name or "model", settings.worker.max_model_len)
         if remote is not None:
             logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
                         settings.worker_address, settings.worker_address)
@@ -142,10 +152,12 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
                               ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
                               heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None,
                               response_timeout_s=settings.response_timeout_s)
+        stats_log = None
         try:
-            hf_tokenizer = _load_tokenizer(settings.worker)
+            hf_tokenizer = _load_tokenizer(settings)
             await client.start()
             app.state.gateway = Gateway(settings, client, metrics, hf_tokenizer)
+            stats_log = StatsLogger(client, metrics, logger).start() if settings.log_stats else None
             if settings.freeze_startup_objects:
                 # What start-up built (the tokenizer, transformers' modules) lives as long as
                 # the server: out of the collector's reach, a full collection mid-stream walks
@@ -154,6 +166,8 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
                 gc.freeze()
             yield
         finally:
+            if stats_log is not None:
+                stats_log.stop()
             await client.close()
             if remote is not None:
                 remote.shutdown()

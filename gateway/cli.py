@@ -1,7 +1,8 @@
 """`spillway serve [MODEL] [flags]` and `spillway worker MODEL --connect tcp://HOST:PORT`.
 
-Flags follow `vllm serve`. A vLLM flag whose feature Spillway does not have yet is refused
-with a message and exit status 2, never accepted and ignored.
+Flags follow `vllm serve` (gateway/cli_args.py; `--config FILE` in gateway/config_file.py).
+A vLLM flag Spillway cannot honour is refused with a message naming it and exit status 2,
+never accepted and ignored; so is one it does not know (argparse's "unrecognized arguments").
 """
 
 from __future__ import annotations
@@ -12,131 +13,20 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
+
 
 from spillway.gateway import engine_args
-from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES, engine_config
+from spillway.gateway.cli_args import build_parser, option_strings
+from spillway.gateway.config_file import ConfigFileError, expand_config
+from spillway.gateway.engine_args import engine_config
+from spillway.gateway.request_defaults import read_request_defaults
+from spillway.gateway.sampling_params import MAX_LOGPROBS
+from spillway.gateway.serve_run import BannerServer, PortInUse, Stopped, bind_port, stop_on_sigterm
 from spillway.gateway.spec_args import speculative_config
-from spillway.gateway.reasoning import PARSERS
-from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
 from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
-from spillway.protocol import envs
-from spillway.protocol.config import KV_CACHE_DTYPES
+from spillway.protocol import envs, model_files
 from spillway.protocol.link_auth import read_worker_key, require_key_off_loopback
-from spillway.protocol.model_files import LOAD_FORMATS
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
-                        help="a model folder, a .gguf file, or a built-in config with --load-format dummy "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", help="same as the positional MODEL")
-    engine.add_argument("--served-model-name", nargs="+", help="names the API answers to (first one reported)")
-    engine.add_argument("--dtype", default="auto", choices=DTYPES)
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3, unscaled, CUDA only")
-    engine.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    engine.add_argument("--device", default="auto", help="auto (CUDA if present, else the CPU), cpu, cuda, cuda:N")
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
-    engine.add_argument("--max-model-len", type=_positive_int)
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int)
-    engine.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
-    engine.add_argument("--num-gpu-blocks-override", type=_positive_int)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--cpu-offload-gb", type=float, metavar="GIB",
-                        help="GiB of pinned host memory for a CPU tier of the KV cache (not weights, as in vLLM); "
-                             "default: $SPILLWAY_CPU_KVCACHE_SPACE or $VLLM_CPU_KVCACHE_SPACE, else none")
-    engine.add_argument("--kv-offloading-size", type=float, metavar="GIB", help="same as --cpu-offload-gb")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs: every decode step runs eagerly")
-    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="plan the next decode step while the GPU runs this one (default: on with CUDA)")
-    engine.add_argument("--trust-remote-code", action="store_true",
-                        help="accepted: Spillway never runs code shipped with a model")
-    engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative-model", help="a draft model with the target's tokenizer")
-    spec.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per step")
-    spec.add_argument("--speculative-draft-tensor-parallel-size", type=int, help="1 (no tensor parallelism yet)")
-    spec.add_argument("--speculative-config", metavar="JSON",
-                      help='{"method": "draft_model" | "ngram", "num_speculative_tokens": K, '
-                           '"prompt_lookup_min": N, "prompt_lookup_max": N}')
-    refused = parser.add_argument_group("not available yet (refused)")
-    refused.add_argument("--swap-space", type=float)
-    refused.add_argument("--quantization", "-q")
-    refused.add_argument("--enable-lora", action="store_true")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spillway", description="Spillway LLM serving engine")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API")
-    _add_engine_args(serve)
-    server = serve.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
-    server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
-    server.add_argument("--allow-special-tokens-in-content", action="store_true",
-                        help="tokenize special-token text in chat messages (e.g. <|im_end|>) as those tokens, "
-                             "letting a user write turns of other roles; for trusted clients only")
-    reasoning = serve.add_argument_group("reasoning models")
-    reasoning.add_argument("--enable-reasoning", action="store_true",
-                           help="split <think> ... </think> into reasoning_content (the deepseek_r1 parser "
-                                "unless --reasoning-parser or --reasoning-config says otherwise)")
-    reasoning.add_argument("--reasoning-parser", choices=sorted(PARSERS),
-                           help="which markers delimit thinking; implies --enable-reasoning")
-    reasoning.add_argument("--reasoning-config", metavar="JSON",
-                           help='markers of your own: {"start": "<think>", "end": "</think>", '
-                                '"transition": "optional phrase forced before the end at the budget"}; '
-                                "implies --enable-reasoning")
-    server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
-                        help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
-                             "`spillway worker MODEL --connect tcp://HOST:PORT`; off loopback, the link "
-                             "needs a key ($SPILLWAY_WORKER_KEY or --worker-key-file)")
-    _add_worker_key_arg(server)
-    server.add_argument("--worker-response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S, metavar="S",
-                        help="a request that hears nothing from the worker for S seconds ends with an error "
-                             "(default %(default)g)")
-    server.add_argument("--max-pending-requests", type=_positive_int,
-                        help="sequences in flight beyond which requests get 429 (default 4 x --max-num-seqs)")
-    server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20)
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    server.add_argument("--disable-log-requests", action="store_true", help="accepted: requests are not logged")
-    serve.set_defaults(func=serve_command)
-
-    worker = commands.add_parser("worker", help="run a worker for a gateway on another host")
-    _add_engine_args(worker)
-    worker.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
-                        help="the gateway's --worker-address")
-    _add_worker_key_arg(worker)
-    worker.set_defaults(func=worker_command)
-    return parser
-
-
-def _add_worker_key_arg(group) -> None:
-    group.add_argument("--worker-key-file", metavar="PATH",
-                       help="a file holding the secret (16 bytes or more) that authenticates and encrypts the "
-                            "link between gateway and remote worker, the same on both; default $SPILLWAY_WORKER_KEY")
 
 
 def _worker_keys(args: argparse.Namespace, address: str):
@@ -147,13 +37,19 @@ def _worker_keys(args: argparse.Namespace, address: str):
 
 
 def refusals(args: argparse.Namespace) -> list[str]:
-    """Messages for every flag that asks for a feature Spillway does not have yet."""
-    return engine_args.refusals(vars(args), _flag)
+    """Messages for every flag that asks for what Spillway cannot do (yet)."""
+    problems = engine_args.refusals(vars(args), _flag)
+    if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
+        problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
+                        "logprobs per token")
+    return problems
 
 
 def _flag(name: str, value: object) -> str:
     flag = "--" + name.replace("_", "-")
-    return flag if value is True else f"{flag} {value}"
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
 
 
 def worker_config(args: argparse.Namespace):
@@ -205,20 +101,28 @@ def _read_reasoning_config(value: str | None) -> dict | None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    import uvicorn
+    """Run the server until Ctrl-C or SIGTERM (exit status 0 either way, also while the model
+    loads); 1 when it cannot start."""
+    try:
+        sock = bind_port(args.host, args.port)  # before anything slow: a port in use ends it at once
+    except PortInUse as exc:
+        print(f"spillway serve: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with stop_on_sigterm():
+            return _serve(args, sock)
+    except (KeyboardInterrupt, Stopped):  # the worker, if any, is closed already
+        return 0
+    finally:
+        sock.close()
 
-    from spillway.gateway.app import ServerSettings, build_app
+
+def _serve(args: argparse.Namespace, sock) -> int:
+    from spillway.gateway.app import build_app
     from spillway.gateway.http_protocol import server_config
-    from spillway.gateway.remote_worker import worker_addresses
 
     try:
-        config, names = worker_config(args)
-        chat_template = _read_chat_template(args.chat_template)
-        reasoning_config = _read_reasoning_config(args.reasoning_config)
-        keys = None
-        if args.worker_address is not None:
-            worker_addresses(args.worker_address)
-            keys = _worker_keys(args, args.worker_address)
+        settings = _server_settings(args)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 1
@@ -227,29 +131,49 @@ def serve_command(args: argparse.Namespace) -> int:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
         # an fp8 cache on the CPU) end the command with the worker's own message.
         try:
-            start_worker = _local_workers(config)
+            start_worker = _local_workers(settings.worker)
         except WorkerStartError as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
-        except KeyboardInterrupt:  # Ctrl-C while the model loads: the worker is closed already
-            return 1
-    settings = ServerSettings(
-        worker=config, served_model_names=names, api_key=args.api_key, chat_template=chat_template,
+    loop = "uvloop" if _has_uvloop() else "asyncio"
+    server = BannerServer(server_config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
+                                        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5),
+                          settings.served_model_names[0])
+    server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
+    return 0 if server.started else 1
+
+
+def _server_settings(args: argparse.Namespace):
+    """The server's settings from the flags, every file they name read and checked."""
+    from spillway.gateway.app import ServerSettings
+    from spillway.gateway.remote_worker import worker_addresses
+
+    config, names = worker_config(args)
+    reasoning_config = _read_reasoning_config(args.reasoning_config)
+    keys = None
+    if args.worker_address is not None:
+        worker_addresses(args.worker_address)
+        keys = _worker_keys(args, args.worker_address)
+    defaults = read_request_defaults(args.generation_config, Path(config.model), args.max_logprobs)
+    if defaults.overridden:
+        logging.getLogger("spillway.gateway").info("request defaults from the generation config: %s",
+                                                   defaults.overridden)
+    return ServerSettings(
+        worker=config, served_model_names=names, api_key=args.api_key,
+        chat_template=_read_chat_template(args.chat_template), max_body_bytes=args.max_request_body_bytes,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-        max_body_bytes=args.max_request_body_bytes,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
         worker_keys=keys, response_timeout_s=args.worker_response_timeout,
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
+        tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,
     )
-    loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = uvicorn.Server(server_config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
-                                          log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
-    try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
-        pass
-    return 0 if server.started else 1
+
+
+def _check_tokenizer(folder: str | None) -> str | None:
+    if folder is not None and not any((Path(folder) / name).is_file() for name in model_files.TOKENIZER_FILES):
+        raise ValueError(f"--tokenizer {folder}: no tokenizer there (tokenizer.json or the like)")
+    return folder
 
 
 def _local_workers(config):
@@ -304,14 +228,22 @@ def _has_uvloop() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        try:
+            argv = expand_config(argv, option_strings(parser, "serve"))
+        except ConfigFileError as exc:
+            print(f"spillway serve: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
     problems = refusals(args)
     if problems:
         for problem in problems:
             print(f"spillway {args.command}: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return args.func(args)
+    return serve_command(args) if args.command == "serve" else worker_command(args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from spillway.gateway.metrics import GatewayMetrics, observe_repeated
+from spillway.gateway.request_metrics import RequestTimes
 from spillway.gateway.worker_link import LinkState, WorkerLink
 from spillway.protocol.messages import (
     Abort,
@@ -57,9 +58,7 @@ class _Tracked:
     """One in-flight sub-request: where its deltas go, and its timing for the histograms."""
 
     stream: RequestStream
-    arrival: float
-    num_prompt_tokens: int
-    last_token: float | None = None
+    times: RequestTimes
     last_heard: float = 0.0  # the arrival, then the last delta: the response timeout counts from it
 
 
@@ -150,8 +149,9 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._routes)
 
-    def submit(self, generates: list[Generate]) -> RequestStream:
-        """Send the sub-requests of one HTTP request; their deltas arrive on the stream."""
+    def submit(self, generates: list[Generate], num_samples: int = 1) -> RequestStream:
+        """Send the sub-requests of one HTTP request, `num_samples` (its n) consecutive ones per
+        prompt; their deltas arrive on the stream."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not ready: its worker is starting or restarting")
         if self._max_pending is not None and len(self._routes) + len(generates) > self._max_pending:
@@ -159,8 +159,12 @@ class EngineClient:
         stream = RequestStream(self, [g.request_id for g in generates])
         now = time.monotonic()
         for generate in generates:
-            self._routes[generate.request_id] = _Tracked(stream, now, len(generate.prompt_token_ids), last_heard=now)
+            times = RequestTimes(now, len(generate.prompt_token_ids))
+            self._routes[generate.request_id] = _Tracked(stream, times, last_heard=now)
             self.link.send(generate)
+        if self._metrics is not None:
+            for generate in generates[::num_samples]:
+                self._metrics.requests.on_params(num_samples, generate.params.max_tokens)
         return stream
 
     def abort(self, request_ids: Iterable[str], reason: str = "abort") -> None:
@@ -235,13 +239,17 @@ class EngineClient:
             if tracked is None:
                 continue  # aborted by this side; the worker's ABORT delta is expected
             tracked.last_heard = now
+            times = tracked.times
+            if delta.queued_s >= 0:
+                times.queued_s = delta.queued_s
             if delta.new_token_ids:
                 num_tokens += len(delta.new_token_ids)
-                if tracked.last_token is None:
-                    self._record_first_token(tracked, now)
+                times.num_generation_tokens += len(delta.new_token_ids)
+                if times.last_token is None:
+                    self._record_first_token(times, now)
                 else:
-                    gaps[tracked.last_token] = gaps.get(tracked.last_token, 0) + 1
-                tracked.last_token = now
+                    gaps[times.last_token] = gaps.get(times.last_token, 0) + 1
+                times.last_token = now
             if delta.finish_reason is not None:
                 del self._routes[delta.request_id]
                 tracked.stream.open_ids.discard(delta.request_id)
@@ -250,8 +258,10 @@ class EngineClient:
             tracked.stream.put(delta)
         if num_tokens and self._metrics is not None:  # once per step, not per request
             self._metrics.generation_tokens.inc(num_tokens)
+            requests = self._metrics.requests
             for last_token, count in gaps.items():
-                observe_repeated(self._metrics.inter_token_latency, now - last_token, count)
+                observe_repeated(requests.inter_token_latency, now - last_token, count)
+                observe_repeated(requests.time_per_output_token, now - last_token, count)
 
     def _on_lost(self, reason: str) -> None:
         self._fail_all(reason)
@@ -284,12 +294,13 @@ class EngineClient:
 
     # ---- metrics ------------------------------------------------------------------------------
 
-    def _record_first_token(self, tracked: _Tracked, now: float) -> None:
+    def _record_first_token(self, times: RequestTimes, now: float) -> None:
+        times.first_token = now
         if self._metrics is not None:
-            self._metrics.prompt_tokens.inc(tracked.num_prompt_tokens)
-            self._metrics.time_to_first_token.observe(now - tracked.arrival)
+            self._metrics.prompt_tokens.inc(times.num_prompt_tokens)
+            self._metrics.requests.time_to_first_token.observe(now - times.arrival)
 
     def _record_finish(self, tracked: _Tracked, reason: str, now: float) -> None:
         if self._metrics is not None:
             self._metrics.on_finished(reason)
-            self._metrics.e2e_request_latency.observe(now - tracked.arrival)
+            self._metrics.requests.on_finished(tracked.times, now)

@@ -23,8 +23,16 @@ NOT_YET = (
     ("enable_lora", False, "LoRA adapters"),
     ("tensor_parallel_size", 1, "tensor parallelism"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
+    ("kv_transfer_config", None, "KV transfer between instances (disaggregated prefill)"),
+    ("additional_config", None, "platform plugins' additional configuration"),
 )
 NOT_YET_NAMES = frozenset(name for name, _, _ in NOT_YET)
+# vLLM switches for what Spillway always does, with why it cannot be switched off.
+ALWAYS_ON = (
+    ("enable_chunked_prefill", "prompts are always prefilled in chunks of the step's token budget "
+                               "(--max-num-batched-tokens): the scheduler has no whole-prompt prefill"),
+)
+ALWAYS_ON_NAMES = frozenset(name for name, _ in ALWAYS_ON)
 
 
 def refusals(values: Mapping[str, object], spell: Callable[[str, object], str]) -> list[str]:
@@ -35,6 +43,9 @@ def refusals(values: Mapping[str, object], spell: Callable[[str, object], str]) 
         value = values.get(name)
         if value is not None and value != off:
             messages.append(f"{spell(name, value)} needs {feature}, which Spillway does not have yet")
+    for name, why in ALWAYS_ON:
+        if values.get(name) is False:
+            messages.append(f"{spell(name, False)} cannot be honoured: {why}")
     return messages
 
 

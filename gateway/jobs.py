@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from spillway.gateway import openai as api
+from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
 from spillway.protocol.messages import Ready
@@ -49,8 +50,9 @@ class JobBuilder:
     """Checks requests against the model (names, lengths, vocabulary) and tokenizes them."""
 
     def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
-                 reasoning: bool = False) -> None:
+                 reasoning: bool = False, defaults: RequestDefaults = RequestDefaults()) -> None:
         self.tokenizer = tokenizer
+        self.defaults = defaults  # --generation-config and --max-logprobs
         self.served_names = served_names
         self.reasoning = reasoning  # the server has a reasoning parser
         self._ready = ready_fn  # the current worker's Ready (it may have been restarted)
@@ -72,8 +74,10 @@ class JobBuilder:
     async def chat_job(self, request: api.ChatCompletionRequest) -> Job:
         model = self.check_model(request.model)
         api.check_unsupported(request)
+        request = self.defaults.apply(request)
         messages = api.template_messages(request.messages)
         logprobs = api.chat_logprobs(request)
+        self.defaults.check_logprobs(logprobs, "top_logprobs")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         params = api.sampling_params(request, max_tokens, logprobs)
@@ -84,8 +88,12 @@ class JobBuilder:
     async def completion_job(self, request: api.CompletionRequest) -> Job:
         model = self.check_model(request.model)
         api.check_unsupported(request)
-        params = api.sampling_params(request, 16 if request.max_tokens is None else request.max_tokens,
-                                     request.logprobs)
+        request = self.defaults.apply(request)
+        self.defaults.check_logprobs(request.logprobs, "logprobs")
+        max_tokens = request.max_tokens
+        if max_tokens is None and self.defaults.max_tokens is None:
+            max_tokens = 16  # the OpenAI API's default for completions
+        params = api.sampling_params(request, max_tokens, request.logprobs)
         prompts = []
         for prompt in api.completion_prompts(request.prompt):
             if isinstance(prompt, str):
@@ -193,4 +201,6 @@ class JobBuilder:
                 param=param, code="context_length_exceeded")
         if min(token_ids) < 0 or max(token_ids) >= ready.vocab_size:  # after the length: a short scan
             raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
-        return limit - len(token_ids) if max_tokens is None else max_tokens
+        if max_tokens is not None:
+            return max_tokens
+        return min(limit - len(token_ids), self.defaults.max_tokens or limit)

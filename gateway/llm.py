@@ -17,7 +17,7 @@ from tqdm import tqdm
 from spillway.gateway import openai as api
 from spillway.gateway.client import EngineUnavailable, WorkerLost
 from spillway.gateway import spec_args
-from spillway.gateway.engine_args import NOT_YET_NAMES, engine_config, refusals
+from spillway.gateway.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.offline import EngineThread, run_generations
 from spillway.gateway.offline_inputs import check_prompt, normalize_params, normalize_prompts, require_tokenizer
@@ -74,7 +74,7 @@ class LLM:
         **unsupported,
     ) -> None:
         for name in unsupported:
-            if name not in NOT_YET_NAMES:
+            if name not in NOT_YET_NAMES and name not in ALWAYS_ON_NAMES:
                 raise ValueError(f"LLM() got an unknown argument {name!r}")
         problems = refusals({**unsupported, "tensor_parallel_size": tensor_parallel_size},
                             lambda name, value: f"LLM({name}={value!r})")

@@ -11,9 +11,10 @@ import re
 from collections import deque
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from spillway.gateway.request_metrics import RequestMetrics
 from spillway.gateway.spec_metrics import SpecDecodeMetrics
 from spillway.protocol.messages import Stats
 
@@ -23,11 +24,6 @@ HIT_RATE_WINDOW_TOKENS = 100_000
 _TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type labels
 # A `*_created` sample, or the HELP/TYPE line of such a family.
 _CREATED = re.compile(rb"(# (HELP|TYPE) )?[^#\s{]+_created[{\s]")
-
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 def observe_repeated(histogram, amount: float, count: int) -> None:
@@ -74,7 +70,7 @@ class _WindowedRate:
 class GatewayMetrics:
     """All of the gateway's metrics, labelled with the served model name."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
 
@@ -83,9 +79,6 @@ class GatewayMetrics:
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests the worker is running.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting in the worker.")
@@ -107,12 +100,7 @@ class GatewayMetrics:
         self.model_name = model_name
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Time from arrival to the first generated token.", _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Time between consecutive generated tokens.", _LATENCY_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Time from arrival to the last token.", _E2E_BUCKETS)
+        self.requests = RequestMetrics(self.registry, model_name, max_model_len)
         transfers = Counter("vllm:kv_offload_total_bytes", "Bytes of KV copied between the GPU and the CPU tier.",
                             ["model_name", "transfer_type"], registry=self.registry)
         transfer_time = Counter("vllm:kv_offload_total_time", "Seconds spent copying KV between the tiers.",
@@ -175,6 +163,17 @@ class GatewayMetrics:
 
     def on_finished(self, reason: str) -> None:
         self._request_success.labels(self.model_name, reason).inc()
+
+    def token_totals(self) -> tuple[float, float]:
+        """(prompt tokens, generated tokens) counted so far."""
+        labels = {"model_name": self.model_name}
+        return (self.registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0,
+                self.registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The hit rate over the most recent ~HIT_RATE_WINDOW_TOKENS queried prompt tokens."""
+        return self._hit_rate.hit_rate
 
     def render(self) -> bytes:
         """The text exposition without prometheus_client's `*_created` timestamps, which vLLM

@@ -142,7 +142,7 @@ class Generation:
                     arrival_time=time.time(), cache_salt=job.cache_salt,
                     thinking=policy if params.thinking_budget is not None else None))
         self._unfinished = len(self.samples)
-        self._stream = self.client.submit(generates)
+        self._stream = self.client.submit(generates, num_samples=params.n)
 
     def close(self) -> None:
         """Abort what is still running; safe to call at any point, and more than once."""

@@ -100,7 +100,10 @@ class WorkerLink:
             await asyncio.gather(self._restarter, return_exceptions=True)
         handle = self._detach()
         if handle is not None:
-            await asyncio.to_thread(handle.close)
+            try:
+                await asyncio.to_thread(handle.close)
+            except RuntimeError:  # at interpreter exit (an `LLM` closed by its finalizer) no thread is lent
+                handle.close()
 
     @property
     def worker_pid(self) -> int | None:

@@ -71,7 +71,10 @@ class ChildProcess:
         # readable (EOF) when the child has exited, as multiprocessing's sentinel does.
         self.sentinel, child_end = os.pipe()
         try:
-            self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,))
+            # A session of its own: a terminal's Ctrl-C, sent to the gateway's process group,
+            # never reaches the worker (not even while it imports); its gateway stops it.
+            self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,),
+                                           start_new_session=True)
         finally:
             os.close(child_end)
         self.pid = self._popen.pid
@@ -80,8 +83,11 @@ class ChildProcess:
             self._popen.stdin.flush()
         except BrokenPipeError:
             pass  # it died at once: wait_ready reports its exit code
-        # Closing stdin (or exiting) tells the worker its gateway is gone; ends it at exit too.
+        # Closing stdin (or exiting) tells the worker its gateway is gone. Not run at exit: the
+        # owner's own close (an `LLM`'s finalizer, made earlier, so run later) stops the worker
+        # in order first; without one, the pipe closing with this process ends the worker.
         self._finalizer = weakref.finalize(self, _stop, self._popen, self.sentinel)
+        self._finalizer.atexit = False
 
     @property
     def exitcode(self) -> int | None:
@@ -179,6 +185,8 @@ class WorkerProcess:
         return self.process.is_alive()
 
     def close(self) -> None:
+        if self.ready is None:
+            self._child.release()  # still loading, deaf to SHUTDOWN: the pipe's EOF ends it at once
         if self.process.is_alive():
             try:
                 # Not blocking: a worker that is exiting (after a start-up error) has left no

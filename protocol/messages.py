@@ -128,6 +128,9 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[TokenLogprobs] | None = None
     # Set on the request's first delta: prompt tokens whose KV came from the prefix cache.
     num_cached_tokens: int = -1
+    # Set on the request's first delta: seconds from the worker's receipt to its first step
+    # (vllm:request_queue_time_seconds); -1 on later deltas.
+    queued_s: float = -1.0
     error: str | None = None
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -115,7 +115,7 @@ def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
     Not through AutoTokenizer: its module imports transformers' config classes, and with them
     torch, which the gateway never loads. The class is the one tokenizer_config.json names, as
     AutoTokenizer would choose it for the models Spillway runs."""
-    if not any((files.path / f).is_file() for f in _TOKENIZER_FILES):
+    if not any((files.path / f).is_file() for f in TOKENIZER_FILES):
         raise TokenizerNotFoundError(
             f"model {files.name!r} has no tokenizer (nothing like tokenizer.json in "
             f"{files.path}); a dummy model from a built-in config takes token ids only"

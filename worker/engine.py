@@ -253,6 +253,7 @@ class Engine:
                 finish_reason=result.finish_reason,
                 logprobs=token_logprobs[:len(result.new_token_ids)] if token_logprobs is not None else None,
                 num_cached_tokens=result.num_cached_tokens,
+                queued_s=result.queued_s,
             ))
         if self.debug_invariants:
             self.block_manager.check_invariants()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -67,6 +68,9 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when first scheduled; -1 until then.
     num_cached_tokens: int = -1
+    # When this worker received it, and how long it then waited to be scheduled (-1 until then).
+    received: float = field(default_factory=time.monotonic)
+    queued_s: float = -1.0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     # 1 while a step that samples this request's next token is still on the device.

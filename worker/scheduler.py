@@ -22,6 +22,7 @@ the next step on, when the load has landed; the requests behind it are not held 
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -243,8 +244,9 @@ class Scheduler:
             self._commit_full_blocks(request, chunk.start)
             if reason is not None:
                 self._release(request, finished_status(reason))
-            num_cached = request.num_cached_tokens if request.num_output_tokens == len(committed) else -1
-            results.append(StepResult(request, committed, reason, num_cached))
+            first = request.num_output_tokens == len(committed)
+            results.append(StepResult(request, committed, reason, request.num_cached_tokens if first else -1,
+                                      request.queued_s if first else -1.0))
         if any(result.finish_reason is not None for result in results):
             self.running = [request for request in self.running if not request.is_finished]
         return results
@@ -297,6 +299,7 @@ class Scheduler:
         self.waiting.pop(0)
         if request.status == RequestStatus.WAITING:  # first scheduling; a resume is no hit
             request.num_cached_tokens = num_cached
+            request.queued_s = time.monotonic() - request.received
             if manager.enable_prefix_caching:
                 self._count_hits(request.num_prompt_tokens, num_on_gpu, num_cached - num_on_gpu)
         request.status = RequestStatus.RUNNING

@@ -68,3 +68,4 @@ class StepResult:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_cached_tokens: int = -1  # set on the request's first output only
+    queued_s: float = -1.0  # likewise

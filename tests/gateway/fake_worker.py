@@ -59,6 +59,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     queries = hits = 0
     checked = False  # a CHECK_INVARIANTS waits for the next report
     seen_hashes: set[bytes] = set()
+    received: dict[str, float] = {}  # until the request's first step: its queue time
     step = 0
     last_stats = 0.0
     last_step = time.monotonic()
@@ -80,6 +81,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                     hits += cached
                     seen_hashes.update(msg.block_hashes)
                     running[msg.request_id] = (msg, cached, 0)
+                    received[msg.request_id] = time.monotonic()
                 case Abort(request_ids=ids):
                     for rid in ids:
                         if running.pop(rid, None) is not None:
@@ -111,7 +113,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
             pending.append(RequestDelta(
                 request_id=rid, new_token_ids=[token], logprobs=logprobs,
                 finish_reason=FinishReason.LENGTH if done else None,
-                num_cached_tokens=cached if first else -1))
+                num_cached_tokens=cached if first else -1,
+                queued_s=last_step - received.pop(rid) if first else -1.0))
             if done:
                 del running[rid]
             else:

@@ -43,7 +43,7 @@ class _Client:
         self.stream: RequestStream | None = None
         self.aborted: list[str] = []
 
-    def submit(self, generates) -> RequestStream:
+    def submit(self, generates, num_samples: int = 1) -> RequestStream:
         self.stream = RequestStream(self, [g.request_id for g in generates])
         return self.stream
 

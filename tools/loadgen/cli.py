@@ -19,6 +19,7 @@ from tools.loadgen.client import RequestOptions
 from tools.loadgen.corpus import RandomTokenPrompts, prompt_source, stdlib_words
 from tools.loadgen.dataset import Dataset, dataset_conversations, load_dataset
 from tools.loadgen.report import (
+    DEFAULT_PERCENTILES,
     load_results,
     results_document,
     summarize,
@@ -50,6 +51,17 @@ def parse_slo(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"an SLO is NAME=MS with NAME in {', '.join(SLO_NAMES)}, got {item!r}")
         slo[name.strip()] = float(value)
     return slo
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """`50,90,99` -> (50.0, 90.0, 99.0): vLLM bench's --metric-percentiles, each in (0, 100]."""
+    try:
+        values = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"percentiles are numbers separated by commas, got {text!r}") from None
+    if not all(0 < q <= 100 for q in values):
+        raise argparse.ArgumentTypeError(f"each percentile must be in (0, 100], got {text!r}")
+    return tuple(dict.fromkeys(values))
 
 
 def _lengths(text: str) -> Lengths:
@@ -132,6 +144,9 @@ def _add_results_args(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("results")
     out.add_argument("--slo", type=parse_slo, default={}, metavar="NAME=MS,...",
                      help="goodput SLOs in ms, e.g. ttft=500,tpot=50[,e2e=...]")
+    out.add_argument("--percentiles", type=parse_percentiles, default=DEFAULT_PERCENTILES, metavar="Q,Q,...",
+                     help="the percentiles of TTFT, TPOT, ITL, E2E and lengths to report, e.g. 50,90,99 "
+                          "(default 90,99)")
     out.add_argument("--metrics-interval", type=_positive(float), default=1.0, metavar="S",
                      help="seconds between /metrics samples (default 1)")
     out.add_argument("--server-metrics", action=argparse.BooleanOptionalAction, default=True,
@@ -255,7 +270,7 @@ async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
               "client": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     samples = watcher.samples_since(t0) if watcher is not None else []
-    return results_document(config, summarize(records, args.slo, server), records, samples)
+    return results_document(config, summarize(records, args.slo, server, args.percentiles), records, samples)
 
 
 class _Progress:

@@ -15,6 +15,7 @@ from tools.loadgen.client import RequestRecord
 from tools.loadgen.server_metrics import GaugeSample, ServerReport
 
 RESULTS_VERSION = 1
+DEFAULT_PERCENTILES = (90.0, 99.0)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -28,6 +29,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def percentile_name(q: float) -> str:
+    """"p99", "p99.9": how a percentile is named in the report."""
+    return f"p{q:g}"
+
+
 @dataclass(slots=True)
 class Distribution:
     mean: float
@@ -35,13 +41,16 @@ class Distribution:
     p90: float
     p99: float
     count: int
+    # The percentiles asked for with --percentiles (vLLM bench's --metric-percentiles), by name.
+    percentiles: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, values: list[float]) -> Distribution | None:
+    def of(cls, values: list[float], percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> Distribution | None:
         if not values:
             return None
         return cls(sum(values) / len(values), percentile(values, 50), percentile(values, 90),
-                   percentile(values, 99), len(values))
+                   percentile(values, 99), len(values),
+                   {percentile_name(q): percentile(values, q) for q in percentiles})
 
 
 @dataclass(slots=True)
@@ -88,7 +97,8 @@ def _prompt_tokens(record: RequestRecord) -> int:
     return record.prompt_tokens if record.prompt_tokens is not None else record.expected_prompt_tokens
 
 
-def summarize(records: list[RequestRecord], slo_ms: dict[str, float], server: ServerReport | None) -> Summary:
+def summarize(records: list[RequestRecord], slo_ms: dict[str, float], server: ServerReport | None,
+              percentiles: tuple[float, ...] = DEFAULT_PERCENTILES) -> Summary:
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     duration = max((r.start_s + (r.e2e_s or 0.0) for r in records), default=0.0)
@@ -108,12 +118,13 @@ def summarize(records: list[RequestRecord], slo_ms: dict[str, float], server: Se
         total_prompt_tokens=prompt_total, total_output_tokens=output_total,
         num_short_outputs=sum(1 for r in ok if (r.output_tokens or 0) < r.expected_output_tokens),
         num_without_usage=sum(1 for r in ok if not r.usage_reported),
-        ttft_ms=Distribution.of([r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
-        tpot_ms=Distribution.of([r.tpot_s * 1000 for r in ok if r.tpot_s is not None]),
-        itl_ms=Distribution.of([gap * 1000 for r in ok for gap in r.itl_s]),
-        e2e_ms=Distribution.of([r.e2e_s * 1000 for r in ok]),
-        prompt_tokens=Distribution.of([float(_prompt_tokens(r)) for r in ok]),
-        output_tokens=Distribution.of([float(r.output_tokens) for r in ok if r.output_tokens is not None]),
+        ttft_ms=Distribution.of([r.ttft_s * 1000 for r in ok if r.ttft_s is not None], percentiles),
+        tpot_ms=Distribution.of([r.tpot_s * 1000 for r in ok if r.tpot_s is not None], percentiles),
+        itl_ms=Distribution.of([gap * 1000 for r in ok for gap in r.itl_s], percentiles),
+        e2e_ms=Distribution.of([r.e2e_s * 1000 for r in ok], percentiles),
+        prompt_tokens=Distribution.of([float(_prompt_tokens(r)) for r in ok], percentiles),
+        output_tokens=Distribution.of([float(r.output_tokens) for r in ok if r.output_tokens is not None],
+                                      percentiles),
         cached_prompt_fraction=cached_fraction, slo_ms=dict(slo_ms),
         errors=dict(Counter(r.error_kind for r in failed)), error_examples=examples, server=server)
     if slo_ms:

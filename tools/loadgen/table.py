@@ -64,10 +64,11 @@ def format_summary(document: dict) -> str:
                                 f"requests meet {slo})"))
     lines += [f"{label:<28}{value}" for label, value in rows]
     lines.append("-" * WIDTH)
-    lines.append(f"{'':<20}" + "".join(f"{name:>13}" for name in STATS))
+    columns = _columns(s)
+    lines.append(f"{'':<20}" + "".join(f"{name:>13}" for name in columns))
     for key, label in DISTRIBUTIONS:
         dist = s.get(key)
-        cells = "".join(f"{_number(dist[name] if dist else None):>13}" for name in STATS)
+        cells = "".join(f"{_number(_stat(dist, name)):>13}" for name in columns)
         lines.append(f"{label:<20}{cells}")
     fewest = min((s[key]["count"] for key, _ in DISTRIBUTIONS[:4] if s.get(key)), default=None)
     if fewest is not None and fewest < FEW_SAMPLES:
@@ -84,6 +85,20 @@ def format_summary(document: dict) -> str:
         lines.append(f"{'Without usage':<28}{s['num_without_usage']} requests: tokens counted from chunks")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def _columns(s: dict) -> list[str]:
+    """mean, median and the run's --percentiles (p90 and p99 for a run saved before them)."""
+    for key, _ in DISTRIBUTIONS:
+        if s.get(key) and s[key].get("percentiles"):
+            return ["mean", "median", *s[key]["percentiles"]]
+    return list(STATS)
+
+
+def _stat(dist: dict | None, name: str) -> float | None:
+    if not dist:
+        return None
+    return dist[name] if name in ("mean", "median") else dist.get("percentiles", {}).get(name, dist.get(name))
 
 
 def _server_rows(s: dict) -> list[tuple[str, str]]:
