@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from spillway.gateway import engine_args
 from spillway.gateway.cli_args import build_parser, option_strings
 from spillway.gateway.config_file import ConfigFileError, expand_config
