@@ -23,13 +23,16 @@ from starlette.routing import Route
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
+from spillway.gateway.chat_messages import ChatRender, template_messages
 from spillway.gateway.guards import ApiKeyMiddleware, check_json_body
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from spillway.gateway.openapi_schema import openapi_document
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
-from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
+from spillway.gateway.logprob_answers import TokenStrings
+from spillway.gateway.responses import GenerationResponse, error_response, json_response
 from spillway.gateway.serving import Generation
 from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
@@ -49,6 +52,7 @@ class ServerSettings:
 
     worker: WorkerConfig  # `model` is a resolved local folder
     served_model_names: list[str] = field(default_factory=list)
+    model_root: str | None = None  # the model as it was named (/v1/models' root); else the first served name
     api_key: str | None = None
     chat_template: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -167,6 +171,7 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     handlers = {api.ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
                 Exception: _internal_error}
@@ -236,8 +241,10 @@ async def invocations(request: Request):
 async def models(request: Request) -> Response:
     gateway = _gateway(request)
     ready = gateway.client.ready
-    cards = [answers.ModelCard(id=name, created=gateway.created, root=gateway.settings.worker.model or ready.model,
-                           max_model_len=ready.max_model_len) for name in gateway.served_names]
+    root = gateway.settings.model_root or gateway.served_names[0]
+    permission = [answers.ModelPermission(f"modelperm-{gateway.created}", gateway.created)]
+    cards = [answers.ModelCard(id=name, created=gateway.created, root=root, max_model_len=ready.max_model_len,
+                               permission=permission) for name in gateway.served_names]
     return json_response(answers.ModelList(cards))
 
 
@@ -259,8 +266,9 @@ async def tokenize(request: Request) -> Response:
     body = await _read_json(request, api.TokenizeRequest)
     gateway.jobs.check_model(body.model)
     if body.messages is not None:
-        messages = api.template_messages(body.messages)
-        token_ids = await gateway.jobs.encode_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        messages = template_messages(body.messages)
+        render = ChatRender(body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or {})
+        token_ids = await gateway.jobs.encode_chat(messages, render)
     elif body.prompt is not None:
         token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)
     else:
@@ -280,11 +288,19 @@ async def detokenize(request: Request) -> Response:
 
 
 async def version_endpoint(request: Request) -> Response:
+    return json_response({"version": _version()})
+
+
+async def openapi_endpoint(request: Request) -> Response:
+    """This server's routes and body schemas as an OpenAPI document."""
+    return json_response(openapi_document(request.app.routes, _version()))
+
+
+def _version() -> str:
     try:
-        number = version("spillway")
+        return version("spillway")
     except PackageNotFoundError:
-        number = "unknown"
-    return json_response({"version": number})
+        return "unknown"
 
 
 # ---- errors and auth ------------------------------------------------------------------------

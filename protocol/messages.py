@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: the sampled token plus the top N
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -128,6 +129,8 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[TokenLogprobs] | None = None
     # Set on the request's first delta: prompt tokens whose KV came from the prefix cache.
     num_cached_tokens: int = -1
+    # On the request's first delta, when asked for (prompt_logprobs): one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
 
 

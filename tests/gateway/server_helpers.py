@@ -18,7 +18,8 @@ import uvicorn
 from ports import HOST, listening_socket, reserve_ports
 from prometheus_client.parser import text_string_to_metric_families
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SHORT_MODEL = "SmolLM2-135M-Instruct"  # still accepted in requests
 STARTUP_TIMEOUT_S = 600
 
 
