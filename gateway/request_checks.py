@@ -34,7 +34,6 @@ REFUSED = {
     "logits_processors": "logits_processors are not supported",
     "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated prefill) is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported yet",
     "guided_json": _STRUCTURED,
     "guided_regex": _STRUCTURED,
     "guided_choice": _STRUCTURED,
@@ -116,6 +115,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, max_toke
         raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=name)
     if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {request.prompt_logprobs}",
+                          param="prompt_logprobs")
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true (as in vLLM)",
                           param="prompt_logprobs")
     if request.truncate_prompt_tokens is not None and not (request.truncate_prompt_tokens >= 1
                                                            or request.truncate_prompt_tokens == -1):

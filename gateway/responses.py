@@ -140,13 +140,10 @@ async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIter
             if want_logprobs and update.logprobs:
                 logprobs = completion_logprobs(update.logprobs, shape.strings, offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs.tokens)
-            # The prompt's extras come with a choice's first chunk.
-            extras_due = not started[index] and (shape.token_ids or sample.prompt_logprobs is not None)
-            if update.text or logprobs is not None or update.token_ids and shape.token_ids or extras_due:
+            if update.text or logprobs is not None or update.token_ids and shape.token_ids:
                 choice = answers.CompletionChoice(index, update.text, logprobs, token_ids=_ids(shape, update.token_ids))
-                if not started[index]:
+                if not started[index]:  # the prompt's token ids come with a choice's first chunk
                     choice.prompt_token_ids = _ids(shape, job.prompts[sample.prompt_index].token_ids)
-                    choice.prompt_logprobs = _prompt_logprobs(sample, shape)
                     started[index] = True
                 yield chunk(choice)
             if update.finished:

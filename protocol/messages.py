@@ -19,7 +19,7 @@ import msgspec
 
 from spillway.protocol.reasoning import ThinkingPolicy
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", bytes)

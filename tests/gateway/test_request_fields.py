@@ -102,7 +102,7 @@ def server():
         def send(path: str, fields: dict) -> Sent:
             received.clear()
             response = httpx.post(url + path, json={**BASE[path], **fields}, timeout=30)
-            answer = response.text if fields.get("stream") else response.json()
+            answer = response.text if fields.get("stream") and response.status_code == 200 else response.json()
             return Sent(response.status_code, answer, list(received))
 
         yield send, tokenizer
@@ -171,6 +171,17 @@ def token_ids_returned(sent: Sent, base: Sent, tokenizer) -> None:
     assert "token_ids" not in base.choice and "prompt_token_ids" not in base.answer | base.choice
 
 
+def prompt_logprobs_returned(sent: Sent, base: Sent, tokenizer) -> None:
+    """vLLM's shape: None for the first prompt token, then token id -> {logprob, rank, decoded_token}."""
+    entries = sent.answer.get("prompt_logprobs", sent.choice.get("prompt_logprobs"))
+    prompt = sent.generate.prompt_token_ids
+    assert entries[0] is None and len(entries) == len(prompt)
+    for token_id, entry in zip(prompt[1:], entries[1:]):
+        assert entry[str(token_id)] == {"logprob": -0.25, "rank": 1, "decoded_token": tokenizer.decode([token_id])}
+        assert len(entry) >= 2  # with the top alternatives
+    assert "prompt_logprobs" not in base.answer | base.choice
+
+
 REFUSED = "refused"
 TOOL_TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}]"
                  "{{ m.content }}{% for c in m.tool_calls or [] %}call:{{ c.function.name }}{{ c.function.arguments }}"
@@ -219,7 +230,9 @@ SHARED_ROWS = [
     ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}, REFUSED),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 2},
      answer(lambda s: s.answer["usage"]["prompt_tokens"] == 2)),
-    ("prompt_logprobs", {"prompt_logprobs": 1}, REFUSED),
+    ("prompt_logprobs", {"prompt_logprobs": 2}, prompt_logprobs_returned),
+    ("prompt_logprobs", {"prompt_logprobs": 21}, REFUSED),  # past the limit
+    ("prompt_logprobs", {"prompt_logprobs": 1, "stream": True}, REFUSED),  # as vLLM
     ("allowed_token_ids", {"allowed_token_ids": [1, 2]}, REFUSED),
     ("bad_words", {"bad_words": ["friend"]}, REFUSED),
     ("echo", {"echo": True}, REFUSED),
