@@ -12,7 +12,6 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 from starlette.applications import Starlette
@@ -28,7 +27,7 @@ from spillway.gateway.guards import ApiKeyMiddleware, check_json_body
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from spillway.gateway.openapi_schema import openapi_document
+from spillway.gateway.info_routes import models, openapi_endpoint, version_endpoint
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
 from spillway.gateway.logprob_answers import TokenStrings
@@ -238,16 +237,6 @@ async def invocations(request: Request):
     return gateway.run(job)
 
 
-async def models(request: Request) -> Response:
-    gateway = _gateway(request)
-    ready = gateway.client.ready
-    root = gateway.settings.model_root or gateway.served_names[0]
-    permission = [answers.ModelPermission(f"modelperm-{gateway.created}", gateway.created)]
-    cards = [answers.ModelCard(id=name, created=gateway.created, root=root, max_model_len=ready.max_model_len,
-                               permission=permission) for name in gateway.served_names]
-    return json_response(answers.ModelList(cards))
-
-
 async def health(request: Request) -> Response:
     if _gateway(request).client.healthy:
         return Response(status_code=200)
@@ -285,22 +274,6 @@ async def detokenize(request: Request) -> Response:
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise api.bad_request(f"token ids must lie in [0, {vocab_size})", param="tokens")
     return json_response(answers.DetokenizeResponse(tokenizer.decode(body.tokens)))
-
-
-async def version_endpoint(request: Request) -> Response:
-    return json_response({"version": _version()})
-
-
-async def openapi_endpoint(request: Request) -> Response:
-    """This server's routes and body schemas as an OpenAPI document."""
-    return json_response(openapi_document(request.app.routes, _version()))
-
-
-def _version() -> str:
-    try:
-        return version("spillway")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 # ---- errors and auth ------------------------------------------------------------------------
