@@ -74,3 +74,18 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs(tiny_model, referenc
     deltas = run(engine, "scored", NUM_TOP)
     assert deltas[0].num_cached_tokens == 0
     check_against_reference(deltas, reference)
+
+
+def test_the_offline_api_returns_them_as_vllm_does(tiny_model, reference):
+    from spillway.gateway import LLM
+    from spillway.gateway import SamplingParams as UserParams
+
+    with LLM(tiny_model, device="cpu", dtype="float32") as llm:
+        (output,) = llm.generate([PROMPT], UserParams(max_tokens=2, temperature=0, prompt_logprobs=NUM_TOP),
+                                 use_tqdm=False)
+        (plain,) = llm.generate([PROMPT], UserParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(PROMPT)
+    for position, (token_id, entry) in enumerate(zip(PROMPT[1:], output.prompt_logprobs[1:])):
+        assert entry[token_id].logprob == pytest.approx(reference[position, token_id].item(), abs=1e-3)
+        assert len(entry) in (NUM_TOP, NUM_TOP + 1)  # the top alternatives, and the token when not among them
+    assert plain.prompt_logprobs is None
