@@ -62,21 +62,41 @@ class AssistantMessage(msgspec.Struct):
     reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatChoice(msgspec.Struct):
+    """`token_ids` only when asked for (`return_token_ids`) or when the server has no tokenizer."""
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
-class ChatCompletion(msgspec.Struct):
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    """`prompt_token_ids`, `prompt_logprobs` and `notice` (why the text is empty, on a server
+    without a tokenizer) only when they apply."""
+
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    notice: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -92,6 +112,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -103,14 +124,21 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk, when asked for
 
 
 class CompletionChoice(msgspec.Struct):
+    """vLLM's extras only when they apply: the token ids (asked for, or no tokenizer) and the
+    prompt's logprobs."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -122,13 +150,34 @@ class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    notice: str | None = None  # why the text is empty, on a server without a tokenizer
 
 
-class ModelCard(msgspec.Struct):
+class ModelPermission(msgspec.Struct):
+    """vLLM's fixed permission entry of a model card (what OpenAI once reported)."""
+
+    id: str
+    created: int
+    object: str = "model_permission"
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    """vLLM's model card: `root` is the model the name serves, `parent` a base model (none here)."""
+
     id: str
     created: int
     root: str
     max_model_len: int
+    permission: list[ModelPermission]
     object: str = "model"
     owned_by: str = "spillway"
     parent: str | None = None

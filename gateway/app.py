@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 from starlette.applications import Starlette
@@ -24,14 +23,17 @@ from starlette.routing import Route
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
+from spillway.gateway.chat_messages import ChatRender, template_messages
 from spillway.gateway.guards import ApiKeyMiddleware, check_json_body
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from spillway.gateway.info_routes import models, openapi_endpoint, version_endpoint
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
+from spillway.gateway.logprob_answers import TokenStrings
 from spillway.gateway.request_defaults import RequestDefaults
-from spillway.gateway.responses import GenerationResponse, TokenStrings, error_response, json_response
+from spillway.gateway.responses import GenerationResponse, error_response, json_response
 from spillway.gateway.serving import Generation
 from spillway.gateway.stats_log import StatsLogger
 from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
@@ -52,6 +54,7 @@ class ServerSettings:
 
     worker: WorkerConfig  # `model` is a resolved local folder
     served_model_names: list[str] = field(default_factory=list)
+    model_root: str | None = None  # the model as it was named (/v1/models' root); else the first served name
     api_key: str | None = None
     chat_template: str | None = None
     allow_special_tokens_in_content: bool = False  # else special-token text in messages is plain text
@@ -183,6 +186,7 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version_endpoint, methods=["GET"]),
+        Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     handlers = {api.ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
                 Exception: _internal_error}
@@ -249,14 +253,6 @@ async def invocations(request: Request):
     return gateway.run(job)
 
 
-async def models(request: Request) -> Response:
-    gateway = _gateway(request)
-    ready = gateway.client.ready
-    cards = [answers.ModelCard(id=name, created=gateway.created, root=gateway.settings.worker.model or ready.model,
-                           max_model_len=ready.max_model_len) for name in gateway.served_names]
-    return json_response(answers.ModelList(cards))
-
-
 async def health(request: Request) -> Response:
     if _gateway(request).client.healthy:
         return Response(status_code=200)
@@ -275,8 +271,9 @@ async def tokenize(request: Request) -> Response:
     body = await _read_json(request, api.TokenizeRequest)
     gateway.jobs.check_model(body.model)
     if body.messages is not None:
-        messages = api.template_messages(body.messages)
-        token_ids = await gateway.jobs.encode_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+        messages = template_messages(body.messages)
+        render = ChatRender(body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or {})
+        token_ids = await gateway.jobs.encode_chat(messages, render)
     elif body.prompt is not None:
         token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)
     else:
@@ -289,14 +286,6 @@ async def detokenize(request: Request) -> Response:
     body = await _read_json(request, api.DetokenizeRequest)
     gateway.jobs.check_model(body.model)
     return json_response(answers.DetokenizeResponse(await gateway.jobs.decode(body.tokens)))
-
-
-async def version_endpoint(request: Request) -> Response:
-    try:
-        number = version("spillway")
-    except PackageNotFoundError:
-        number = "unknown"
-    return json_response({"version": number})
 
 
 # ---- errors and auth ------------------------------------------------------------------------

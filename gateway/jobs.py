@@ -13,9 +13,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from spillway.gateway import openai as api
+from spillway.gateway import request_checks as checks
+from spillway.gateway.chat_messages import ChatRender, chat_render, template_messages
 from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
+from spillway.protocol import model_files
 from spillway.protocol.messages import Ready
 
 # Prompts longer than this are tokenized off the event loop.
@@ -44,6 +47,13 @@ class Job:
     priority: int = 0
     cache_salt: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    response_id: str | None = None  # the answer's id when the client chose it (request_id)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the answer
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
+
+    @property
+    def answer_id(self) -> str:
+        return self.response_id or self.request_id
 
 
 class JobBuilder:
@@ -62,7 +72,7 @@ class JobBuilder:
         return self._ready()
 
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.served_names:
+        if model is None or model in self.served_names or model in model_files.model_aliases(self.served_names[0]):
             return self.served_names[0]
         raise api.ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
@@ -73,35 +83,45 @@ class JobBuilder:
 
     async def chat_job(self, request: api.ChatCompletionRequest) -> Job:
         model = self.check_model(request.model)
-        api.check_unsupported(request)
+        checks.check_unsupported(request)
         request = self.defaults.apply(request)
-        messages = api.template_messages(request.messages)
-        logprobs = api.chat_logprobs(request)
+        messages = template_messages(request.messages)
+        render = chat_render(request)
+        logprobs = checks.chat_logprobs(request)
         self.defaults.check_logprobs(logprobs, "top_logprobs")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
-        params = api.sampling_params(request, max_tokens, logprobs)
+        params = checks.sampling_params(request, max_tokens, logprobs)
         self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        token_ids = await self.encode_chat(messages, request.add_generation_prompt, request.chat_template_kwargs)
-        return self._job("chatcmpl", True, model, [Prompt(token_ids)], params, request)
+        token_ids = await self.encode_chat(messages, render)
+        return self._job("chatcmpl", True, model, [Prompt(self._truncate(token_ids, request))], params, request)
 
     async def completion_job(self, request: api.CompletionRequest) -> Job:
         model = self.check_model(request.model)
-        api.check_unsupported(request)
+        checks.check_unsupported(request)
         request = self.defaults.apply(request)
         self.defaults.check_logprobs(request.logprobs, "logprobs")
         max_tokens = request.max_tokens
         if max_tokens is None and self.defaults.max_tokens is None:
             max_tokens = 16  # the OpenAI API's default for completions
-        params = api.sampling_params(request, max_tokens, request.logprobs)
+        params = checks.sampling_params(request, max_tokens, request.logprobs)
         prompts = []
-        for prompt in api.completion_prompts(request.prompt):
+        for prompt in checks.completion_prompts(request.prompt):
             if isinstance(prompt, str):
                 self._check_prompt_chars(len(prompt), "prompt")
-                prompts.append(Prompt(await self.encode(prompt), prompt))
+                token_ids = self._truncate(await self.encode(prompt, request.add_special_tokens), request)
+                prompts.append(Prompt(token_ids, prompt))
             else:
-                prompts.append(Prompt(list(prompt)))
+                prompts.append(Prompt(self._truncate(list(prompt), request)))
         return self._job("cmpl", False, model, prompts, params, request)
+
+    def _truncate(self, token_ids: list[int], request) -> list[int]:
+        """The last `truncate_prompt_tokens` of the prompt (-1: of the model's context length)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = self.ready.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self.require_tokenizer()
@@ -114,13 +134,12 @@ class JobBuilder:
             return await asyncio.to_thread(encode, text)
         return encode(text)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict | None) -> list[int]:
+    async def encode_chat(self, messages: list[dict], render: ChatRender) -> list[int]:
         tokenizer = self.require_tokenizer()
 
         def encode() -> list[int]:
             try:
-                return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                             chat_template_kwargs=kwargs)
+                return tokenizer.encode_chat(messages, **render.kwargs())
             except ValueError as exc:
                 raise api.bad_request(str(exc), param="messages") from None
             except TypeError as exc:  # a chat_template_kwargs key the tokenizer rejects
@@ -184,6 +203,9 @@ class JobBuilder:
                                   and options.continuous_usage_stats),
             priority=request.priority,
             cache_salt=request.cache_salt,
+            response_id=f"{prefix}-{request.request_id}" if request.request_id else None,
+            return_token_ids=bool(request.return_token_ids),
+            tokens_as_ids=bool(request.return_tokens_as_token_ids),
         )
 
     def _check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str) -> int:

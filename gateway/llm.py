@@ -21,7 +21,7 @@ from spillway.gateway.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.offline import EngineThread, run_generations
 from spillway.gateway.offline_inputs import check_prompt, normalize_params, normalize_prompts, require_tokenizer
-from spillway.gateway.outputs import RequestOutput, completion_output
+from spillway.gateway.outputs import RequestOutput, completion_output, prompt_logprobs_output
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.serving import Generation
@@ -240,7 +240,8 @@ class LLM:
             completions = [completion_output(sample, i, logprobs[job_index][sample.index] if want_logprobs else None,
                                              self._tokenizer, self._markers) for i, sample in enumerate(samples)]
             results.append(RequestOutput(request_id=f"offline-{batch}-{index}", prompt=text, prompt_token_ids=token_ids,
-                                         outputs=completions, num_cached_tokens=samples[0].num_cached_tokens))
+                                         outputs=completions, num_cached_tokens=samples[0].num_cached_tokens,
+                                         prompt_logprobs=prompt_logprobs_output(samples[0], self._tokenizer)))
         return results
 
     def _jobs(self, batch_id: str, items, params: list[SamplingParams]) -> tuple[list[Job], list[tuple[int, int]]]:

@@ -1,9 +1,10 @@
-"""OpenAI request bodies, their validation, and error bodies (answers: gateway/answers.py).
+"""OpenAI request bodies and error bodies (answers: gateway/answers.py; checks of the
+values: gateway/request_checks.py).
 
 Requests are decoded by msgspec straight into typed Structs, so a wrong type is a 400 that
-names the field. Unknown fields are ignored (clients send many optional ones), but fields for
-features Spillway does not have (tools, logit_bias, JSON response formats, ...) are refused
-rather than silently dropped.
+names the field. Every field vLLM accepts is declared: the checks honour it or refuse it with a
+400 naming it (tools, logit_bias, structured outputs, ...), never drop it. Other unknown fields
+are ignored, as clients send many optional ones.
 """
 
 from __future__ import annotations
@@ -12,15 +13,6 @@ import re
 from typing import Any
 
 import msgspec
-
-from spillway.gateway.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 128
-MAX_STOP_TOKEN_IDS = 256
-INT64_MAX = 2**63 - 1
-MAX_TOKEN_ID = 2**31 - 1
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -52,10 +44,25 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """A message of the history; tool calls and tool results are rendered by the chat template."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to one
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -65,10 +72,13 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str = "text"
+    json_schema: dict[str, Any] | None = None
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True):
-    """Fields shared by /v1/chat/completions and /v1/completions (vLLM's extras included)."""
+    """Fields shared by /v1/chat/completions and /v1/completions: OpenAI's and every extra of
+    vLLM's, so none is dropped unseen. Those Spillway has no feature for are refused by
+    gateway/request_checks.py when set."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -89,11 +99,33 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     priority: int = 0
+    request_id: str | None = None  # the answer's id is "<prefix>-<request_id>"
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
     user: str | None = None
     best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # Reasoning models (needs a reasoning parser): at most this many tokens of thinking.
     thinking_budget: int | None = None
     thinking_token_budget: int | None = None  # alias of thinking_budget
@@ -104,18 +136,29 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the chat template places its special tokens itself
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # handed to the chat template, as vLLM does
+    include_reasoning: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | int | list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -151,129 +194,6 @@ def decode_request(body: bytes, request_type: type):
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply", code="invalid_json") from None
-
-
-# ---- validation -----------------------------------------------------------------------------
-
-
-def check_unsupported(request: _GenerationRequest) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if request.best_of is not None and request.best_of != (request.n or 1):
-        raise bad_request("best_of other than n is not supported", param="best_of")
-    if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise bad_request("tool calling is not supported", param="tools")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported", param="response_format")
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if request.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
-
-
-def sampling_params(request: _GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's sampling fields, checked (ranges, limits); a ValueError becomes a 400."""
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise bad_request(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters", param="stop")
-    if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed", param="stop_token_ids")
-    for name in ("seed", "top_k", "min_tokens", "priority", "thinking_budget", "thinking_token_budget"):
-        value = getattr(request, name)
-        if value is not None and not -INT64_MAX - 1 <= value <= INT64_MAX:
-            raise bad_request(f"{name} must fit in a signed 64-bit integer", param=name)
-    if max_tokens is not None and not -INT64_MAX - 1 <= max_tokens <= INT64_MAX:
-        raise bad_request("max_tokens must fit in a signed 64-bit integer", param="max_tokens")
-    if any(not 0 <= t <= MAX_TOKEN_ID for t in request.stop_token_ids or ()):
-        raise bad_request(f"stop_token_ids must lie in [0, {MAX_TOKEN_ID}]", param="stop_token_ids")
-    if request.n is not None and request.n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}", param="n")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        name = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
-        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {logprobs}", param=name)
-    try:
-        return SamplingParams(
-            n=1 if request.n is None else request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
-            seed=request.seed,
-            stop=stop,
-            stop_token_ids=list(request.stop_token_ids or []),
-            ignore_eos=request.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=request.min_tokens,
-            logprobs=logprobs,
-            skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            thinking_budget=request.thinking_budget,
-            thinking_token_budget=request.thinking_token_budget,
-        )
-    except ValueError as exc:
-        message = str(exc)
-        first_word = message.split(" ", 1)[0]
-        param = first_word if first_word in request.__struct_fields__ else None
-        raise bad_request(message, param=param) from None
-
-
-def chat_logprobs(request: ChatCompletionRequest) -> int | None:
-    if not request.logprobs:
-        if request.top_logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        return None
-    return request.top_logprobs or 0
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template wants them; text parts only, roles the API defines only
-    (a template copies the role into the prompt as it is)."""
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
-    result = []
-    for index, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise bad_request(f"unknown role {message.role!r}: a message's role is one of {', '.join(ROLES)}",
-                              param=f"messages[{index}].role")
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"only text content parts are supported, got {part.type!r}",
-                                      param=f"messages[{index}].content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        entry = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        result.append(entry)
-    return result
-
-
-def completion_prompts(prompt) -> list[str | list[int]]:
-    """A completions prompt is a string, a token-id list, or a list of either."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        try:  # msgspec checks a long id list in C, where a Python loop would hold the event loop
-            return [msgspec.convert(prompt, list[int])]
-        except msgspec.ValidationError:
-            raise bad_request("prompt must be a string, a list of token ids, or a list of either",
-                              param="prompt") from None
-    kinds = set(map(type, prompt))  # one pass in C
-    if kinds == {str} or kinds == {list}:
-        return list(prompt)
-    raise bad_request("prompt must be a string, a list of token ids, or a list of either", param="prompt")
 
 
 # ---- error bodies ---------------------------------------------------------------------------

@@ -44,6 +44,15 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one dict each.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def prompt_logprobs_output(sample: Sample, tokenizer: PromptTokenizer | None) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's `RequestOutput.prompt_logprobs` from the entries the sample's first delta carried."""
+    if sample.prompt_logprobs is None:
+        return None
+    return [None] + [_logprob_dict(entry, tokenizer) for entry in sample.prompt_logprobs]
 
 
 def completion_output(sample: Sample, sample_index: int, logprobs: list[TokenLogprobs] | None,

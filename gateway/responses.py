@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import msgspec
 from starlette.responses import Response
@@ -17,6 +18,13 @@ from starlette.responses import Response
 from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.client import WorkerLost, WorkerTimeout
+from spillway.gateway.logprob_answers import (
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+    token_id_string,
+)
 from spillway.gateway.serving import Generation, Sample
 from spillway.protocol.messages import TokenLogprobs
 
@@ -48,129 +56,104 @@ def sse(body) -> bytes:
     return b"data: " + _encoder.encode(body) + b"\n\n"
 
 
-class TokenStrings:
-    """Token id -> its text and its bytes, for logprobs."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-        self._byte_table = _byte_level_table() if self._byte_level else {}
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            if self._tokenizer is None:
-                entry = (f"token_id:{token_id}", [])
-            else:
-                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-                raw = self._tokenizer.convert_ids_to_tokens(token_id) if self._byte_level else None
-                if raw is not None and all(ch in self._byte_table for ch in raw):
-                    entry = (text, [self._byte_table[ch] for ch in raw])
-                else:
-                    entry = (text, list(text.encode()))
-            self._cache[token_id] = entry
-        return entry
+NO_TOKENIZER_NOTICE = ("this server has no tokenizer for its model: the text is empty, the tokens are in "
+                       "choices[].token_ids")
 
 
-def _byte_level_table() -> dict[str, int]:
-    """Byte-level BPE spells each byte as one printable character; this maps them back."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in table.values():
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What an answer carries beyond the text, from the job and the server."""
+
+    strings: TokenStrings | Callable[[int], tuple[str, list[int]]]  # logprob token names
+    token_ids: bool  # the prompt's and each choice's token ids
+    notice: str | None  # why the text is empty
+
+    @classmethod
+    def of(cls, job, strings: TokenStrings) -> Shape:
+        no_tokenizer = strings.tokenizer is None
+        return cls(token_id_string if job.tokens_as_ids else strings, job.return_token_ids or no_tokenizer,
+                   NO_TOKENIZER_NOTICE if no_tokenizer else None)
 
 
-def chat_logprobs(entries: list[TokenLogprobs], strings: TokenStrings) -> answers.ChatLogprobs:
-    content = []
-    for entry in entries:
-        text, raw = strings(entry.token_id)
-        top = []
-        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
-            top_text, top_raw = strings(token_id)
-            top.append(answers.TopLogprob(top_text, logprob, top_raw))
-        content.append(answers.ChatTokenLogprob(text, entry.logprob, raw, top))
-    return answers.ChatLogprobs(content)
+def _ids(shape: Shape, token_ids: list[int]) -> list[int] | msgspec.UnsetType:
+    return list(token_ids) if shape.token_ids else msgspec.UNSET
 
 
-def completion_logprobs(entries: list[TokenLogprobs], strings: TokenStrings, offset: int) -> answers.CompletionLogprobs:
-    result = answers.CompletionLogprobs([], [], [], [])
-    for entry in entries:
-        text = strings(entry.token_id)[0]
-        top = {strings(tid)[0]: lp for tid, lp in zip(entry.top_token_ids, entry.top_logprobs)}
-        top.setdefault(text, entry.logprob)
-        result.text_offset.append(offset)
-        result.token_logprobs.append(entry.logprob)
-        result.tokens.append(text)
-        result.top_logprobs.append(top)
-        offset += len(text)
-    return result
+def _prompt_logprobs(sample: Sample, shape: Shape) -> answers.PromptLogprobs | msgspec.UnsetType:
+    return msgspec.UNSET if sample.prompt_logprobs is None else prompt_logprobs(sample.prompt_logprobs, shape.strings)
 
 
 async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[bytes]:
-    job = gen.job
+    job, shape = gen.job, Shape.of(gen.job, strings)
     want_logprobs = job.params.logprobs is not None
 
-    def chunk(choice: answers.ChatChunkChoice | None) -> bytes:
+    def chunk(choice: answers.ChatChunkChoice | None, prompt_token_ids: list[int] | None = None) -> bytes:
         usage = gen.usage() if job.continuous_usage or choice is None else None
-        return sse(answers.ChatCompletionChunk(id=job.request_id, object="chat.completion.chunk", created=job.created,
-                                           model=job.model, choices=[choice] if choice else [], usage=usage))
+        return sse(answers.ChatCompletionChunk(id=job.answer_id, object="chat.completion.chunk", created=job.created,
+                                               model=job.model, choices=[choice] if choice else [], usage=usage,
+                                               prompt_token_ids=prompt_token_ids))
 
+    prompt_ids = list(job.prompts[0].token_ids) if shape.token_ids else None
     for sample in gen.samples:
-        yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")))
+        yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")),
+                    prompt_ids if sample.index == 0 else None)
     async for updates in gen.updates():
         for update in updates:
-            logprobs = chat_logprobs(update.logprobs, strings) if want_logprobs and update.logprobs else None
+            logprobs = chat_logprobs(update.logprobs, shape.strings) if want_logprobs and update.logprobs else None
+            token_ids = _ids(shape, update.token_ids)
             if update.reasoning_text:
                 thought = update.reasoning_text
                 yield chunk(answers.ChatChunkChoice(update.sample.index,
-                                                answers.ChatDelta(reasoning_content=thought, reasoning=thought), logprobs))
-                logprobs = None  # sent with the reasoning
+                                                    answers.ChatDelta(reasoning_content=thought, reasoning=thought),
+                                                    logprobs, token_ids=token_ids))
+                logprobs, token_ids = None, msgspec.UNSET  # sent with the reasoning
                 if update.text:
                     yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text)))
-            elif update.text or logprobs is not None:
-                yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text), logprobs))
+            elif update.text or logprobs is not None or update.token_ids and shape.token_ids:
+                yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text),
+                                                    logprobs, token_ids=token_ids))
             if update.finished:
                 sample = update.sample
                 yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(), None, sample.finish_reason,
-                                                sample.stop_reason))
+                                                    sample.stop_reason))
     if job.include_usage:
         yield chunk(None)
 
 
 async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[bytes]:
-    job = gen.job
+    job, shape = gen.job, Shape.of(gen.job, strings)
     want_logprobs = job.params.logprobs is not None
     offsets = [0] * len(gen.samples)
+    started = [False] * len(gen.samples)
 
     def chunk(choice: answers.CompletionChoice | None) -> bytes:
         usage = gen.usage() if job.continuous_usage or choice is None else None
-        return sse(answers.Completion(id=job.request_id, object="text_completion", created=job.created,
-                                  model=job.model, choices=[choice] if choice else [], usage=usage))
+        return sse(answers.Completion(id=job.answer_id, object="text_completion", created=job.created,
+                                      model=job.model, choices=[choice] if choice else [], usage=usage,
+                                      notice=shape.notice))
 
     async for updates in gen.updates():
         for update in updates:
-            index = update.sample.index
+            sample = update.sample
+            index = sample.index
             logprobs = None
             if want_logprobs and update.logprobs:
-                logprobs = completion_logprobs(update.logprobs, strings, offsets[index])
+                logprobs = completion_logprobs(update.logprobs, shape.strings, offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs.tokens)
-            if update.text or logprobs is not None:
-                yield chunk(answers.CompletionChoice(index, update.text, logprobs))
+            if update.text or logprobs is not None or update.token_ids and shape.token_ids:
+                choice = answers.CompletionChoice(index, update.text, logprobs, token_ids=_ids(shape, update.token_ids))
+                if not started[index]:  # the prompt's token ids come with a choice's first chunk
+                    choice.prompt_token_ids = _ids(shape, job.prompts[sample.prompt_index].token_ids)
+                    started[index] = True
+                yield chunk(choice)
             if update.finished:
-                yield chunk(answers.CompletionChoice(index, "", None, update.sample.finish_reason,
-                                                 update.sample.stop_reason))
+                yield chunk(answers.CompletionChoice(index, "", None, sample.finish_reason, sample.stop_reason))
     if job.include_usage:
         yield chunk(None)
 
 
 async def whole_response(gen: Generation, strings: TokenStrings):
-    job = gen.job
+    job, shape = gen.job, Shape.of(gen.job, strings)
     want_logprobs = job.params.logprobs is not None
     entries: list[list[TokenLogprobs]] = [[] for _ in gen.samples]
     async for updates in gen.updates():
@@ -179,14 +162,19 @@ async def whole_response(gen: Generation, strings: TokenStrings):
                 entries[update.sample.index].extend(update.logprobs)
     if job.chat:
         choices = [answers.ChatChoice(s.index, _assistant_message(s),
-                                  chat_logprobs(entries[s.index], strings) if want_logprobs else None,
-                                  s.finish_reason, s.stop_reason) for s in gen.samples]
-        return answers.ChatCompletion(job.request_id, job.created, job.model, choices, gen.usage())
-    choices = [answers.CompletionChoice(s.index, s.output.text,
-                                    completion_logprobs(entries[s.index], strings, 0) if want_logprobs else None,
-                                    s.finish_reason, s.stop_reason) for s in gen.samples]
-    return answers.Completion(id=job.request_id, object="text_completion", created=job.created, model=job.model,
-                          choices=choices, usage=gen.usage())
+                                      chat_logprobs(entries[s.index], shape.strings) if want_logprobs else None,
+                                      s.finish_reason, s.stop_reason, _ids(shape, s.token_ids)) for s in gen.samples]
+        return answers.ChatCompletion(id=job.answer_id, created=job.created, model=job.model, choices=choices,
+                                      usage=gen.usage(), prompt_token_ids=_ids(shape, job.prompts[0].token_ids),
+                                      prompt_logprobs=_prompt_logprobs(gen.samples[0], shape),
+                                      notice=shape.notice or msgspec.UNSET)
+    choices = [answers.CompletionChoice(
+        s.index, s.output.text,
+        completion_logprobs(entries[s.index], shape.strings, 0) if want_logprobs else None,
+        s.finish_reason, s.stop_reason, _ids(shape, job.prompts[s.prompt_index].token_ids), _ids(shape, s.token_ids),
+        _prompt_logprobs(s, shape)) for s in gen.samples]
+    return answers.Completion(id=job.answer_id, object="text_completion", created=job.created, model=job.model,
+                              choices=choices, usage=gen.usage(), notice=shape.notice)
 
 
 def _assistant_message(sample: Sample) -> answers.AssistantMessage:

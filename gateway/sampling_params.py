@@ -15,7 +15,8 @@ class SamplingParams:
     """How to sample one prompt. Same names and defaults as vLLM's `SamplingParams`.
 
     `temperature=0` is greedy. `top_k` of 0 or -1 disables top-k. `logprobs=N` returns the
-    sampled token's log-probability and the N most likely ones at each step.
+    sampled token's log-probability and the N most likely ones at each step; `prompt_logprobs=N`
+    the same for each prompt token after the first.
     Invalid values raise ValueError at construction.
     """
 
@@ -34,6 +35,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Reasoning models: at most this many tokens inside <think> ... </think>.
@@ -70,6 +72,9 @@ class SamplingParams:
                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -89,6 +94,7 @@ class SamplingParams:
             repetition_penalty=float(self.repetition_penalty),
             seed=self.seed if seed is None else seed,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
         )

@@ -65,6 +65,7 @@ class Sample:
     reasoning: OutputText | None = None  # the reasoning text (chat with a reasoning parser)
     whole: WholeText | None = None  # split samples of the offline API
     token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when asked for: each prompt token's after the first
     num_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
@@ -88,6 +89,7 @@ class Update:
     text: str
     logprobs: list[TokenLogprobs]
     reasoning_text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the new output tokens
 
     @property
     def finished(self) -> bool:
@@ -185,9 +187,12 @@ class Generation:
             return
         if delta.num_cached_tokens >= 0:
             sample.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            sample.prompt_logprobs = delta.prompt_logprobs
         new_ids = delta.new_token_ids
         sample.num_tokens += len(new_ids)
         sample.token_ids.extend(new_ids)
+        update.token_ids.extend(new_ids)
         start, whole = 0, sample.whole
         while whole is not None and whole.text is None and start < len(new_ids):
             # Token by token until the answer begins, so the head ends exactly at its start.
@@ -226,7 +231,8 @@ class Generation:
             self._apply(update, msgspec.structs.replace(
                 delta, new_token_ids=[token], finish_reason=delta.finish_reason if index == last else None,
                 logprobs=delta.logprobs[index:index + 1] if delta.logprobs else None,
-                num_cached_tokens=delta.num_cached_tokens if index == 0 else -1))
+                num_cached_tokens=delta.num_cached_tokens if index == 0 else -1,
+                prompt_logprobs=delta.prompt_logprobs if index == 0 else None))
             if update.sample.output.stop is not None:
                 return
 
@@ -302,4 +308,5 @@ def _join(run: list[RequestDelta]) -> RequestDelta:
         if delta.num_cached_tokens >= 0:
             num_cached_tokens = delta.num_cached_tokens
     return RequestDelta(request_id=run[0].request_id, new_token_ids=token_ids, finish_reason=run[-1].finish_reason,
-                        logprobs=logprobs, num_cached_tokens=num_cached_tokens)
+                        logprobs=logprobs, num_cached_tokens=num_cached_tokens,
+                        prompt_logprobs=run[0].prompt_logprobs)

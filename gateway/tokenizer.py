@@ -61,7 +61,9 @@ class PromptTokenizer:
         messages: Sequence[dict],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        documents: Sequence[dict] | None = None,
         chat_template_kwargs: dict | None = None,
     ) -> str:
         template = chat_template or self.chat_template
@@ -72,7 +74,9 @@ class PromptTokenizer:
                 list(messages),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=template,
+                documents=list(documents) if documents is not None else None,
                 **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, missing keys: the caller's input
@@ -81,14 +85,17 @@ class PromptTokenizer:
     def encode_chat(self, messages: Sequence[dict], **kwargs) -> list[int]:
         return self.chat_prompt(messages, **kwargs)[1]
 
-    def chat_prompt(self, messages: Sequence[dict], **kwargs) -> tuple[str, list[int]]:
-        """The conversation rendered by the chat template once: its text and its token ids."""
+    def chat_prompt(self, messages: Sequence[dict], *, add_special_tokens: bool = False,
+                    **kwargs) -> tuple[str, list[int]]:
+        """The conversation rendered by the chat template once: its text and its token ids.
+        The template places the special tokens it wants; `add_special_tokens` adds the
+        tokenizer's own (a BOS) as well, for templates that leave them out."""
         text = self.apply_chat_template(messages, **kwargs)
         if self._content_as_text is not None and self._content_as_text.holds_special_text(messages):
-            return text, self._content_as_text.encode(messages, text,
-                                                      lambda marked: self.apply_chat_template(marked, **kwargs))
-        # The template already placed the special tokens it wants.
-        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = self._content_as_text.encode(messages, text,
+                                               lambda marked: self.apply_chat_template(marked, **kwargs))
+            return text, (self.tokenizer.build_inputs_with_special_tokens(ids) if add_special_tokens else ids)
+        return text, list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None and len(token_ids) > LONG_DECODE_TOKENS:

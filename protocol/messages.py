@@ -19,7 +19,7 @@ import msgspec
 
 from spillway.protocol.reasoning import ThinkingPolicy
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 RequestId = NewType("RequestId", str)
 BlockHash = NewType("BlockHash", bytes)
@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: the sampled token plus the top N
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -131,6 +132,8 @@ class RequestDelta(msgspec.Struct, frozen=True, kw_only=True):
     # Set on the request's first delta: seconds from the worker's receipt to its first step
     # (vllm:request_queue_time_seconds); -1 on later deltas.
     queued_s: float = -1.0
+    # On the request's first delta, when asked for (prompt_logprobs): one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
 
 

@@ -33,7 +33,10 @@ from spillway.protocol import envs, model_cache
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The default model is served under its Hugging Face hub id, as vLLM serves it; requests may
+# still name it by its short name.
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_SHORT_NAME = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -80,7 +83,14 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelFiles:
     snapshot = _hub_snapshot(model) if _HUB_ID.match(model) else None
     if snapshot is not None:
         return _folder_files(snapshot, model, load_format)
+    if model in (DEFAULT_MODEL_NAME, DEFAULT_MODEL_SHORT_NAME):  # the embedded default, by its name
+        return resolve_model(None, load_format)
     raise ValueError(_not_found_message(model, path))
+
+
+def model_aliases(served_name: str) -> list[str]:
+    """Other names a request may give for the model served as `served_name`."""
+    return [DEFAULT_MODEL_SHORT_NAME] if served_name == DEFAULT_MODEL_NAME else []
 
 
 def default_model_path() -> Path:

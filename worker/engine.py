@@ -28,6 +28,7 @@ from spillway.protocol.reasoning import forced_token
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
 from spillway.worker.executor import Executor, load_model
+from spillway.worker.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
 from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
@@ -221,10 +222,13 @@ class Engine:
         `ahead`: the step is committed one step later; `previous` feeds its pending tokens."""
         packed = pack_step(plan, previous)
         logits = self.executor.execute(packed, previous.token_ids if packed.feed_rows else None)
+        if packed.num_prompt_rows:
+            record_prompt_logprobs(plan, logits[len(logits) - packed.num_prompt_rows:])
+            logits = logits[:len(logits) - packed.num_prompt_rows]
         if not packed.sample_rows:
             return self._readback.start(plan, [], None, {}, ahead)
         requests = [plan.chunks[row].request for row in packed.sample_rows]
-        if packed.logits_rows:  # draft tokens to verify: committed at once
+        if packed.verifies:  # draft tokens to verify: committed at once
             verified = self.spec.verify(logits, plan, packed.sample_rows)
             launched = self._readback.start(plan, requests, verified.token_ids, verified.logprobs, False)
             launched.accepted = verified.accepted
@@ -254,6 +258,7 @@ class Engine:
                 logprobs=token_logprobs[:len(result.new_token_ids)] if token_logprobs is not None else None,
                 num_cached_tokens=result.num_cached_tokens,
                 queued_s=result.queued_s,
+                prompt_logprobs=first_delta_prompt_logprobs(result.request, result.num_cached_tokens),
             ))
         if self.debug_invariants:
             self.block_manager.check_invariants()

@@ -38,8 +38,9 @@ class PackedStep:
     Chunk `feed_rows[i]` takes its one input token from the device: row `feed_sources[i]` of
     the token ids the step before sampled, not yet read by the host (its `token_ids` hold a
     placeholder). `sample_rows`: the chunks whose last-token logits the sampler reads.
-    `logits_rows`: when set (draft tokens to verify), the rows of the step's flattened tokens
-    whose logits are returned instead: each sampled chunk's last 1 + drafts rows.
+    `logits_rows`: when set, the rows of the step's flattened tokens whose logits are returned
+    instead: each sampled chunk's last row (and its drafts' rows, to verify them), then
+    `num_prompt_rows` rows that score prompt tokens (prompt_logprobs, worker/logprobs.py).
     """
 
     chunks: list[ChunkInput]
@@ -48,6 +49,12 @@ class PackedStep:
     sample_rows: list[int]
     kv_copies: KVCopies = NO_KV_COPIES
     logits_rows: list[int] = field(default_factory=list)
+    num_prompt_rows: int = 0
+
+    @property
+    def verifies(self) -> bool:
+        """Draft tokens to verify: sampled chunks with more than their last row read."""
+        return len(self.logits_rows) - self.num_prompt_rows > len(self.sample_rows)
 
 
 def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,

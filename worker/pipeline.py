@@ -32,6 +32,7 @@ import torch
 
 from spillway.protocol.messages import TokenLogprobs
 from spillway.worker.executor import PackedStep
+from spillway.worker.logprobs import prompt_positions
 from spillway.worker.model_runner import ChunkInput
 from spillway.worker.request import Request
 from spillway.worker.step_plan import StepPlan
@@ -71,7 +72,9 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
     feed_sources: list[int] = []
     sample_rows: list[int] = []
     logits_rows: list[int] = []  # with draft tokens: every sampled chunk's verified rows
+    prompt_rows: list[int] = []  # rows scoring prompt tokens (prompt_logprobs)
     verifies = any(chunk.draft_token_ids for chunk in plan.chunks)
+    prompt_rows_wanted = any(prompt_positions(chunk) for chunk in plan.chunks)
     num_rows = 0
     for row, chunk in enumerate(plan.chunks):
         request = chunk.request
@@ -86,12 +89,14 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
             assert chunk.sample and len(chunk.draft_token_ids) <= chunk.num_draft_slots
             token_ids = token_ids + list(chunk.draft_token_ids)
         chunks.append(ChunkInput(token_ids, chunk.start, chunk.slot_table))
+        prompt_rows.extend(num_rows + p - chunk.start for p in prompt_positions(chunk))
         num_rows += len(token_ids)
         if chunk.sample:
             sample_rows.append(row)
-            if verifies:
+            if verifies or prompt_rows_wanted:
                 logits_rows.extend(range(num_rows - 1 - len(chunk.draft_token_ids), num_rows))
-    return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies, logits_rows)
+    return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies,
+                      logits_rows + prompt_rows, len(prompt_rows))
 
 
 class TokenReadback:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams
+from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams, TokenLogprobs
 from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
 
 
@@ -82,6 +82,8 @@ class Request:
     # report, no penalties over its history, no thinking budget. With min_tokens reached, its
     # decode steps may run ahead of the host (worker/pipeline.py). Fixed at arrival.
     samples_on_device: bool = field(init=False, default=False)
+    # prompt_logprobs, when asked for: filled as the prompt's chunks run (worker/logprobs.py).
+    prompt_logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
+from spillway.worker.logprobs import token_logprobs
 from spillway.worker.request import has_penalties
 
 __all__ = ["Sampler", "SamplingInput", "SampledToken", "OutputTokens", "has_penalties", "is_plain_greedy",
@@ -278,19 +279,5 @@ class Sampler:
         if not rows:
             return {}
         row_index = torch.tensor(rows, device=logits.device)
-        logprobs = logits[row_index].float().log_softmax(dim=-1)
-        chosen = token_ids[row_index].unsqueeze(1)
-        chosen_logprobs = logprobs.gather(1, chosen)
-        ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-        num_top = min(max(inputs[r].params.logprobs for r in rows), logprobs.shape[-1])
-        top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-
-        chosen_list = chosen.squeeze(1).tolist()
-        chosen_logprob_list = chosen_logprobs.squeeze(1).tolist()
-        rank_list, top_ids_list, top_logprob_list = ranks.tolist(), top_ids.tolist(), top_logprobs.tolist()
-        result = {}
-        for j, row in enumerate(rows):
-            n = inputs[row].params.logprobs
-            result[row] = TokenLogprobs(chosen_list[j], chosen_logprob_list[j], rank_list[j],
-                                        top_ids_list[j][:n], top_logprob_list[j][:n])
-        return result
+        entries = token_logprobs(logits[row_index], token_ids[row_index], [inputs[r].params.logprobs for r in rows])
+        return dict(zip(rows, entries))

@@ -288,8 +288,11 @@ class Scheduler:
         """Move the head of the waiting queue to running: (True, its first chunk), or
         (True, None) when it waits for a load this step; (False, None) when it does not fit."""
         manager = self.block_manager
-        # The last token is always recomputed: its logits give the next token.
+        # The last token is always recomputed: its logits give the next token. Prompt
+        # logprobs need every prompt position computed: such a request reads no cache.
         num_hashes = (request.num_tokens - 1) // self.block_size
+        if request.params.prompt_logprobs is not None:
+            num_hashes = 0
         cached = manager.find_cached_prefix(request.block_hashes[:num_hashes])
         num_cached = len(cached) * self.block_size
         num_tokens = min(request.num_tokens - num_cached, budget)

@@ -110,10 +110,15 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                 top = list(range(msg.params.logprobs))
                 logprobs = [TokenLogprobs(token, -0.5, 1, top, [-0.5 - i for i in top])]
             first = produced == 1
+            prompt_logprobs = None
+            if first and msg.params.prompt_logprobs is not None:  # each prompt token as the likeliest
+                top = list(range(msg.params.prompt_logprobs))
+                prompt_logprobs = [TokenLogprobs(t, -0.25, 1, top, [-0.25 - i for i in top])
+                                   for t in msg.prompt_token_ids[1:]]
             pending.append(RequestDelta(
                 request_id=rid, new_token_ids=[token], logprobs=logprobs,
                 finish_reason=FinishReason.LENGTH if done else None,
-                num_cached_tokens=cached if first else -1,
+                num_cached_tokens=cached if first else -1, prompt_logprobs=prompt_logprobs,
                 queued_s=last_step - received.pop(rid) if first else -1.0))
             if done:
                 del running[rid]

@@ -23,7 +23,8 @@ from spillway.gateway.app import ServerSettings, build_app
 from spillway.gateway.http_protocol import server_config
 from spillway.protocol.config import WorkerConfig
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SHORT_MODEL = "SmolLM2-135M-Instruct"  # still accepted in requests
 STARTUP_TIMEOUT_S = 600
 
 

@@ -14,7 +14,8 @@ from spillway.gateway.client import RequestStream, WorkerLost
 from spillway.gateway.detok import IncrementalDetokenizer, ids_decoder
 from spillway.gateway.jobs import Job, Prompt
 from spillway.gateway.metrics import observe_repeated
-from spillway.gateway.responses import TokenStrings, completion_events
+from spillway.gateway.logprob_answers import TokenStrings
+from spillway.gateway.responses import completion_events
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.serving import Generation, merge_deltas
 from spillway.gateway.tokenizer import PromptTokenizer

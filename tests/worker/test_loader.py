@@ -70,7 +70,7 @@ def fake_converter(calls: list[Path]):
 
 @pytest.mark.slow
 def test_default_model_becomes_an_hf_folder_in_the_cache(default_files, module_cache_dir):
-    assert default_files.name == "SmolLM2-135M-Instruct"
+    assert default_files.name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert default_files.load_format == "safetensors"
     assert default_files.path.parent == module_cache_dir / "gguf"
     assert len(default_files.path.name) == 32  # xxh3_128 hex digest

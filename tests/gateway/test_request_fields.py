@@ -1,0 +1,327 @@
+"""Every request field vLLM accepts on /v1/chat/completions and /v1/completions, sent to the
+gateway (fake worker): each is honoured, with an effect the test sees (in the answer, or in
+the Generate the worker receives) against the same request without the field, or refused with
+a 400 that names it. None is dropped. Two fields vLLM itself gives no effect (`user`,
+`parallel_tool_calls` without tools) are shown declared: a wrong type is a 400 naming them.
+
+The field lists are vLLM's ChatCompletionRequest and CompletionRequest; a field missing from
+the table fails `test_every_vllm_field_has_a_row`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+import pytest
+from tokenizers.processors import TemplateProcessing
+
+from fake_worker import FakeWorkerProcess
+from server_helpers import MODEL, SHORT_MODEL, server_in_thread
+from spillway.gateway import openai as api
+from spillway.gateway.app import ServerSettings, build_app
+from spillway.protocol import model_files
+from spillway.protocol.config import WorkerConfig
+from spillway.protocol.messages import Generate
+
+OUTPUT = "Hello there friend"
+BOS = 0  # <|endoftext|>: the test tokenizer adds it as a BOS (SmolLM2's own adds nothing)
+CHAT = "/v1/chat/completions"
+COMPLETION = "/v1/completions"
+BASE = {CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        COMPLETION: {"model": MODEL, "prompt": "Hi there", "max_tokens": 4}}
+SHARED_FIELDS = (
+    "model", "max_tokens", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format", "best_of",
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+    "bad_words", "echo", "add_special_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority",
+    "request_id", "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt",
+    "kv_transfer_params", "vllm_xargs")
+VLLM_FIELDS = {
+    CHAT: SHARED_FIELDS + (
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+        "reasoning_effort", "include_reasoning", "add_generation_prompt", "continue_final_message", "documents",
+        "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"),
+    COMPLETION: SHARED_FIELDS + ("prompt", "suffix", "prompt_embeds"),
+}
+SCRIPT: list[int] = []  # the fake worker's output: OUTPUT's tokens, then <|im_end|>
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+
+
+@dataclass
+class Sent:
+    """One request's answer and the Generate messages the worker received for it."""
+
+    status: int
+    answer: dict | str
+    generates: list[Generate]
+
+    @property
+    def generate(self) -> Generate:
+        return self.generates[0]
+
+    @property
+    def choice(self) -> dict:
+        return self.answer["choices"][0]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The output tokens the fake worker replays."""
+        return SCRIPT[:self.answer["usage"]["completion_tokens"]]
+
+    def text(self) -> str:
+        return self.choice["message"]["content"] if "message" in self.choice else self.choice["text"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    files = model_files.resolve_model(None)
+    tokenizer = model_files.load_tokenizer(files)
+    SCRIPT[:] = tokenizer(OUTPUT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    config = WorkerConfig(model=str(files.path), served_model_name=MODEL, max_model_len=256)
+    app = build_app(ServerSettings(worker=config, served_model_names=[MODEL]),
+                    lambda: FakeWorkerProcess(config, SCRIPT))
+    with server_in_thread(app) as url:
+        gateway = app.state.gateway
+        gateway.tokenizer.tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", BOS)])
+        received: list[Generate] = []
+        submit = gateway.client.submit
+
+        def recording_submit(generates):
+            received.extend(generates)
+            return submit(generates)
+
+        gateway.client.submit = recording_submit
+
+        def send(path: str, fields: dict) -> Sent:
+            received.clear()
+            response = httpx.post(url + path, json={**BASE[path], **fields}, timeout=30)
+            answer = response.text if fields.get("stream") and response.status_code == 200 else response.json()
+            return Sent(response.status_code, answer, list(received))
+
+        yield send, tokenizer
+
+
+def tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ---- what "honoured" looks like, per field ----------------------------------------------------
+
+
+def wire(name: str, value) -> Callable:
+    """The value reached the worker's sampling parameters."""
+    def check(sent: Sent, base: Sent, tokenizer) -> None:
+        assert getattr(sent.generate.params, name) == value
+        assert getattr(base.generate.params, name) != value
+    return check
+
+
+def prompt_ends_with(text: str, *, special: bool = False) -> Callable:
+    def check(sent: Sent, base: Sent, tokenizer) -> None:
+        ids = tokens(tokenizer, text)
+        assert sent.generate.prompt_token_ids[-len(ids):] == ids
+        assert sent.generate.prompt_token_ids != base.generate.prompt_token_ids
+    return check
+
+
+def answer(predicate: Callable[[Sent], bool]) -> Callable:
+    def check(sent: Sent, base: Sent, tokenizer) -> None:
+        assert predicate(sent), sent.answer
+        assert not predicate(base), base.answer
+    return check
+
+
+def cache_salted(sent: Sent, base: Sent, tokenizer) -> None:
+    assert sent.generate.cache_salt == "salt"
+    assert sent.generate.block_hashes[0] != base.generate.block_hashes[0]
+
+
+def tool_history(sent: Sent, base: Sent, tokenizer) -> None:
+    """Tool calls and tool results reach the template (which renders them here)."""
+    prompt = tokenizer.decode(sent.generate.prompt_token_ids)
+    assert "call:get_weather{'city': 'Paris'}" in prompt and "[tool#c1]sunny" in prompt, prompt
+
+
+def served_as_default(sent: Sent, base: Sent, tokenizer) -> None:
+    """The short name is accepted; the answer names the model by its hub id."""
+    assert SHORT_MODEL != MODEL and sent.answer["model"] == MODEL == base.answer["model"]
+
+
+def same_text(sent: Sent, base: Sent, tokenizer) -> None:
+    """Accepted, and the answer is what it is without the field (its neutral value)."""
+    assert [c.get("message", c).get("content", c.get("text")) for c in sent.answer["choices"]] == \
+        [c.get("message", c).get("content", c.get("text")) for c in base.answer["choices"]]
+
+
+def prompt_as_without(sent: Sent, base: Sent, tokenizer) -> None:
+    assert sent.generate.prompt_token_ids == base.generate.prompt_token_ids
+
+
+def token_ids_returned(sent: Sent, base: Sent, tokenizer) -> None:
+    prompt_ids = sent.answer.get("prompt_token_ids", sent.choice.get("prompt_token_ids"))
+    assert prompt_ids == sent.generate.prompt_token_ids
+    assert sent.choice["token_ids"] == sent.tokens
+    assert "token_ids" not in base.choice and "prompt_token_ids" not in base.answer | base.choice
+
+
+def prompt_logprobs_returned(sent: Sent, base: Sent, tokenizer) -> None:
+    """vLLM's shape: None for the first prompt token, then token id -> {logprob, rank, decoded_token}."""
+    entries = sent.answer.get("prompt_logprobs", sent.choice.get("prompt_logprobs"))
+    prompt = sent.generate.prompt_token_ids
+    assert entries[0] is None and len(entries) == len(prompt)
+    for token_id, entry in zip(prompt[1:], entries[1:]):
+        assert entry[str(token_id)] == {"logprob": -0.25, "rank": 1, "decoded_token": tokenizer.decode([token_id])}
+        assert len(entry) >= 2  # with the top alternatives
+    assert "prompt_logprobs" not in base.answer | base.choice
+
+
+REFUSED = "refused"
+TOOL_TEMPLATE = ("{% for m in messages %}[{{ m.role }}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}]"
+                 "{{ m.content }}{% for c in m.tool_calls or [] %}call:{{ c.function.name }}{{ c.function.arguments }}"
+                 "{% endfor %}{% endfor %}")
+TOOL_MESSAGES = [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+STRUCTURED = {"guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+              "guided_grammar": "root ::= \"a\"", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
+              "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a+"}}
+
+# (field, the fields sent, what is expected); a field may have several rows.
+SHARED_ROWS = [
+    ("model", {"model": SHORT_MODEL}, served_as_default),
+    ("max_tokens", {"max_tokens": 2}, answer(lambda s: s.answer["usage"]["completion_tokens"] == 2)),
+    ("n", {"n": 2}, answer(lambda s: len(s.answer["choices"]) == 2)),
+    ("temperature", {"temperature": 0.25}, wire("temperature", 0.25)),
+    ("top_p", {"top_p": 0.5}, wire("top_p", 0.5)),
+    ("seed", {"seed": 7}, wire("seed", 7)),
+    ("stop", {"stop": " friend"}, answer(lambda s: s.text() == "Hello there")),
+    ("stream", {"stream": True}, answer(lambda s: isinstance(s.answer, str) and s.answer.endswith("[DONE]\n\n"))),
+    ("stream_options", {"stream": True, "stream_options": {"include_usage": True}},
+     answer(lambda s: isinstance(s.answer, str) and '"usage":{"prompt_tokens"' in s.answer)),
+    ("user", {"user": 5}, REFUSED),  # declared (a wrong type is named); vLLM uses it for nothing either
+    ("presence_penalty", {"presence_penalty": 0.5}, wire("presence_penalty", 0.5)),
+    ("frequency_penalty", {"frequency_penalty": 0.5}, wire("frequency_penalty", 0.5)),
+    ("logit_bias", {"logit_bias": {"5": 1.0}}, REFUSED),
+    ("response_format", {"response_format": {"type": "json_object"}}, REFUSED),
+    ("response_format", {"response_format": {"type": "text"}}, same_text),  # the default: plain text
+    ("best_of", {"best_of": 2, "n": 2}, same_text),  # best_of = n: the n samples
+    ("best_of", {"best_of": 3}, REFUSED),
+    ("use_beam_search", {"use_beam_search": True}, REFUSED),
+    ("top_k", {"top_k": 5}, wire("top_k", 5)),
+    ("min_p", {"min_p": 0.25}, wire("min_p", 0.25)),
+    ("repetition_penalty", {"repetition_penalty": 1.25}, wire("repetition_penalty", 1.25)),
+    ("length_penalty", {"length_penalty": 0.5}, REFUSED),
+    ("stop_token_ids", {"stop_token_ids": [9]}, wire("stop_token_ids", (9,))),
+    ("include_stop_str_in_output", {"stop": " friend", "include_stop_str_in_output": True},
+     answer(lambda s: s.text() == OUTPUT and s.choice["finish_reason"] == "stop")),
+    ("ignore_eos", {"ignore_eos": True}, wire("ignore_eos", True)),
+    ("min_tokens", {"min_tokens": 2}, wire("min_tokens", 2)),
+    ("skip_special_tokens", {"skip_special_tokens": False}, answer(lambda s: s.text().endswith("<|im_end|>"))),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}, REFUSED),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 2},
+     answer(lambda s: s.answer["usage"]["prompt_tokens"] == 2)),
+    ("prompt_logprobs", {"prompt_logprobs": 2}, prompt_logprobs_returned),
+    ("prompt_logprobs", {"prompt_logprobs": 21}, REFUSED),  # past the limit
+    ("prompt_logprobs", {"prompt_logprobs": 1, "stream": True}, REFUSED),  # as vLLM
+    ("allowed_token_ids", {"allowed_token_ids": [1, 2]}, REFUSED),
+    ("bad_words", {"bad_words": ["friend"]}, REFUSED),
+    ("echo", {"echo": True}, REFUSED),
+    *[(name, {name: value}, REFUSED) for name, value in STRUCTURED.items()],
+    ("priority", {"priority": 3}, answer(lambda s: s.generate.priority == 3)),
+    ("request_id", {"request_id": "my-id"}, answer(lambda s: s.answer["id"].endswith("-my-id"))),
+    ("logits_processors", {"logits_processors": ["my.module.Processor"]}, REFUSED),
+    ("return_token_ids", {"return_token_ids": True}, token_ids_returned),
+    ("kv_transfer_params", {"kv_transfer_params": {"do_remote_decode": True}}, REFUSED),
+    ("vllm_xargs", {"vllm_xargs": {"key": 1}}, REFUSED),
+]
+CHAT_ROWS = [
+    ("messages", {"messages": [{"role": "user", "content": "Hello, how are you"}]}, prompt_ends_with(
+        "Hello, how are you<|im_end|>\n<|im_start|>assistant\n")),
+    ("max_completion_tokens", {"max_tokens": None, "max_completion_tokens": 3},
+     answer(lambda s: s.answer["usage"]["completion_tokens"] == 3)),
+    ("logprobs", {"logprobs": True}, answer(lambda s: s.choice["logprobs"] is not None)),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 3},
+     answer(lambda s: len(s.choice["logprobs"]["content"][0]["top_logprobs"]) == 3)),
+    ("tools", {"tools": TOOLS}, REFUSED),
+    ("tools", {"tools": TOOLS, "tool_choice": "none"}, prompt_as_without),  # left out, as vLLM does
+    ("tool_choice", {"tool_choice": "auto"}, REFUSED),
+    ("parallel_tool_calls", {"parallel_tool_calls": "yes"}, REFUSED),  # declared; no tools run without it
+    ("reasoning_effort", {"chat_template": "{{ reasoning_effort }}" + TEMPLATE, "reasoning_effort": "low"},
+     prompt_ends_with("low[user]Hi")),
+    ("return_tokens_as_token_ids", {"return_tokens_as_token_ids": True, "logprobs": True, "top_logprobs": 1},
+     answer(lambda s: s.choice["logprobs"] is not None and all(
+         e["token"] == f"token_id:{t}" and e["top_logprobs"][0]["token"].startswith("token_id:")
+         for e, t in zip(s.choice["logprobs"]["content"], s.choice["token_ids"] if "token_ids" in s.choice
+                         else s.tokens)))),
+    ("include_reasoning", {"include_reasoning": False}, REFUSED),
+    ("add_generation_prompt", {"add_generation_prompt": False}, prompt_ends_with("Hi<|im_end|>\n")),
+    ("continue_final_message", {"add_generation_prompt": False, "continue_final_message": True,
+                                "messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Once upon"}]},
+     prompt_ends_with("<|im_start|>assistant\nOnce upon")),
+    ("continue_final_message", {"continue_final_message": True}, REFUSED),  # with add_generation_prompt
+    ("add_special_tokens", {"add_special_tokens": True}, answer(lambda s: s.generate.prompt_token_ids[0] == BOS)),
+    ("documents", {"chat_template": "{% for d in documents or [] %}{{ d.text }}{% endfor %}" + TEMPLATE,
+                   "documents": [{"title": "t", "text": "Paris is sunny"}]}, prompt_ends_with("Paris is sunny[user]Hi")),
+    ("chat_template", {"chat_template": TEMPLATE}, prompt_ends_with("[user]Hi")),
+    ("chat_template", {"chat_template": TOOL_TEMPLATE, "messages": TOOL_MESSAGES}, tool_history),
+    ("chat_template_kwargs", {"chat_template": "{{ greeting }}" + TEMPLATE, "chat_template_kwargs": {"greeting": "Ahoy"}},
+     prompt_ends_with("Ahoy[user]Hi")),
+    ("cache_salt", {"cache_salt": "salt"}, cache_salted),
+    ("mm_processor_kwargs", {"mm_processor_kwargs": {"num_crops": 4}}, REFUSED),
+    ("media_io_kwargs", {"media_io_kwargs": {"video": {"num_frames": 4}}}, REFUSED),
+]
+COMPLETION_ROWS = [
+    ("prompt", {"prompt": "Hi there, all"}, prompt_ends_with("Hi there, all")),
+    ("logprobs", {"logprobs": 2},
+     answer(lambda s: s.choice["logprobs"] is not None and len(s.choice["logprobs"]["top_logprobs"][0]) >= 2)),
+    ("return_tokens_as_token_ids", {"return_tokens_as_token_ids": True, "logprobs": 1},
+     answer(lambda s: s.choice["logprobs"] is not None
+            and s.choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in s.tokens])),
+    ("add_special_tokens", {"add_special_tokens": False}, answer(lambda s: s.generate.prompt_token_ids[0] != BOS)),
+    ("cache_salt", {"cache_salt": "salt", "prompt": "a full block of prompt tokens " * 4}, cache_salted),
+    ("suffix", {"suffix": "!"}, REFUSED),
+    ("prompt_embeds", {"prompt_embeds": "AAAA"}, REFUSED),
+]
+ROWS = [(path, *row) for path in (CHAT, COMPLETION) for row in SHARED_ROWS] + \
+       [(CHAT, *row) for row in CHAT_ROWS] + [(COMPLETION, *row) for row in COMPLETION_ROWS]
+
+
+@pytest.mark.parametrize("path,field,fields,expected", ROWS,
+                         ids=[f"{'chat' if p == CHAT else 'completion'}-{f}-{i}" for i, (p, f, _, _) in enumerate(ROWS)])
+def test_field_is_honoured_or_refused_by_name(server, path, field, fields, expected):
+    send, tokenizer = server
+    sent = send(path, fields)
+    if expected is REFUSED:
+        assert sent.status == 400, sent.answer
+        assert sent.answer["error"]["param"] == field, sent.answer
+        assert field in sent.answer["error"]["message"] or sent.answer["error"]["message"].startswith(
+            "Expected"), sent.answer
+        assert not sent.generates
+    else:
+        assert sent.status == 200, sent.answer
+        expected(sent, send(path, {k: v for k, v in fields.items() if k != field}), tokenizer)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETION])
+def test_every_vllm_field_has_a_row(path):
+    request_type = api.ChatCompletionRequest if path == CHAT else api.CompletionRequest
+    covered = {field for p, field, _, _ in ROWS if p == path}
+    assert set(VLLM_FIELDS[path]) - covered == set()
+    assert set(VLLM_FIELDS[path]) - set(request_type.__struct_fields__) == set()
+
+
+def test_fields_unknown_to_vllm_are_still_ignored(server):
+    send, _ = server
+    sent = send(CHAT, {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", str(uuid.uuid4()): 1})
+    assert sent.status == 200 and sent.text() == OUTPUT
