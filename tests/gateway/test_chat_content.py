@@ -23,11 +23,6 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def hf(files):
     return model_files.load_tokenizer(files)
 

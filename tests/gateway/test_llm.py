@@ -22,11 +22,6 @@ def natural_text() -> str:
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(files):
     return model_files.load_tokenizer(files)
 

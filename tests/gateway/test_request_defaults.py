@@ -24,11 +24,6 @@ READY = Ready(protocol_version=PROTOCOL_VERSION, model="m", block_size=16, hash_
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(files):
     return PromptTokenizer(model_files.load_tokenizer(files))
 

@@ -19,11 +19,6 @@ HEALTH_DEADLINE_S = 0.05
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(files):
     return model_files.load_tokenizer(files)
 

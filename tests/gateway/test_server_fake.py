@@ -25,11 +25,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def script(files) -> list[int]:
     return model_files.load_tokenizer(files)(MIXED, add_special_tokens=False)["input_ids"]
 

@@ -146,11 +146,6 @@ def test_bad_budget_is_a_400(server, field, value):
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def script(files) -> list[int]:
     return model_files.load_tokenizer(files)(SCRIPTED, add_special_tokens=False)["input_ids"]
 

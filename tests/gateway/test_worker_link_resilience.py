@@ -31,11 +31,6 @@ SCRIPT_TEXT = "Hello world, and more words after it."
 
 
 @pytest.fixture(scope="module")
-def files():
-    return model_files.resolve_model(None)
-
-
-@pytest.fixture(scope="module")
 def script(files) -> list[int]:
     return model_files.load_tokenizer(files)(SCRIPT_TEXT, add_special_tokens=False)["input_ids"]
 

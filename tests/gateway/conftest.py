@@ -1,0 +1,9 @@
+import pytest
+
+from spillway.protocol import model_files
+
+
+@pytest.fixture(scope="session")
+def files():
+    """The default model's files (converted from its GGUF on first use)."""
+    return model_files.resolve_model(None)
