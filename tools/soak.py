@@ -180,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if args.url is None:
         serve_args = ([args.model] if args.model else []) + serve_flags
-        print(f"soak: starting spillway serve {shlex.join(serve_args)}", file=sys.stderr, flush=True)
+        source = f"spillway serve {shlex.join(serve_args) or '(the default model)'}"
+        print(f"soak: starting {source}", file=sys.stderr, flush=True)
         server = Server(serve_args, args.startup_timeout)
-        url, pids, source = server.url, [server.process.pid], f"spillway serve {shlex.join(serve_args)}"
+        url, pids = server.url, [server.process.pid]
     else:
         url, pids, source = args.url.rstrip("/"), list(args.pids), args.url
     tally = Tally()
