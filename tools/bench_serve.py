@@ -48,8 +48,8 @@ from tools import bench_table  # noqa: E402
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
 from tools.serve_process import (  # noqa: E402
-    ENGINE_FLAGS, Server, build_model_folder, default_tokenizer_dir, engine_settings, export_tokenizer, machine,
-    raise_open_files_limit, serve_flags,
+    ENGINE_FLAGS, Server, build_model_folder, default_tokenizer_dir, dummy_model_args, engine_settings, export_tokenizer,
+    machine, raise_open_files_limit, serve_flags,
 )
 from tools.serve_stream import StreamTiming, stream_all, stream_each  # noqa: E402
 
@@ -98,7 +98,7 @@ def measure_served(folder: Path, work: Workload, settings: dict, args) -> dict:
     pending = max(4 * settings.get("max_num_seqs", 256), work.largest_batch())  # all at once: no 429
     flags += ["--max-pending-requests", str(pending)]
     results: dict = {}
-    with Server(folder, flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+    with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log) as server:
         url = server.url
         asyncio.run(stream_each(url, work.warmup, 4, SERVED_NAME))
         if "ttft" in work.rows:
@@ -121,7 +121,8 @@ def measure_served(folder: Path, work: Workload, settings: dict, args) -> dict:
             results[name] = (timings, wall, server.cpu_seconds() - cpu_before, time.process_time() - client_before)
     if "prefix" in work.rows:
         off_flags = flags + ["--no-enable-prefix-caching"]
-        with Server(folder, off_flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+        with Server(dummy_model_args(folder, off_flags, SERVED_NAME), args.startup_timeout,
+                    args.server_log) as server:
             asyncio.run(stream_each(server.url, work.warmup, 4, SERVED_NAME))
             results["cold_off"] = asyncio.run(stream_each(server.url, work.cold, 1, SERVED_NAME))
     return results

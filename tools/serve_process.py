@@ -119,19 +119,23 @@ def wait_gone(pids: list[int], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-class Server:
-    """`spillway serve FOLDER --load-format dummy` with the given flags, on a free port."""
+def dummy_model_args(folder: Path, flags: list[str], model_name: str) -> list[str]:
+    """`spillway serve`'s arguments for `folder` with dummy weights, served as `model_name`."""
+    return [str(folder), "--load-format", "dummy", "--served-model-name", model_name, *flags]
 
-    def __init__(self, folder: Path, flags: list[str], model_name: str, startup_timeout_s: float,
-                 keep_log: Path | None = None) -> None:
+
+class Server:
+    """`spillway serve` with the given arguments, on a free port. `program` is what runs
+    `serve ARGS` (default: this interpreter's `spillway.gateway.cli`)."""
+
+    def __init__(self, serve_args: list[str], startup_timeout_s: float, keep_log: Path | None = None,
+                 program: list[str] | None = None) -> None:
         self.keep_log = keep_log  # the server's output is appended there when it stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model_name = model_name
         self.log = tempfile.TemporaryFile()
-        command = [sys.executable, "-m", "spillway.gateway.cli", "serve", str(folder), "--load-format", "dummy",
-                   "--served-model-name", model_name, "--port", str(self.port), "--uvicorn-log-level", "warning",
-                   *flags]
+        program = program or [sys.executable, "-m", "spillway.gateway.cli"]
+        command = [*program, "serve", "--port", str(self.port), "--uvicorn-log-level", "warning", *serve_args]
         # Own process group: stopping it reaches the worker even if the gateway hangs.
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

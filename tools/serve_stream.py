@@ -6,6 +6,9 @@ first token, the gap before every later event that carried tokens, and how many 
 such event carried. Token counts come from `usage.completion_tokens` on every chunk (the request
 asks for `continuous_usage_stats`): a chunk's tokens are the growth of that count. A server that
 sends usage only at the end gets one token per text-carrying event, and `tokens_exact` is False.
+
+`send_request` and `Exchange` are the HTTP underneath, for any route (tools/soak.py sends its
+whole traffic mix through them).
 """
 
 from __future__ import annotations
@@ -107,6 +110,52 @@ def completion_body(prompt: list[int], max_tokens: int, model: str) -> dict:
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
+@dataclass(slots=True)
+class Exchange:
+    """One request's connection once the response's head has arrived."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    status: int
+    headers: dict[str, str]  # names in lower case
+
+    async def chunks(self):
+        """The chunked body's chunks, as they arrive; ValueError if the body is not chunked."""
+        if self.headers.get("transfer-encoding") != "chunked":
+            raise ValueError(f"the body is not chunked: {self.headers}")
+        while size := int((await self.reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
+            yield (await self.reader.readexactly(size + 2))[:-2]  # the chunk less its CRLF
+
+    async def body(self) -> bytes:
+        """The whole body: by its Content-Length, its chunks, or up to the close."""
+        if "content-length" in self.headers:
+            return await self.reader.readexactly(int(self.headers["content-length"]))
+        if self.headers.get("transfer-encoding") == "chunked":
+            return b"".join([chunk async for chunk in self.chunks()])
+        return await self.reader.read()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def send_request(url: str, method: str, path: str, body: bytes | None = None) -> Exchange:
+    """Send one request on a connection of its own (`Connection: close`, see `stream_completion`)
+    and read the response's head. The caller closes the exchange."""
+    parts = urlsplit(url)
+    head = f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nConnection: close\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write((head + "\r\n").encode() + (body or b""))
+        status_line, *header_lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in header_lines if line)
+        return Exchange(reader, writer, int(status_line.split(" ", 2)[1]), headers)
+    except BaseException:
+        writer.close()
+        raise
+
+
 async def stream_completion(url: str, prompt: list[int], max_tokens: int, model: str) -> StreamTiming:
     """Send one request and time its events; StreamError for anything but a full answer.
 
@@ -115,32 +164,25 @@ async def stream_completion(url: str, prompt: list[int], max_tokens: int, model:
     connection on each request and each close, O(n^2) over a burst: at 256 streams it kept
     this process busy for seconds after the server had sent the last token).
     """
-    parts = urlsplit(url)
     body = json.dumps(completion_body(prompt, max_tokens, model)).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     timing = StreamTiming(start=time.perf_counter())
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
-        writer.write(head + body)
-        status_line, *header_lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        status = int(status_line.split(" ", 2)[1])
-        headers = dict(line.lower().split(": ", 1) for line in header_lines if line)
-        if status != 200:
-            raise StreamError(f"HTTP {status}: {(await reader.read(300))!r}")
-        if headers.get("transfer-encoding") != "chunked":
-            raise StreamError(f"the stream is not chunked: {headers}")
+        exchange = await send_request(url, "POST", "/v1/completions", body)
+    except (asyncio.IncompleteReadError, ValueError) as exc:
+        raise StreamError(f"the response broke off: {exc}") from None
+    try:
+        if exchange.status != 200:
+            raise StreamError(f"HTTP {exchange.status}: {(await exchange.reader.read(300))!r}")
         buffer = b""
-        while size := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
-            data = await reader.readexactly(size + 2)  # the chunk and its CRLF
+        async for data in exchange.chunks():
             now = time.perf_counter()
-            payloads, buffer = split_events(buffer + data[:-2])
+            payloads, buffer = split_events(buffer + data)
             for payload in payloads:
                 timing.feed(now, payload)
     except (asyncio.IncompleteReadError, ValueError) as exc:
         raise StreamError(f"the response broke off: {exc}") from None
     finally:
-        writer.close()
+        exchange.close()
     timing.check(max_tokens)
     return timing
 
