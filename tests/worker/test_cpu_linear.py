@@ -65,3 +65,23 @@ def test_pack_linear_layers_leaves_unsupported_dtypes_alone():
     assert not onednn_linear_works(torch.float64)
     assert pack_linear_layers(model) == 0
     assert type(model[0]) is nn.Linear
+
+
+def test_row_counts_are_padded_to_a_bounded_set_of_sizes():
+    from spillway.worker.models.cpu_linear import EXACT_ROWS, padded_rows
+
+    sizes = {padded_rows(rows) for rows in range(1, 8193)}
+    assert len(sizes) <= 100  # oneDNN keeps memory per shape: few shapes, bounded memory
+    assert all(padded_rows(rows) == rows for rows in range(1, EXACT_ROWS + 1))
+    assert all(rows <= padded_rows(rows) <= rows * 1.125 for rows in range(1, 8193))
+
+
+@pytest.mark.parametrize("rows", [33, 100, 1000])
+def test_padded_products_give_the_rows_asked_for(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(64, 40)
+    x = torch.randn(rows, 64)
+    with torch.no_grad():
+        got = PackedLinear(linear)(x)
+    assert got.shape == (rows, 40)
+    torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)

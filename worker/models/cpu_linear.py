@@ -26,6 +26,23 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# oneDNN builds a primitive (and keeps memory that grows with the row count) for every input
+# shape it meets: a server that sees every prompt length grew ~1 MB a request until its primitive
+# cache filled, and kept much of it after. Row counts above EXACT_ROWS are padded up to one of
+# ROW_STEPS_PER_OCTAVE sizes per power of two (at most 1/8 more rows), so a worker meets a
+# bounded set of shapes: ~100 up to 8,192 rows.
+EXACT_ROWS = 32
+ROW_STEPS_PER_OCTAVE = 8
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a product of `rows` rows runs at."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << max(rows.bit_length() - ROW_STEPS_PER_OCTAVE.bit_length(), 0)
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W in oneDNN's reordered layout (an opaque tensor: no views)."""
 
@@ -37,7 +54,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [None], "")
+        rows = x.reshape(-1, self.in_features) if x.dim() != 2 else x
+        padded = padded_rows(rows.shape[0])
+        if padded != rows.shape[0]:
+            rows = F.pad(rows, (0, 0, 0, padded - rows.shape[0]))
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [None], "")
+        return out[: x.numel() // self.in_features].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
