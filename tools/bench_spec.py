@@ -18,7 +18,12 @@ on the same engine (speculation attached and detached between runs, nothing else
                 with n-gram and with replayed speculation against none, prefills included; the
                 ratio's target: the switch turns speculation off where it does not pay
 
-The model is a built-in config with dummy weights (default qwen3-8b) or a checkpoint folder.
+The model is a built-in config with dummy weights (default qwen3-8b), a checkpoint folder or a
+GGUF file. Dummy weights make a poor draft of themselves: each layer adds an update as large
+as the stream it reads, so the first N layers foretell nothing of the rest and a cut draft's
+acceptance is about 0 (its rows then measure the switch's protection; a whole copy accepts
+every draft). Real weights give a measurable one: --model with the default model's GGUF.
+--quick takes small sizes (a minute or two on an H200).
 Every row is printed as it is measured and again in the table at the end; --results FILE
 also appends each row (with command, machine and date) as a JSON line.
 """
@@ -42,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from spillway.protocol.config import SpeculativeConfig  # noqa: E402
 from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
 from tools import bench_table  # noqa: E402
-from tools.bench_spec_runs import (Run, attach_spec, blocks_for, decode_one_at_a_time,  # noqa: E402
+from tools.bench_spec_runs import (CountedSpec, Run, attach_spec, blocks_for, decode_one_at_a_time,  # noqa: E402
                                    generate_all_at_once, make_engine, matching_tokens, random_prompts,
                                    recount, write_replay, write_truncated_copy)
 from tools.bench_table import Rows, print_table, row  # noqa: E402
@@ -50,7 +55,7 @@ from tools.bench_table import Rows, print_table, row  # noqa: E402
 THROUGHPUT_TARGET = 0.97  # speculation on / off: where it does not pay, the switch turns it off
 
 
-def spec_counts(spec, run: Run, baseline: Run) -> dict[str, int]:
+def spec_counts(spec: CountedSpec, run: Run, baseline: Run) -> dict[str, int]:
     """What a run with speculation did, beside the plain run's steps and tokens."""
     metrics = spec.metrics
     return dict(draft_tokens=metrics.num_draft_tokens, accepted_tokens=metrics.num_accepted_tokens,
@@ -60,7 +65,7 @@ def spec_counts(spec, run: Run, baseline: Run) -> dict[str, int]:
                 tokens_as_plain=matching_tokens(run.outputs, baseline.outputs))
 
 
-def spec_row(name: str, run: Run, baseline: Run, spec, note: str, target: float | None = None) -> dict:
+def spec_row(name: str, run: Run, baseline: Run, spec: CountedSpec, note: str, target: float | None = None) -> dict:
     """A row with acceptance, accepted drafts per verified step, the switch's answers and how
     far the outputs follow the plain run's (greedy: equal but for rounding); `counts` holds
     the figures."""
