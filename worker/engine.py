@@ -190,14 +190,17 @@ class Engine:
         committed meanwhile. A plan that may run ahead (with async scheduling) is launched
         before the step in flight is committed, and is itself committed one call later."""
         previous = self._in_flight
-        lookahead = 0  # draft slots per decode: speculation needs every token committed
-        if self.spec is not None and previous is None:
-            lookahead = self.spec.lookahead(self.scheduler.num_running)
+        deltas: list[RequestDelta] = []
+        lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
+        if lookahead and previous is not None:
+            # Drafts follow committed tokens only: settle the step in flight before planning.
+            self._in_flight = None
+            deltas = self._commit(previous)
+            previous = None
         plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead)
         if lookahead:
             self.spec.propose(plan)  # a plan with drafts does not run ahead
         run_ahead = self.async_scheduling and plan.run_ahead
-        deltas: list[RequestDelta] = []
         if previous is not None and not run_ahead:
             self._in_flight = None
             deltas = self._commit(previous)

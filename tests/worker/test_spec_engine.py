@@ -84,9 +84,12 @@ def test_greedy_outputs_equal_plain_decoding_whatever_the_drafts(tiny_model, pro
     assert len(got["logprobs"].logprobs) == 12
 
 
-def test_the_true_continuation_needs_fewer_steps(tiny_model):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_true_continuation_needs_fewer_steps(tiny_model, async_scheduling):
+    """With asynchronous scheduling too: a step that would speculate settles the step in flight first."""
     jobs = [Job("a", list(range(10, 30)), greedy(max_tokens=41))]
-    plain_engine, spec_engine = make_engine(tiny_model, speculative=None), make_engine(tiny_model)
+    plain_engine = make_engine(tiny_model, speculative=None, async_scheduling=async_scheduling)
+    spec_engine = make_engine(tiny_model, async_scheduling=async_scheduling)
     expected = run(plain_engine, jobs, None)
     got = run(spec_engine, jobs, ReplayProposer({tuple(jobs[0].prompt): expected["a"].tokens}))
     assert got["a"].tokens == expected["a"].tokens
