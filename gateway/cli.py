@@ -53,7 +53,8 @@ def _flag(name: str, value: object) -> str:
 
 def worker_config(args: argparse.Namespace):
     """Check the engine flags, resolve the model (converting a GGUF file once) and build the
-    worker's configuration; returns it with the served model names."""
+    worker's configuration; returns it with the model's name as given (the default's hub id),
+    which `/v1/models` reports as `root` and serves when no `--served-model-name` is given."""
     if args.model is not None and args.model_tag is not None and args.model != args.model_tag:
         raise ValueError(f"two different models given: {args.model_tag!r} and --model {args.model!r}")
     config, files = engine_config(
@@ -70,7 +71,7 @@ def worker_config(args: argparse.Namespace):
             speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
             speculative_config=args.speculative_config),
     )
-    return config, args.served_model_name or [files.name]
+    return config, files.name
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -147,7 +148,7 @@ def _server_settings(args: argparse.Namespace):
     from spillway.gateway.app import ServerSettings
     from spillway.gateway.remote_worker import worker_addresses
 
-    config, names = worker_config(args)
+    config, root = worker_config(args)
     reasoning_config = _read_reasoning_config(args.reasoning_config)
     keys = None
     if args.worker_address is not None:
@@ -158,7 +159,7 @@ def _server_settings(args: argparse.Namespace):
         logging.getLogger("spillway.gateway").info("request defaults from the generation config: %s",
                                                    defaults.overridden)
     return ServerSettings(
-        worker=config, served_model_names=names, api_key=args.api_key,
+        worker=config, served_model_names=args.served_model_name or [root], model_root=root, api_key=args.api_key,
         chat_template=_read_chat_template(args.chat_template), max_body_bytes=args.max_request_body_bytes,
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,

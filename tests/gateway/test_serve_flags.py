@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway.cli import _server_settings, build_parser, main, refusals
+from spillway.protocol import model_files
 
 # (flags, what the parsed settings show) for flags that are honoured
 HONOURED = [
@@ -42,6 +43,16 @@ def test_honoured_flags_reach_the_settings(flags, check):
     args = build_parser().parse_args(["serve", "--load-format", "dummy", *flags])
     assert refusals(args) == []
     assert check(_server_settings(args))
+
+
+def test_models_root_is_the_model_as_named_under_any_served_name():
+    """`/v1/models` reports the model as given as `root` (vLLM's card), whatever name it is served
+    under: benchmark clients such as GuideLLM load the tokenizer from there."""
+    folder = str(model_files.resolve_model(None, "dummy").path)
+    for model, root in (([], model_files.DEFAULT_MODEL_NAME), ([folder], folder)):
+        args = build_parser().parse_args(["serve", *model, "--load-format", "dummy", "--served-model-name", "a"])
+        settings = _server_settings(args)
+        assert (settings.served_model_names, settings.model_root) == (["a"], root)
 
 
 @pytest.mark.parametrize("flags, named", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])

@@ -28,8 +28,8 @@ def test_the_gateway_process_never_imports_torch():
         from spillway.gateway.cli import build_parser, worker_config
         from spillway.protocol import model_files
 
-        config, names = worker_config(build_parser().parse_args(["serve", "--max-model-len", "1024"]))
-        assert (config.max_model_len, names) == (1024, ["HuggingFaceTB/SmolLM2-135M-Instruct"]), (config, names)
+        config, root = worker_config(build_parser().parse_args(["serve", "--max-model-len", "1024"]))
+        assert (config.max_model_len, root) == (1024, "HuggingFaceTB/SmolLM2-135M-Instruct"), (config, root)
         tokenizer = model_files.load_tokenizer(model_files.resolve_model(config.model, config.load_format))
         assert tokenizer.encode("Hello") == [19556]
         print(sorted(name for name in sys.modules if name.split(".")[0] == "torch"))
