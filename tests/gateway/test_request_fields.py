@@ -93,9 +93,9 @@ def server():
         received: list[Generate] = []
         submit = gateway.client.submit
 
-        def recording_submit(generates):
+        def recording_submit(generates, *args, **kwargs):
             received.extend(generates)
-            return submit(generates)
+            return submit(generates, *args, **kwargs)
 
         gateway.client.submit = recording_submit
 
