@@ -39,6 +39,21 @@ def stop(process: subprocess.Popen, sig: signal.Signals, whole_group: bool) -> t
     return code, time.monotonic() - sent
 
 
+def worker_started(pid: int) -> bool:
+    """Whether process `pid` has started its worker (a child running spillway.worker)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return False
+    for child in children:
+        try:
+            if b"spillway.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def test_a_port_in_use_ends_serve_at_once_naming_the_port():
     with listening_socket() as taken:
         port = taken.getsockname()[1]
@@ -78,11 +93,14 @@ def test_ctrl_c_while_the_model_loads_ends_serve_quietly():
     server = ServerProcess("--max-model-len", "512")
     try:
         deadline = time.monotonic() + 60
-        while "waiting for the worker" not in server.log():
+        # The worker process exists: its imports alone take over a second, so the model is
+        # still loading (a log line after 5 s of loading would come too late on a fast machine).
+        while not worker_started(server.process.pid):
             assert time.monotonic() < deadline and server.process.poll() is None, server.log()
-            time.sleep(0.05)
+            time.sleep(0.01)
         code, took = stop(server.process, signal.SIGINT, whole_group=True)
         log = server.log()
+        assert "worker ready" not in log  # stopped while loading, not after
     finally:
         server.stop()
     assert code == 0 and took < 5, log[-3000:]
