@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -48,8 +45,8 @@ from tools import bench_table  # noqa: E402
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
 from tools.serve_process import (  # noqa: E402
-    ENGINE_FLAGS, Server, build_model_folder, default_tokenizer_dir, dummy_model_args, engine_settings, export_tokenizer,
-    machine, raise_open_files_limit, serve_flags,
+    ENGINE_FLAGS, Server, default_tokenizer_dir, dummy_model_args, engine_settings, export_tokenizer,
+    machine, raise_open_files_limit, serve_flags, temporary_model_folder,
 )
 from tools.serve_stream import StreamTiming, stream_all, stream_each  # noqa: E402
 
@@ -287,17 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     phases = {args.model: [r for r in args.rows if r != "small"]}
     if "small" in args.rows:
         phases.setdefault(SMALL_MODEL, []).append("small")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    try:
-        for seed, (model, model_rows) in enumerate((m, r) for m, r in phases.items() if r):
-            folder = build_model_folder(model, tokenizer_dir, tmp)
-            vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    for seed, (model, model_rows) in enumerate((m, r) for m, r in phases.items() if r):
+        with temporary_model_folder(model, tokenizer_dir) as (folder, vocab):
             work = Workload(args, model_rows, vocab, args.seed + seed)
             served = measure_served(folder, work, settings, args)
             offline = measure_offline(folder, work, settings, args)
             report(model, work, served, offline, args, rows)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print()
     print_table(rows.rows)
     return 0

@@ -29,13 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
-import re
-import shutil
 import sys
-import tempfile
 from datetime import date
 from pathlib import Path
 
@@ -46,12 +42,14 @@ import httpx  # noqa: E402
 from tools import bench_table  # noqa: E402
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
-from tools.serve_process import Server, build_model_folder, default_tokenizer_dir, machine, raise_open_files_limit  # noqa: E402
+from tools.loadgen.server_metrics import parse_prometheus  # noqa: E402
+from tools.serve_process import (  # noqa: E402
+    Server, default_tokenizer_dir, machine, raise_open_files_limit, temporary_model_folder,
+)
 from tools.serve_stream import StreamTiming, stream_all, stream_completion  # noqa: E402
 
 ROWS = ("multiturn", "convoy")
 SERVED_NAME = "bench"
-_CPU_HITS = re.compile(r'^spillway:cached_tokens_total\{[^}]*source="cpu"[^}]*\} (\S+)$', re.MULTILINE)
 
 
 # ---- the workloads: token-id prompts, seeded -----------------------------------------------
@@ -94,8 +92,7 @@ def cpu_cached_tokens(url: str) -> float:
 
 
 def cpu_cached_in(metrics_text: str) -> float:
-    match = _CPU_HITS.search(metrics_text)
-    return float(match.group(1)) if match else 0.0
+    return parse_prometheus(metrics_text).get('spillway:cached_tokens_total{source="cpu"}', 0.0)
 
 
 # ---- rows -----------------------------------------------------------------------------------
@@ -258,16 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     flags = ["--num-gpu-blocks-override", str(args.gpu_blocks), "--block-size", str(args.block_size),
              "--max-model-len", str(args.max_model_len), "--max-pending-requests", str(4 * max(args.convoy, 64))]
     rows = Rows(args.results)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tier-"))
-    try:
-        folder = build_model_folder(args.model, tokenizer_dir, tmp)
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    with temporary_model_folder(args.model, tokenizer_dir) as (folder, vocab):
         if "multiturn" in args.rows:
             report_multiturn(measure_multiturn(folder, vocab, flags, args), args, rows)
         if "convoy" in args.rows:
             report_convoy(measure_convoy(folder, vocab, flags, args), args, rows)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print()
     print_table(rows.rows)
     return 0

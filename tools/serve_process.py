@@ -9,6 +9,7 @@ has the default GGUF, for one that has not.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -62,6 +63,17 @@ def build_model_folder(config_name: str, tokenizer_dir: Path, dest: Path) -> Pat
     export_tokenizer(folder, tokenizer_dir)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+@contextlib.contextmanager
+def temporary_model_folder(config_name: str, tokenizer_dir: Path):
+    """`build_model_folder` in a temporary directory removed afterwards; yields (folder, vocab size)."""
+    tmp = Path(tempfile.mkdtemp(prefix="spillway-bench-"))
+    try:
+        folder = build_model_folder(config_name, tokenizer_dir, tmp)
+        yield folder, json.loads((folder / "config.json").read_text())["vocab_size"]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def free_port() -> int:
