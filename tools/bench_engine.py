@@ -227,9 +227,15 @@ def run_throughput(args, rows: Rows) -> None:
     vocab = 151936
     prompts = [[rng.randrange(256, vocab) for _ in range(args.input_len)] for _ in range(num_requests)]
     if not args.hf_only:
-        ours, note = spillway_generate(args, prompts)
-        rows.add(row("throughput qwen3-8b", ours, "output tok/s", target=TARGETS["throughput tok/s"], note=note,
-                     target_is_value=True))
+        name = args.throughput_model
+        rate = matmul_rate() if name != "qwen3-8b" else None
+        ours, note, model_flops = spillway_generate(args, prompts)
+        rows.add(row(f"throughput {name}", ours, "output tok/s", note=note,
+                     target=TARGETS["throughput tok/s"] if name == "qwen3-8b" else None, target_is_value=True))
+        if rate is not None:  # a model with no other baseline: its matrix products against the GPU's rate
+            rows.add(row(f"throughput {name}, model FLOP/s", model_flops / 1e12, "TFLOP/s", "bf16 matmul 8192^3",
+                         rate / 1e12, model_flops / rate,
+                         note="2 x (layer params x all tokens + head params x output tokens) / elapsed; attention left out"))
         if args.profile:
             run_step_profile(args, prompts)
     if args.hf or args.hf_only:
@@ -244,11 +250,12 @@ def run_throughput(args, rows: Rows) -> None:
                      note=f"{result['note']}; Spillway / HF = {ratio:.1f}x" if ratio else result["note"]))
 
 
-def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
-    """Output tokens/s of `LLM.generate` over `prompts`, greedy, EOS ignored."""
+def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str, float]:
+    """Output tokens/s of `LLM.generate` over `prompts`, greedy, EOS ignored; the note; the
+    model's matrix-product FLOP/s over the same time."""
     from spillway.gateway import LLM, SamplingParams
 
-    llm = LLM("qwen3-8b", load_format="dummy", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
+    llm = LLM(args.throughput_model, load_format="dummy", dtype="bfloat16", kv_cache_dtype=args.kv_cache_dtype,
               async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs, max_model_len=args.input_len + args.output_len + 16,
               gpu_memory_utilization=0.9)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -260,10 +267,24 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str]:
     num_blocks = llm.ready.num_gpu_blocks
     llm.shutdown()
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    layers, head = matmul_params(args.throughput_model)
+    flops = 2 * (layers * (sum(map(len, prompts)) + generated) + head * generated)
     note = (f"{len(prompts)} x ({args.input_len} in, {args.output_len} out), {elapsed:.1f} s, max_num_seqs "
             f"{args.max_num_seqs}, {num_blocks} KV blocks ({args.kv_cache_dtype} KV cache), "
             f"{stats.num_preemptions} preemptions, async scheduling {'off' if args.async_scheduling is False else 'on'}")
-    return generated / elapsed, note
+    return generated / elapsed, note, flops / elapsed
+
+
+def matmul_params(name: str) -> tuple[int, int]:
+    """Parameters of a built-in config's matrix products: those of its layers (every token
+    runs them) and of its head (only the tokens whose logits are taken)."""
+    from spillway.protocol.model_files import load_config, resolve_model
+
+    config = load_config(resolve_model(name, "dummy"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = config.hidden_size * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    return config.num_hidden_layers * (attention + mlp), config.vocab_size * config.hidden_size
 
 
 def main() -> None:
@@ -285,6 +306,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=1000)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--throughput-model", default="qwen3-8b",
+                        help="throughput: the built-in config (other than qwen3-8b: with its model FLOP/s "
+                             "against the bf16 matmul rate measured in the same run)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="throughput and its --profile: the KV cache's dtype")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -42,3 +42,15 @@ def test_rows_written_as_json_lines_come_back_as_the_table(tmp_path, monkeypatch
 def test_a_benchmark_without_cuda_stops_with_a_message():
     done = run_tool("--attention")
     assert done.returncode == 1 and "bench_engine needs a CUDA GPU" in done.stderr
+
+
+def test_the_throughput_rows_count_the_matrix_products_of_the_built_in_configs():
+    from tools.bench_engine import matmul_params
+
+    # Qwen3-8B: 8.19B parameters, of which the embedding (151,936 x 4,096) is a lookup.
+    layers, head = matmul_params("qwen3-8b")
+    embedding = 151_936 * 4_096
+    assert head == embedding
+    assert abs(layers + head + embedding - 8.19e9) / 8.19e9 < 0.01
+    layers_32b, _ = matmul_params("qwen3-32b")  # 64 layers of 5,120: ~31.2B in its layers
+    assert abs(layers_32b - 31.2e9) / 31.2e9 < 0.01
