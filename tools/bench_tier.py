@@ -44,7 +44,7 @@ from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
 from tools.loadgen.server_metrics import parse_prometheus  # noqa: E402
 from tools.serve_process import (  # noqa: E402
-    Server, default_tokenizer_dir, machine, raise_open_files_limit, temporary_model_folder,
+    Server, default_tokenizer_dir, dummy_model_args, machine, raise_open_files_limit, temporary_model_folder,
 )
 from tools.serve_stream import StreamTiming, stream_all, stream_completion  # noqa: E402
 
@@ -104,7 +104,7 @@ def measure_multiturn(folder: Path, vocab: int, flags: list[str], args) -> dict:
     requests = round_robin(conversations)
     results = {}
     for label, extra in (("tier", ["--cpu-offload-gb", str(args.cpu_offload_gb)]), ("no tier", [])):
-        with Server(folder, flags + extra, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+        with Server(dummy_model_args(folder, flags + extra, SERVED_NAME), args.startup_timeout, args.server_log) as server:
             warm = [[rng.randrange(256, vocab) for _ in range(args.user_len)] for _ in range(2)]
             asyncio.run(run_bounded(server.url, [(0, p) for p in warm], 4, 1))
             before = cpu_cached_tokens(server.url)
@@ -150,7 +150,7 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
         asyncio.run(run_bounded(url, [(0, tokens(filler_len)) for _ in range(fillers)], 1, 1))
 
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
-    with Server(folder, flags, SERVED_NAME, args.startup_timeout, args.server_log) as server:
+    with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log) as server:
         url = server.url
         asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
         push_out(url)

@@ -52,3 +52,32 @@ def test_sizes_are_checked_before_any_server_starts():
 def test_unknown_rows_are_refused():
     with pytest.raises(SystemExit):
         bench_tier.build_parser().parse_args(["--rows", "convoy,nope"])
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("measure", [bench_tier.measure_multiturn, bench_tier.measure_convoy])
+def test_each_row_starts_its_server_with_the_model_folder_and_the_tier(monkeypatch, tmp_path, measure):
+    """The rows start `spillway serve` with arguments the server helper takes (no GPU needed:
+    the start is stopped at once)."""
+    import inspect
+
+    from tools.serve_process import Server
+
+    started = []
+
+    def fake_server(*args, **kwargs):
+        inspect.signature(Server).bind(*args, **kwargs)  # TypeError if the call does not fit
+        started.append(args[0])
+        raise _Started
+
+    monkeypatch.setattr(bench_tier, "Server", fake_server)
+    args = bench_tier.build_parser().parse_args(["--quick", "--cpu-offload-gb", "3"])
+    bench_tier.resolve_sizes(args)
+    with pytest.raises(_Started):
+        measure(tmp_path, 1000, ["--num-gpu-blocks-override", "32"], args)
+    serve_args = started[0]
+    assert str(tmp_path) in serve_args and "--num-gpu-blocks-override" in serve_args
+    assert float(serve_args[serve_args.index("--cpu-offload-gb") + 1]) == 3
