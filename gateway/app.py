@@ -24,7 +24,7 @@ from starlette.routing import Route
 from spillway.gateway import answers
 from spillway.gateway import openai as api
 from spillway.gateway.chat_messages import ChatRender, template_messages
-from spillway.gateway.guards import ApiKeyMiddleware, check_json_body
+from spillway.gateway.guards import ApiKeyMiddleware, check_json_body, check_json_values
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -95,15 +95,12 @@ class Gateway:
             if hf_tokenizer is not None else None
         self.markers = _reasoning_markers(settings, hf_tokenizer)
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
-                               reasoning=self.markers is not None, defaults=settings.request_defaults)
+                               reasoning=self.markers is not None, defaults=settings.request_defaults,
+                               max_sequences=settings.max_pending)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
 
     def run(self, job) -> GenerationResponse:
-        num_samples = len(job.prompts) * job.params.n
-        if num_samples > self.settings.max_pending:
-            raise api.bad_request(f"{num_samples} sequences (prompts x n) exceed this server's limit of "
-                                  f"{self.settings.max_pending}", param="n")
         generation = Generation(job, self.client, self.tokenizer, self.block_hashes, self.markers)
         try:
             generation.start()
@@ -219,7 +216,9 @@ async def _read_body(request: Request) -> bytes:
         if size > limit:
             raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    check_json_values(body)
+    return body
 
 
 async def chat_completions(request: Request):
@@ -272,9 +271,11 @@ async def tokenize(request: Request) -> Response:
     gateway.jobs.check_model(body.model)
     if body.messages is not None:
         messages = template_messages(body.messages)
+        gateway.jobs.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         render = ChatRender(body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or {})
         token_ids = await gateway.jobs.encode_chat(messages, render)
     elif body.prompt is not None:
+        gateway.jobs.check_prompt_chars(len(body.prompt), "prompt")
         token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)
     else:
         raise api.bad_request("give `prompt` or `messages`", param="prompt")

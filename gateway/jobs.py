@@ -1,9 +1,10 @@
 """From a validated OpenAI request to a Job: the model name checked, the prompts tokenized
 (long ones off the event loop), the lengths checked against the worker's limits.
 
-Nothing here holds the event loop for long: text over INLINE_TOKENIZE_CHARS and id lists over
-LONG_DECODE_TOKENS are (de)tokenized on a thread, and prompt text too long to fit the context
-whatever its tokens is refused with 413 before the tokenizer sees it."""
+Nothing here holds the event loop for long: a request's prompts over INLINE_TOKENIZE_CHARS in
+all and id lists over LONG_DECODE_TOKENS are (de)tokenized on a thread, prompt text too long to
+fit the context whatever its tokens is refused with 413 before the tokenizer sees it, and a
+request for more sequences than the server takes is refused before any prompt is looked at."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ class JobBuilder:
     """Checks requests against the model (names, lengths, vocabulary) and tokenizes them."""
 
     def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
-                 reasoning: bool = False, defaults: RequestDefaults = RequestDefaults()) -> None:
+                 reasoning: bool = False, defaults: RequestDefaults = RequestDefaults(),
+                 max_sequences: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_sequences = max_sequences  # prompts x n in one request; None: no bound
         self.defaults = defaults  # --generation-config and --max-logprobs
         self.served_names = served_names
         self.reasoning = reasoning  # the server has a reasoning parser
@@ -92,7 +95,8 @@ class JobBuilder:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         params = checks.sampling_params(request, max_tokens, logprobs)
-        self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self._check_sequences(params.n)
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         token_ids = await self.encode_chat(messages, render)
         return self._job("chatcmpl", True, model, [Prompt(self._truncate(token_ids, request))], params, request)
 
@@ -105,15 +109,20 @@ class JobBuilder:
         if max_tokens is None and self.defaults.max_tokens is None:
             max_tokens = 16  # the OpenAI API's default for completions
         params = checks.sampling_params(request, max_tokens, request.logprobs)
-        prompts = []
-        for prompt in checks.completion_prompts(request.prompt):
-            if isinstance(prompt, str):
-                self._check_prompt_chars(len(prompt), "prompt")
-                token_ids = self._truncate(await self.encode(prompt, request.add_special_tokens), request)
-                prompts.append(Prompt(token_ids, prompt))
-            else:
-                prompts.append(Prompt(self._truncate(list(prompt), request)))
+        given = checks.completion_prompts(request.prompt)
+        self._check_sequences(len(given) * params.n)
+        texts = [prompt for prompt in given if isinstance(prompt, str)]
+        for text in texts:
+            self.check_prompt_chars(len(text), "prompt")
+        encoded = iter(await self.encode_all(texts, request.add_special_tokens))
+        prompts = [Prompt(self._truncate(next(encoded), request), prompt) if isinstance(prompt, str)
+                   else Prompt(self._truncate(list(prompt), request)) for prompt in given]
         return self._job("cmpl", False, model, prompts, params, request)
+
+    def _check_sequences(self, num_sequences: int) -> None:
+        if self.max_sequences is not None and num_sequences > self.max_sequences:
+            raise api.bad_request(f"{num_sequences} sequences (prompts x n) exceed this server's limit of "
+                                  f"{self.max_sequences}", param="n")
 
     def _truncate(self, token_ids: list[int], request) -> list[int]:
         """The last `truncate_prompt_tokens` of the prompt (-1: of the model's context length)."""
@@ -124,15 +133,21 @@ class JobBuilder:
         return token_ids[-keep:]
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return (await self.encode_all([text], add_special_tokens))[0]
+
+    async def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Each text's token ids; on a thread when they are long together (a thousand short
+        prompts tokenized one after another would hold the event loop as one long one does)."""
         tokenizer = self.require_tokenizer()
-        if add_special_tokens:
-            encode = tokenizer.encode
-        else:
-            def encode(t: str) -> list[int]:
-                return list(tokenizer.tokenizer(t, add_special_tokens=False)["input_ids"])
-        if len(text) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(encode, text)
-        return encode(text)
+
+        def encode() -> list[list[int]]:
+            if add_special_tokens:
+                return [tokenizer.encode(text) for text in texts]
+            return [list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+
+        if sum(map(len, texts)) > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(encode)
+        return encode()
 
     async def encode_chat(self, messages: list[dict], render: ChatRender) -> list[int]:
         tokenizer = self.require_tokenizer()
@@ -167,7 +182,7 @@ class JobBuilder:
             return await asyncio.to_thread(decode)
         return decode()
 
-    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """No token stands for more than `max_token_chars` characters, so longer text than the
         context times that never fits: refused before the tokenizer spends seconds on it."""
         tokenizer = self.require_tokenizer()

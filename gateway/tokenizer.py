@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 from spillway.gateway.chat_content import ContentAsText
 from spillway.gateway.detok import decoding_backend
@@ -45,13 +44,11 @@ class PromptTokenizer:
         self.chat_template = chat_template
         self._backend = decoding_backend(tokenizer)
         self._content_as_text = None if allow_special_tokens_in_content else ContentAsText(tokenizer)
-
-    @cached_property
-    def max_token_chars(self) -> int:
-        """The most characters of text one token stands for, bounded by its vocabulary string
-        (byte-level and SentencePiece vocabularies spell each byte or character of the text it
-        covers with at least one character; added tokens are their own text)."""
-        return max(map(len, self.tokenizer.get_vocab()))
+        # The most characters of text one token stands for, bounded by its vocabulary string
+        # (byte-level and SentencePiece vocabularies spell each byte or character of the text it
+        # covers with at least one character; added tokens are their own text). Read here, not
+        # at the first long prompt: walking the vocabulary holds the GIL for ~30 ms.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])

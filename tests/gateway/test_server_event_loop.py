@@ -1,5 +1,5 @@
-"""The event loop stays free while huge requests are tokenized or detokenized: /health answers
-within 50 ms throughout, against a fake worker with the default model's tokenizer."""
+"""The event loop stays free while huge requests are decoded, tokenized or detokenized: /health
+answers within 50 ms throughout, against a fake worker with the default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
+from spillway.gateway.app import DEFAULT_MAX_BODY_BYTES
+from spillway.gateway.guards import MAX_BODY_VALUES
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.protocol import model_files
 
@@ -43,7 +45,7 @@ def health_latencies_while(url: str, requests: list[tuple[str, dict]]) -> tuple[
                                   timeout=120))
 
     # Encoded up front: this process serves too, and encoding holds the GIL.
-    bodies = [(path, json.dumps(body).encode()) for path, body in requests]
+    bodies = [(path, json.dumps(body, separators=(",", ":")).encode()) for path, body in requests]
     senders = [threading.Thread(target=send, args=request) for request in bodies]
     for sender in senders:
         sender.start()
@@ -64,7 +66,7 @@ def health_latencies_while(url: str, requests: list[tuple[str, dict]]) -> tuple[
 def test_health_answers_while_huge_prompts_and_detokenizations_run(url, tokenizer):
     limit = prompt_char_limit(tokenizer)
     long_but_allowed = ("Lorem ipsum dolor sit amet. " * (limit // 28 + 1))[:limit]
-    huge_ids = [17 + i % 80 for i in range(500_000)]
+    huge_ids = [17 + i % 80 for i in range(MAX_BODY_VALUES - 10)]
     latencies, answers = health_latencies_while(url, [
         ("/detokenize", {"model": MODEL, "tokens": huge_ids}),
         ("/v1/completions", {"model": MODEL, "prompt": "x" * 4_000_000, "max_tokens": 1}),
@@ -78,6 +80,39 @@ def test_health_answers_while_huge_prompts_and_detokenizations_run(url, tokenize
     assert str(limit) in by_status[413].json()["error"]["message"]
     assert len(latencies) >= 5
     assert max(latencies) < HEALTH_DEADLINE_S, sorted(latencies)[-5:]
+
+
+def test_health_answers_while_bodies_of_millions_of_values_arrive(url):
+    """Bodies just under the byte limit whose decode alone would hold the loop for 50-150 ms:
+    refused by their count of values before the decoder runs."""
+    num_ids = DEFAULT_MAX_BODY_BYTES // 2 - 100  # "1," each
+    latencies, answers = health_latencies_while(url, [
+        ("/v1/completions", {"model": MODEL, "prompt": [1] * num_ids, "max_tokens": 1}),
+        ("/detokenize", {"model": MODEL, "tokens": [1] * num_ids}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}] * (num_ids // 16)}),
+    ])
+    assert len(latencies) >= 5
+    assert max(latencies) < HEALTH_DEADLINE_S, sorted(latencies)[-5:]
+    assert [answer.status_code for answer in answers] == [413] * 3, [a.text[:200] for a in answers]
+    for answer in answers:
+        assert answer.json()["error"]["code"] == "request_too_large"
+        assert f"at most {MAX_BODY_VALUES}" in answer.json()["error"]["message"]
+
+
+def test_many_prompts_are_refused_before_they_are_tokenized(url):
+    prompts = ["a"] * 100_000
+    started = time.perf_counter()
+    answer = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 1}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n"
+    assert "100000 sequences (prompts x n) exceed this server's limit of 1024" in answer.json()["error"]["message"]
+    assert time.perf_counter() - started < 1.0
+
+
+def test_tokenize_refuses_text_longer_than_any_context(url, tokenizer):
+    limit = prompt_char_limit(tokenizer)
+    answer = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "x" * (limit + 1)})
+    assert answer.status_code == 413 and answer.json()["error"]["param"] == "prompt"
+    assert str(limit) in answer.json()["error"]["message"]
 
 
 def test_small_requests_are_answered_as_before(url, tokenizer):
