@@ -50,3 +50,9 @@ def worker_key() -> str | None:
     """The secret that authenticates and encrypts a remote worker's link (protocol/link_auth.py):
     SPILLWAY_WORKER_KEY, the same on the gateway and the worker; `--worker-key-file` wins."""
     return os.environ.get("SPILLWAY_WORKER_KEY") or None
+
+
+def step_trace_path() -> str | None:
+    """SPILLWAY_STEP_TRACE=FILE: the worker appends a JSON line per busy step there
+    (worker/step_trace.py), to see where a request's first token waited."""
+    return os.environ.get("SPILLWAY_STEP_TRACE") or None

@@ -59,10 +59,16 @@ def block_hashes(
     packed = array(_UINT32, token_ids[start * block_size: end * block_size])
     if sys.byteorder != "little":
         packed.byteswap()
-    raw = memoryview(packed).cast("B")
+    raw = packed.tobytes()  # bytes slices concatenate with the parent faster than memoryview slices
     step = block_size * packed.itemsize
     digest = xxhash.xxh3_128_digest
-    for offset, i in enumerate(range(start, end)):
-        prev = BlockHash(digest(b"".join((prev, raw[offset * step: (offset + 1) * step], salt if i == 0 else b""))))
-        hashes.append(prev)
+    append = hashes.append
+    first = 0
+    if start == 0:  # the salt goes into block 0 only
+        prev = digest(b"".join((prev, raw[:step], salt)))
+        append(BlockHash(prev))
+        first = step
+    for offset in range(first, len(raw), step):  # BlockHash is bytes at run time: no wrapper call
+        prev = digest(prev + raw[offset: offset + step])
+        append(prev)
     return hashes

@@ -103,6 +103,7 @@ class Engine:
         self._readback = TokenReadback(config.max_num_seqs, self.device)
         self._in_flight: LaunchedStep | None = None
         self.num_async_steps = 0  # steps launched before the one before was committed
+        self.last_plan: StepPlan | None = None  # for the step trace (worker/step_trace.py)
         self.num_steps = 0
         self._arrivals = 0
 
@@ -197,7 +198,7 @@ class Engine:
             self._in_flight = None
             deltas = self._commit(previous)
             previous = None
-        plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead)
+        plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead)
         if lookahead:
             self.spec.propose(plan)  # a plan with drafts does not run ahead
         run_ahead = self.async_scheduling and plan.run_ahead

@@ -21,6 +21,7 @@ import zmq
 
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.drop_log import DropLog
+from spillway.protocol.envs import step_trace_path
 from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import (
     Abort,
@@ -36,6 +37,7 @@ from spillway.protocol.messages import (
 )
 from spillway.worker.compile_log import log_late_compiles
 from spillway.worker.engine import Engine
+from spillway.worker.step_trace import StepTrace
 
 logger = logging.getLogger("spillway.worker")
 
@@ -97,9 +99,11 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
     busy_before = False
     gateway_session: bytes | None = None  # the gateway whose HELLO came last
     drops = DropLog(logger, "from the gateway")
+    trace = StepTrace(path) if (path := step_trace_path()) else None
     while True:
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
+        received = 0
         timeout = 0 if engine.has_work else IDLE_POLL_MS
         while poller.poll(timeout):
             timeout = 0
@@ -111,6 +115,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
                 continue
             match msg:
                 case Generate() as msg:
+                    received += 1
                     error = engine.add_request(msg)
                     if error is not None:
                         pending.append(error)
@@ -139,7 +144,11 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             return
         was_busy = engine.has_work
         if was_busy:
-            pending.extend(engine.step())
+            started = time.perf_counter()
+            deltas = engine.step()
+            if trace is not None:
+                trace.record(started, time.perf_counter(), received, engine, deltas)
+            pending.extend(deltas)
         now = time.monotonic()
         if was_busy and not engine.has_work:
             want_stats = True  # the gateway sees the idle state right away

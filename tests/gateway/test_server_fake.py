@@ -246,3 +246,12 @@ def test_a_restarted_gateway_takes_back_a_running_remote_worker(files, script, w
         assert worker.is_alive()
     finally:
         worker.kill()
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused(url):
+    for prompt in ([5, -1], [5, 49152], [[5, 6], [49152]]):
+        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert answer.status_code == 400, prompt
+        assert answer.json()["error"] == {**answer.json()["error"], "param": "prompt",
+                                          "message": "prompt token ids must lie in [0, 49152)"}
+    assert httpx.post(url + "/v1/completions", json={"prompt": [0, 49151], "max_tokens": 2}).status_code == 200
