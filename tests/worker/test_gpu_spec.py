@@ -1,7 +1,7 @@
-"""Speculative decoding on CUDA (skipped without a GPU): verification runs eagerly through the
-Triton kernels (a chunk of 1 + k queries after a cached prefix) while plain decode steps
-replay the captured graphs, with asynchronous scheduling on; greedy outputs equal plain
-decoding for n-gram lookup, replayed continuations and a draft model equal to the target."""
+"""Speculative decoding on CUDA (skipped without a GPU): verification replays the verify graphs
+(chunks of 1 + k queries after a cached prefix, beside prompt chunks) while plain decode steps
+replay the decode graphs, with asynchronous scheduling on; greedy outputs equal plain decoding
+for n-gram lookup, replayed continuations and a draft model equal to the target."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def test_greedy_outputs_equal_plain_decoding_on_cuda(tiny_model, proposer_kind):
     plain = make_engine(tiny_model, speculative=None, **CUDA_SETTINGS)
     expected = run(plain, jobs, None)
     assert plain.runner.graphs is not None and plain.num_async_steps > 0
+    assert plain.runner.verify_graphs is None  # captured only with speculation
     if proposer_kind == "draft-model":
         engine = make_engine(tiny_model, speculative=SpeculativeConfig(
             method="draft_model", model=tiny_model, num_speculative_tokens=K), **CUDA_SETTINGS)
@@ -34,6 +35,21 @@ def test_greedy_outputs_equal_plain_decoding_on_cuda(tiny_model, proposer_kind):
         engine = make_engine(tiny_model, **CUDA_SETTINGS)
         proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else ReplayProposer(
             {tuple(job.prompt): expected[job.request_id].tokens for job in jobs})
+    replayed, verified = counted(engine.runner.verify_graphs, "replay"), counted(engine.spec, "verify")
     got = run(engine, jobs, proposer)
     assert tokens_and_reasons(got) == tokens_and_reasons(expected)
     assert engine.spec.metrics.num_accepted_tokens > 0
+    # Every verifying step (at most 8 requests of 1 + 4 rows beside a short prompt) replayed a graph.
+    assert len(verified) > 0 and len(replayed) == len(verified)
+
+
+def counted(owner, name: str) -> list:
+    """A list that grows by one each time `owner.name` is called."""
+    calls, method = [], getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    return calls
