@@ -16,11 +16,10 @@ Nothing on this path reads device memory back; the sampler's copy of the sampled
 the step's only synchronisation.
 
 On CUDA the executor (worker/executor.py) builds the runner without a KV cache, measures the
-peak of one max_num_batched_tokens step (`Executor.kv_pool_blocks`), sizes the pool from what is
-left (`allocate_kv_cache`), then captures the decode, prefill and (with speculative decoding)
-verify graphs (`capture_graphs`). An eager step's
-attention metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's
-inputs reach the device once.
+peak of one max_num_batched_tokens step (`Executor.kv_pool_blocks`), sizes the pool from what
+is left (`allocate_kv_cache`), then captures the decode, prefill and (with speculative
+decoding) verify graphs (`capture_graphs`). An eager step's attention metadata reads the views
+staged here (`AttentionBackend.metadata_for`): the step's inputs reach the device once.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ kernels skip both; a padded entry of logits_rows reads row 0, and its logits are
 
 A decode graph of bucket b reads the views of R = S = b and width = max_blocks_per_seq, which
 sit at the same addresses every step; a prefill graph of T tokens and S sequences, those of
-R = T and S; a verify graph's, those of R = L = T and S. Their block-table rows are written only as far as each table goes: entries past
-a context are never read.
+R = T and S; a verify graph's, those of R = L = T and S. Their block-table rows are written
+only as far as each table goes: entries past a context are never read.
 
 On the CPU the host buffer is the device buffer, and grows when a step needs more room.
 """
