@@ -27,17 +27,19 @@ Verify graphs, with speculative decoding only: a step that returns the logits of
 rows) takes the prefill graphs' layout, buckets (up to 256 tokens) and metadata, and returns
 the logits of the T rows that its staged `logits_rows` index names: the rows asked for, in
 order, then row 0 as padding. Gathering inside the graph rather than computing every row's
-logits and gathering after the replay: both run the language-model head over T rows (at these
-sizes its cost is reading the weights, whatever the rows), but the index arrives in the step's
-one input copy and the result is a view of the buffer's first rows, with no copy or launch
-after the replay. The bound of 256 keeps the logits buffer at max(max_num_seqs, 256) rows
-(`GraphBuckets.logits_rows`), and covers 32 requests of 1 + 7 rows.
+logits and gathering after the replay: both run the language-model head over T rows (up to a
+few hundred rows its cost is mostly reading the weights, an estimate, not a measurement), but
+the index arrives in the step's one input copy and the result is a view of the buffer's first
+rows, with no copy or launch after the replay. The bound of 256 keeps the logits buffer at
+most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 requests of
+1 + 7 rows.
 
     buckets 16, 32, 64, 96, 128, 192, 256, up to max_num_batched_tokens
 
-All graphs are captured largest first into one memory pool and write their logits into one
-shared buffer, allocated at its full size before the first capture: only one graph replays at
-a time, and its logits are consumed (sampled) before the next replay.
+All graphs are captured into one memory pool (decode, prefill, then verify; each kind largest
+first) and write their logits into one shared buffer, allocated at its full size before the
+first capture: only one graph replays at a time, and its logits are consumed (sampled) before
+the next replay.
 """
 
 from __future__ import annotations
