@@ -29,11 +29,15 @@ from spillway.worker.step_plan import StepPlan
 
 def make_engine(model: str, device: str, *, max_model_len: int, max_num_seqs: int, num_blocks: int | None,
                 async_scheduling: bool | None) -> Engine:
-    """A built-in config gets dummy weights; a folder or GGUF file its own."""
-    return Engine(worker_config_from_env(
+    """A built-in config gets dummy weights; a folder or GGUF file its own. Built with speculation
+    (detached at once), so that its executor captures the verify graphs the attached runs use."""
+    engine = Engine(worker_config_from_env(
         model=model, load_format="dummy" if model in builtin_config_names() else "auto",
         dtype="bfloat16" if device == "cuda" else "float32", device=device, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, num_gpu_blocks_override=num_blocks, async_scheduling=async_scheduling))
+        max_num_seqs=max_num_seqs, num_gpu_blocks_override=num_blocks, async_scheduling=async_scheduling,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=1)))
+    engine.spec = None
+    return engine
 
 
 class CountedSpec(SpecDecoder):
@@ -67,7 +71,8 @@ def attach_spec(engine: Engine, config: SpeculativeConfig | None, *, always_on: 
     spec = CountedSpec(build_spec_decoder(
         config, engine.sampler, target_vocab_size=engine.vocab_size, device=engine.device, dtype=engine.dtype,
         max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
-        block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens))
+        block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
+        cuda_graphs=engine.device.type == "cuda" and not engine.config.enforce_eager))
     if always_on:
         spec.switch.draft_cost = spec.switch.verify_cost = 0.0
     engine.spec = spec

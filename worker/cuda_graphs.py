@@ -1,4 +1,5 @@
-"""CUDA graphs of small steps: decode steps by batch size, prefill/mixed steps by token count.
+"""CUDA graphs of small steps: decode steps by batch size, prefill/mixed and verify steps by
+token count.
 
 A step launches a few hundred small kernels; replaying them as one graph removes the Python
 and launch cost that would otherwise bound small steps (a decode step, a short prompt, the
@@ -21,16 +22,34 @@ that no real row reads (every op but attention is row-wise).
 
     buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, up to max_num_batched_tokens
 
-All graphs are captured largest first into one memory pool: only one replays at a time, and
-its logits are consumed (sampled) before the next replay.
+Verify graphs, with speculative decoding only: a step that returns the logits of chosen rows
+(`ModelRunner.execute(..., logits_rows=...)`: each verified chunk's 1 + d rows, prompt-logprob
+rows) takes the prefill graphs' layout, buckets (up to 256 tokens) and metadata, and returns
+the logits of the T rows that its staged `logits_rows` index names: the rows asked for, in
+order, then row 0 as padding. Gathering inside the graph rather than computing every row's
+logits and gathering after the replay: both run the language-model head over T rows (up to a
+few hundred rows its cost is mostly reading the weights, an estimate, not a measurement), but
+the index arrives in the step's one input copy and the result is a view of the buffer's first
+rows, with no copy or launch after the replay. The bound of 256 keeps the logits buffer at
+most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 requests of
+1 + 7 rows.
+
+    buckets 16, 32, 64, 96, 128, 192, 256, up to max_num_batched_tokens
+
+All graphs are captured into one memory pool (decode, prefill, then verify; each kind largest
+first) and write their logits into one shared buffer, allocated at its full size before the
+first capture: only one graph replays at a time, and its logits are consumed (sampled) before
+the next replay.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 MAX_PREFILL_GRAPH_SEQS = 32
+MAX_VERIFY_GRAPH_TOKENS = 256
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
@@ -62,9 +82,34 @@ def prefill_buckets(max_num_tokens: int) -> list[int]:
 
 
 def prefill_graph_seqs(num_tokens: int, max_num_seqs: int) -> int:
-    """Sequences a prefill graph of `num_tokens` rows holds: every sequence has >= 1 new token,
-    and past 32 the attention grid's padding programs would start to cost."""
+    """Sequences a prefill (or verify) graph of `num_tokens` rows holds: every sequence has >= 1
+    new token, and past 32 the attention grid's padding programs would start to cost."""
     return min(num_tokens, max_num_seqs, MAX_PREFILL_GRAPH_SEQS)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphBuckets:
+    """The buckets a runner captures, and so the rows of the logits buffer its graphs share."""
+
+    decode: list[int]
+    prefill: list[int]
+    verify: list[int]  # empty without speculative decoding
+    max_num_seqs: int
+
+    @classmethod
+    def plan(cls, max_batch_size: int, max_num_seqs: int, max_num_tokens: int, *, verify: bool) -> GraphBuckets:
+        """Decode buckets up to `max_batch_size`, token buckets up to `max_num_tokens`, and
+        with `verify` the verify buckets (token buckets up to `MAX_VERIFY_GRAPH_TOKENS`)."""
+        prefill = prefill_buckets(max_num_tokens)
+        verify_buckets = [size for size in prefill if size <= MAX_VERIFY_GRAPH_TOKENS] if verify else []
+        return cls(decode_buckets(max_batch_size), prefill, verify_buckets, max_num_seqs)
+
+    @property
+    def logits_rows(self) -> int:
+        """The most rows one graph returns: a decode bucket's, a prefill graph's sequences, a
+        verify bucket's."""
+        seqs = [prefill_graph_seqs(size, self.max_num_seqs) for size in self.prefill]
+        return max(self.decode[-1], *seqs, *self.verify)
 
 
 class StepGraphs:
@@ -127,19 +172,51 @@ def decode_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
 
 
 def prefill_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
-    """A function running `runner`'s prefill step of `bucket` tokens on the static input views."""
+    """A function running `runner`'s prefill step of `bucket` tokens on the static input views:
+    the logits of each sequence's last row."""
+    layout = runner.inputs.prefill_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
+    return _token_step(runner, layout, bucket, layout.last_rows)
+
+
+def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+    """A function running `runner`'s verify step of `bucket` tokens on the static input views:
+    the logits of the `bucket` rows its `logits_rows` view names."""
+    layout = runner.inputs.verify_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
+    return _token_step(runner, layout, bucket, layout.logits_rows)
+
+
+def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor) -> Callable[[], torch.Tensor]:
     from spillway.worker.attention_triton import graph_prefill_metadata
 
-    num_seqs = prefill_graph_seqs(bucket, runner.max_num_seqs)
-    layout = runner.inputs.prefill_layout(bucket, num_seqs)
     model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
     metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
                                       layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
                                       num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
-    logits = runner.logits_rows(num_seqs)
+    logits = runner.logits_rows(rows.shape[0])
 
     def step() -> torch.Tensor:
         hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
-        return model.compute_logits(hidden[layout.last_rows], out=logits)
+        return model.compute_logits(hidden[rows], out=logits)
 
     return step
+
+
+def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
+                        ) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None]:
+    """`runner`'s decode, prefill and verify graphs (None for a kind without buckets), captured
+    in that order into one memory pool."""
+    pool = torch.cuda.graph_pool_handle()
+    inputs, device = runner.inputs, runner.device
+    decode = StepGraphs(buckets.decode, device)
+    decode.capture(functools.partial(decode_step, runner), inputs.pad_decode, pool)
+
+    def token_graphs(kind: str, sizes: list[int], step, pad: Callable[[int, int], None]) -> StepGraphs | None:
+        if not sizes:
+            return None
+        graphs = StepGraphs(sizes, device, kind=kind)
+        graphs.capture(functools.partial(step, runner),
+                       lambda bucket: pad(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs)), pool)
+        return graphs
+
+    return (decode, token_graphs("prefill", buckets.prefill, prefill_step, inputs.pad_prefill),
+            token_graphs("verify", buckets.verify, verify_step, inputs.pad_verify))

@@ -68,7 +68,8 @@ class Engine:
         self.executor = Executor(model, block_size=self.block_size, device=self.device, dtype=self.dtype,
                                  kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=self.max_num_batched_tokens,
-                                 max_model_len=self.max_model_len)
+                                 max_model_len=self.max_model_len,
+                                 speculative=config.speculative is not None)
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.spec: SpecDecoder | None = None
@@ -76,7 +77,8 @@ class Engine:
             self.spec = build_spec_decoder(
                 config.speculative, self.sampler, target_vocab_size=self.vocab_size, device=self.device,
                 dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens)
+                block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                cuda_graphs=self.device.type == "cuda" and not config.enforce_eager)
         num_blocks = self._num_blocks(hf_config)
         self.executor.allocate_kv_cache(num_blocks)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)

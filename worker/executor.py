@@ -1,4 +1,4 @@
-"""One device's share of the worker: the model, the KV pool and the decode graphs.
+"""One device's share of the worker: the model, the KV pool and the CUDA graphs.
 
 The driver (worker/engine.py: scheduler, requests, sampler state) sends each step to the
 executor as a `PackedStep`, plain data that never points at a request, so the same step can
@@ -7,13 +7,15 @@ be broadcast to N executors (tensor parallelism) without change. One executor fo
 Start-up, in this order on CUDA (the pool is what is left once the model and one step fit):
 
     load_model ──► Executor(model) ──► kv_pool_blocks: profile one max_num_batched_tokens step
-               ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode and prefill buckets)
+               ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode and prefill buckets,
+                   and verify buckets with speculative decoding)
                ──► warm_up (the eager path's kernel variants)
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,12 +77,14 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
 
 
 class Executor:
-    """Owns the model runner (model, KV pool, graphs) of one device and runs packed steps."""
+    """Owns the model runner (model, KV pool, graphs) of one device and runs packed steps.
+    `speculative`: steps will verify draft tokens, so the runner captures verify graphs too."""
 
     def __init__(self, model: nn.Module, *, block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: torch.dtype, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, speculative: bool = False) -> None:
         self.device = device
+        self.speculative = speculative
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,20 +96,54 @@ class Executor:
     def kv_pool_blocks(self, hf_config, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
         """How many KV blocks fit this device: on CUDA, the utilisation's share of the GPU less
         what is in use (weights, CUDA context, other processes), the peak a step of
-        max_num_batched_tokens adds and the decode graphs' logits buffer; 1 GiB on the CPU."""
+        max_num_batched_tokens adds and the graphs' logits buffer (`ModelRunner.graph_logits_bytes`,
+        larger with verify graphs); 1 GiB on the CPU."""
         runner = self.runner
         if self.device.type != "cuda":
             budget = CPU_KV_CACHE_BYTES
         else:
-            activation_peak = runner.profile_peak_memory(self.max_num_batched_tokens, self.max_model_len)
+            activation_peak = self._activation_peak()
             if with_graphs:
-                activation_peak += ModelRunner.graph_logits_bytes(self.max_num_seqs, int(hf_config.vocab_size))
+                activation_peak += runner.graph_logits_bytes(self.max_num_seqs, self.speculative)
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * gpu_memory_utilization - (total - free) - activation_peak
             logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "
                         "buffers, %.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
                         activation_peak / 2**30, max(budget, 0) / 2**30)
         return num_blocks_for_memory(hf_config, runner.block_size, runner.kv_cache_dtype, int(budget))
+
+    @torch.inference_mode()
+    def _activation_peak(self) -> int:
+        """Peak bytes a step of max_num_batched_tokens prefill tokens allocates beyond the weights.
+
+        Runs one forward of that many tokens (sequences of at most `max_model_len - 1` tokens)
+        into a throwaway KV cache, then logits and a sort for `max_num_seqs` rows as the
+        sampler would. The throwaway cache itself is not counted.
+        """
+        runner, num_tokens = self.runner, self.max_num_batched_tokens
+        assert self.device.type == "cuda" and runner.kv_cache is None
+        seq_len = max(1, min(num_tokens, self.max_model_len - 1))
+        lengths = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        lengths = lengths[: self.max_num_seqs]
+        blocks = [math.ceil(n / runner.block_size) for n in lengths]
+        runner.allocate_kv_cache(sum(blocks))
+        tables, first = [], 0
+        for count in blocks:
+            tables.append(list(range(first, first + count)))
+            first += count
+        chunks = [ChunkInput([0] * n, 0, table) for n, table in zip(lengths, tables)]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        runner.execute(chunks)  # eager: no graph is captured yet
+        hidden = torch.zeros(self.max_num_seqs, runner.model.spec.hidden_size, device=self.device, dtype=runner.dtype)
+        runner.model.compute_logits(hidden).softmax(dim=-1).sort(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        runner.kv_cache = None
+        torch.cuda.empty_cache()
+        return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
@@ -132,7 +170,7 @@ class Executor:
         self.kv_copier.run(copies)
 
     def capture_graphs(self) -> None:
-        self.runner.capture_graphs(self.max_num_seqs)
+        self.runner.capture_graphs(self.max_num_seqs, verify=self.speculative)
 
     def warm_up(self) -> None:
         """Compile the kernels an eager step needs before the first request (CUDA only)."""

@@ -7,22 +7,23 @@ A step, on any device:
            ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
                (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
                a prefill/mixed step of at most 512 tokens: the graph of its token bucket;
+               a step asking for `logits_rows` (verification, prompt logprobs) of at most
+               256 tokens, with speculative decoding on: the verify graph of its token bucket;
                anything else (larger steps, enforce_eager, CPU): run the model eagerly
-           ──► float32 logits of each chunk's last token
+           ──► float32 logits of each chunk's last token, or of the `logits_rows` asked for
 
 Nothing on this path reads device memory back; the sampler's copy of the sampled tokens is
 the step's only synchronisation.
 
 On CUDA the executor (worker/executor.py) builds the runner without a KV cache, measures the
-peak of one max_num_batched_tokens step (`profile_peak_memory`), sizes the pool from what is
-left (`allocate_kv_cache`), then captures the decode and prefill graphs (`capture_graphs`). An eager step's
-attention metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's
-inputs reach the device once.
+peak of one max_num_batched_tokens step (`Executor.kv_pool_blocks`), sizes the pool from what
+is left (`allocate_kv_cache`), then captures the decode, prefill and (with speculative
+decoding) verify graphs (`capture_graphs`). An eager step's attention metadata reads the views
+staged here (`AttentionBackend.metadata_for`): the step's inputs reach the device once.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ class ModelRunner:
 
     `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed
     so that masked-out slots never hold NaN. Without `num_blocks` it is allocated later by
-    `allocate_kv_cache`, after `profile_peak_memory` has measured what the model needs.
+    `allocate_kv_cache`, after the executor has measured what the model needs.
     Its dtype is `kv_cache_dtype`, by default the model's `dtype`; float8 e4m3 needs the
     Triton kernels (kernels/fp8.py).
     """
@@ -132,6 +133,7 @@ class ModelRunner:
         )
         self.graphs = None  # decode StepGraphs (by batch size) once captured
         self.prefill_graphs = None  # prefill StepGraphs (by token count) once captured
+        self.verify_graphs = None  # verify StepGraphs (by token count), with speculative decoding
         self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
         self.kv_cache: torch.Tensor | None = None
         if num_blocks is not None:
@@ -153,39 +155,48 @@ class ModelRunner:
         """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
 
         `feed` takes some chunks' one token from the device (see `TokenFeed`). `logits_rows`:
-        return the logits of these rows of the step's flattened tokens instead (draft tokens
-        to verify: always eager, the graphs keep one row per sequence). The result
+        return the logits of these rows of the step's flattened tokens instead, in that order
+        (draft tokens to verify, prompt logprobs: a verify graph, or eagerly). The result
         may be a view of a buffer that the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
-        graphs = self.graphs
         num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
-        if graphs is not None and logits_rows is None and num_tokens == len(chunks) <= graphs.max_bucket:
+        if feed is not None:
+            assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
+        if logits_rows is not None:
+            return self._execute_rows(chunks, feed, logits_rows, num_tokens)
+        graphs = self.graphs
+        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
             bucket = graphs.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
             if feed is not None:
                 self._feed(self.inputs.decode_layout(bucket).input_ids, feed)
             return graphs.replay(bucket)[: len(chunks)]
-        if feed is not None:
-            assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
-        # Verification reads several rows per chunk: the graphs keep one (the last) per chunk.
-        bucket = self._prefill_bucket(num_tokens, len(chunks)) if logits_rows is None else None
+        bucket = self._token_bucket(self.prefill_graphs, num_tokens, len(chunks))
         if bucket is not None:
             layout = self.inputs.stage_prefill(chunks, bucket, self._prefill_graph_seqs(bucket))
-            if feed is not None:
-                self._feed(layout.input_ids, feed, layout.last_rows)
+            self._feed_rows(layout, feed)
             return self.prefill_graphs.replay(bucket)[: len(chunks)]
         layout = self.inputs.stage(chunks)
-        if feed is not None:
-            self._feed(layout.input_ids, feed, layout.last_rows)
-        if logits_rows is not None:
-            return self._forward(layout, torch.tensor(logits_rows, device=self.device))
+        self._feed_rows(layout, feed)
         return self._forward(layout)
 
-    def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int | None:
-        """The smallest captured prefill bucket that holds the step, or None."""
-        graphs = self.prefill_graphs
+    def _execute_rows(self, chunks: list[ChunkInput], feed: TokenFeed | None, logits_rows: list[int],
+                      num_tokens: int) -> torch.Tensor:
+        """The logits of `logits_rows`, in order: the verify graph of the smallest bucket that
+        holds the step (every row it asks for is one of its tokens), else eagerly."""
+        bucket = self._token_bucket(self.verify_graphs, num_tokens, len(chunks))
+        if bucket is not None and len(logits_rows) <= bucket:
+            layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._prefill_graph_seqs(bucket))
+            self._feed_rows(layout, feed)
+            return self.verify_graphs.replay(bucket)[: len(logits_rows)]
+        layout = self.inputs.stage(chunks, logits_rows)
+        self._feed_rows(layout, feed)
+        return self._forward(layout, layout.logits_rows)
+
+    def _token_bucket(self, graphs, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest bucket of the prefill or verify `graphs` that holds the step, or None."""
         if graphs is None or num_tokens > graphs.max_bucket:
             return None
         for bucket in graphs.buckets[graphs.buckets.index(graphs.bucket_for(num_tokens)):]:
@@ -197,6 +208,10 @@ class ModelRunner:
         from spillway.worker.cuda_graphs import prefill_graph_seqs
 
         return prefill_graph_seqs(bucket, self.max_num_seqs)
+
+    def _feed_rows(self, layout: StepLayout, feed: TokenFeed | None) -> None:
+        if feed is not None:
+            self._feed(layout.input_ids, feed, layout.last_rows)
 
     @staticmethod
     def _feed(input_ids: torch.Tensor, feed: TokenFeed, last_rows: torch.Tensor | None = None) -> None:
@@ -213,6 +228,7 @@ class ModelRunner:
         input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
     def _forward(self, layout: StepLayout, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Eagerly: logits of `logits_rows` (a device index), or of each sequence's last row."""
         metadata = self.backend.metadata_for(layout)
         hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
         return self.model.compute_logits(hidden[layout.last_rows if logits_rows is None else logits_rows])
@@ -230,38 +246,6 @@ class ModelRunner:
     # ---- start-up on CUDA ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
-        """Peak bytes a step of `num_tokens` prefill tokens allocates beyond the weights.
-
-        Runs one forward of that many tokens (sequences of at most `max_model_len - 1`
-        tokens) into a throwaway KV cache, then logits and a sort for `max_num_seqs` rows as
-        the sampler would. The throwaway cache itself is not counted.
-        """
-        assert self.device.type == "cuda" and self.kv_cache is None
-        seq_len = max(1, min(num_tokens, max_model_len - 1))
-        lengths = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        lengths = lengths[: self.max_num_seqs]
-        blocks = [math.ceil(n / self.block_size) for n in lengths]
-        self.allocate_kv_cache(sum(blocks))
-        tables, first = [], 0
-        for count in blocks:
-            tables.append(list(range(first, first + count)))
-            first += count
-        chunks = [ChunkInput([0] * n, 0, table) for n, table in zip(lengths, tables)]
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self._forward(self.inputs.stage(chunks))
-        hidden = torch.zeros(self.max_num_seqs, self.model.spec.hidden_size, device=self.device, dtype=self.dtype)
-        self.model.compute_logits(hidden).softmax(dim=-1).sort(dim=-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_cache = None
-        torch.cuda.empty_cache()
-        return peak
-
-    @torch.inference_mode()
     def warm_up(self, num_tokens: int = 513) -> None:
         """Compile the eager path's kernel variants before the first request: Triton
         specialises integer arguments on divisibility by 16, and the profiling step (8,192
@@ -276,36 +260,38 @@ class ModelRunner:
             return
         self._forward(self.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
 
-    def capture_graphs(self, max_batch_size: int) -> None:
+    def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
-        prefill step for every token bucket the step budget allows, into one memory pool."""
-        from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, decode_step, prefill_buckets, prefill_step
+        prefill step for every token bucket the step budget allows, then with `verify`
+        (speculative decoding) the verify step for every verify bucket, into one memory pool."""
+        from spillway.worker.cuda_graphs import capture_step_graphs
 
         assert self.kv_cache is not None, "allocate the KV cache first"
-        pool = torch.cuda.graph_pool_handle()
-        graphs = StepGraphs(decode_buckets(min(max_batch_size, self.max_num_seqs)), self.device)
-        graphs.capture(functools.partial(decode_step, self), self.inputs.pad_decode, pool)
-        self.graphs = graphs
-        buckets = prefill_buckets(self.inputs.capacity[0])
-        if buckets:
-            prefill = StepGraphs(buckets, self.device, kind="prefill")
-            prefill.capture(functools.partial(prefill_step, self),
-                            lambda bucket: self.inputs.pad_prefill(bucket, self._prefill_graph_seqs(bucket)), pool)
-            self.prefill_graphs = prefill
+        buckets = self.graph_buckets(max_batch_size, verify)
+        self.logits_rows(buckets.logits_rows)  # at its full size before any graph holds a view of it
+        self.graphs, self.prefill_graphs, self.verify_graphs = capture_step_graphs(self, buckets)
+
+    def graph_buckets(self, max_batch_size: int, verify: bool):
+        """The `GraphBuckets` that `capture_graphs(max_batch_size, verify)` captures."""
+        from spillway.worker.cuda_graphs import GraphBuckets
+
+        return GraphBuckets.plan(min(max_batch_size, self.max_num_seqs), self.max_num_seqs, self.inputs.capacity[0],
+                                 verify=verify)
 
     def logits_rows(self, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the decode steps' shared float32 logits buffer.
+        """The first `rows` rows of the graphs' shared float32 logits buffer.
 
         Every graph writes its logits there: a buffer per graph, kept alive by its graph, would
         hold sum(buckets) rows (10 GB for Qwen3-8B's vocabulary at max_num_seqs 512). One graph
         replays at a time, and its logits are consumed on the same stream before the next
-        replay. Graphs are captured largest first, so the buffer is allocated once."""
+        replay. `capture_graphs` allocates it at its full size first, so no graph holds an
+        older, smaller one."""
         if self._graph_logits is None or self._graph_logits.shape[0] < rows:
             self._graph_logits = torch.empty(rows, self.model.spec.vocab_size, dtype=torch.float32,
                                              device=self.device)
         return self._graph_logits[:rows]
 
-    @staticmethod
-    def graph_logits_bytes(max_num_seqs: int, vocab_size: int) -> int:
-        """What `capture_graphs` allocates for logits, beyond the activations' peak."""
-        return max_num_seqs * vocab_size * 4
+    def graph_logits_bytes(self, max_batch_size: int, verify: bool) -> int:
+        """What `capture_graphs(max_batch_size, verify)` allocates for logits, beyond the
+        activations' peak: the shared buffer of `GraphBuckets.logits_rows` rows."""
+        return self.graph_buckets(max_batch_size, verify).logits_rows * self.model.spec.vocab_size * 4

@@ -95,6 +95,8 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
             sample_rows.append(row)
             if verifies or prompt_rows_wanted:
                 logits_rows.extend(range(num_rows - 1 - len(chunk.draft_token_ids), num_rows))
+    # Drafts follow committed tokens only (Engine.step commits the step in flight first).
+    assert not (verifies and feed_rows), "a step with drafts takes no tokens from the device"
     return PackedStep(chunks, feed_rows, feed_sources, sample_rows, plan.kv_copies,
                       logits_rows + prompt_rows, len(prompt_rows))
 

@@ -5,17 +5,19 @@ which reaches the device in a single copy; the tensors the model reads are views
 device side:
 
     | input_ids [R] | positions [R] | slot_mapping [R] | last_rows [S] |
-    | context_lens [S] | query_start_loc [S + 1] | block_tables [S, width] |
+    | context_lens [S] | query_start_loc [S + 1] | logits_rows [L] | block_tables [S, width] |
 
 each field starting at a multiple of 16 bytes (`FIELD_ALIGN`).
 
-R rows (the step's tokens), S sequences. A padded row has token 0, position 0 and slot -1;
-a padded sequence has context length 0, so the kernels skip both.
+R rows (the step's tokens), S sequences, L rows whose logits the step returns when it asks for
+more than each sequence's last (draft tokens to verify, prompt logprobs; L = 0 otherwise). A
+padded row has token 0, position 0 and slot -1; a padded sequence has context length 0, so the
+kernels skip both; a padded entry of logits_rows reads row 0, and its logits are dropped.
 
 A decode graph of bucket b reads the views of R = S = b and width = max_blocks_per_seq, which
 sit at the same addresses every step; a prefill graph of T tokens and S sequences, those of
-R = T and S. Their block-table rows are written only as far as each table goes: entries past
-a context are never read.
+R = T and S; a verify graph's, those of R = L = T and S. Their block-table rows are written
+only as far as each table goes: entries past a context are never read.
 
 On the CPU the host buffer is the device buffer, and grows when a step needs more room.
 """
@@ -23,6 +25,7 @@ On the CPU the host buffer is the device buffer, and grows when a step needs mor
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +44,7 @@ class StepLayout:
     last_rows: torch.Tensor  # [seqs]: each sequence's last row
     context_lens: torch.Tensor  # [seqs]: cached + new tokens, 0 for a padded sequence
     query_start_loc: torch.Tensor  # [seqs + 1]
+    logits_rows: torch.Tensor  # [L]: the rows whose logits the step returns; empty: last_rows
     block_tables: torch.Tensor  # [seqs, width]
 
 
@@ -57,20 +61,21 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _field_sizes(num_rows: int, num_seqs: int) -> tuple[int, ...]:
-    return num_rows, num_rows, num_rows, num_seqs, num_seqs, num_seqs + 1
+def _field_sizes(num_rows: int, num_seqs: int, num_logits_rows: int) -> tuple[int, ...]:
+    return num_rows, num_rows, num_rows, num_seqs, num_seqs, num_seqs + 1, num_logits_rows
 
 
-def _offsets(num_rows: int, num_seqs: int) -> tuple[int, ...]:
+def _offsets(num_rows: int, num_seqs: int, num_logits_rows: int = 0) -> tuple[int, ...]:
     """Start of each field in the packed buffer, then the start of the block tables."""
     starts = [0]
-    for size in _field_sizes(num_rows, num_seqs):
+    for size in _field_sizes(num_rows, num_seqs, num_logits_rows):
         starts.append(starts[-1] + _round_up(size, FIELD_ALIGN))
     return tuple(starts)
 
 
 class StepInputs:
-    """The persistent staging buffer; `stage` for any batch, `stage_decode` for a graph's bucket."""
+    """The persistent staging buffer; `stage` for any batch, `stage_decode`, `stage_prefill` and
+    `stage_verify` for a graph's bucket. Room for as many logits rows as tokens."""
 
     def __init__(
         self, *, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
@@ -87,7 +92,7 @@ class StepInputs:
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.capacity = (num_tokens, num_seqs, width)
-        self.host = torch.zeros(_offsets(num_tokens, num_seqs)[-1] + num_seqs * width, dtype=torch.int32,
+        self.host = torch.zeros(_offsets(num_tokens, num_seqs, num_tokens)[-1] + num_seqs * width, dtype=torch.int32,
                                 pin_memory=not self.on_cpu)
         self.host_np = self.host.numpy()
         self.dev = self.host if self.on_cpu else torch.zeros_like(self.host, device=self.device)
@@ -102,15 +107,16 @@ class StepInputs:
             )
         self._allocate(*(max(a, b) for a, b in zip(self.capacity, (num_rows, num_seqs, width))))
 
-    def _host_fields(self, num_rows: int, num_seqs: int, width: int) -> list[np.ndarray]:
+    def _host_fields(self, num_rows: int, num_seqs: int, width: int, num_logits_rows: int = 0) -> list[np.ndarray]:
         self._wait_for_last_copy()
-        return self._fields(self.host_np, num_rows, num_seqs, width)
+        return self._fields(self.host_np, num_rows, num_seqs, width, num_logits_rows)
 
     @staticmethod
-    def _fields(buffer, num_rows: int, num_seqs: int, width: int) -> list:
+    def _fields(buffer, num_rows: int, num_seqs: int, width: int, num_logits_rows: int = 0) -> list:
         """Views of the packed fields of `buffer` (a numpy array or a tensor), in layout order."""
-        offsets = _offsets(num_rows, num_seqs)
-        fields = [buffer[start: start + size] for start, size in zip(offsets, _field_sizes(num_rows, num_seqs))]
+        offsets = _offsets(num_rows, num_seqs, num_logits_rows)
+        sizes = _field_sizes(num_rows, num_seqs, num_logits_rows)
+        fields = [buffer[start: start + size] for start, size in zip(offsets, sizes)]
         tables = buffer[offsets[-1]: offsets[-1] + num_seqs * width]
         return [*fields, tables.reshape(num_seqs, width)]  # contiguous: a view, never a copy
 
@@ -118,24 +124,27 @@ class StepInputs:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def _copy(self, num_rows: int, num_seqs: int, width: int) -> None:
+    def _copy(self, num_rows: int, num_seqs: int, width: int, num_logits_rows: int = 0) -> None:
         if self.on_cpu:
             return
-        size = _offsets(num_rows, num_seqs)[-1] + num_seqs * width
+        size = _offsets(num_rows, num_seqs, num_logits_rows)[-1] + num_seqs * width
         self.dev[:size].copy_(self.host[:size], non_blocking=True)
         self._copied.record()
 
-    def _layout(self, query_lens, starts, num_rows: int, num_seqs: int, width: int) -> StepLayout:
-        return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width))
+    def _layout(self, query_lens, starts, num_rows: int, num_seqs: int, width: int,
+                num_logits_rows: int = 0) -> StepLayout:
+        return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width, num_logits_rows))
 
-    def stage(self, chunks) -> StepLayout:
+    def stage(self, chunks, logits_rows: Sequence[int] = ()) -> StepLayout:
         """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context
-        rounded up to `TABLE_WIDTH_MULTIPLE` (within the runner's limit)."""
+        rounded up to `TABLE_WIDTH_MULTIPLE` (within the runner's limit); `logits_rows`, when
+        the step returns those rows' logits."""
         query_lens = [len(chunk.token_ids) for chunk in chunks]
         needed = max(-(-(chunk.start + n) // self.block_size) for chunk, n in zip(chunks, query_lens))
         width = max(needed, min(_round_up(needed, TABLE_WIDTH_MULTIPLE), self.capacity[2]))
-        self._reserve(sum(query_lens), len(chunks), width)
-        return self._stage_rows(chunks, query_lens, sum(query_lens), len(chunks), width, clear_tables=True)
+        self._reserve(max(sum(query_lens), len(logits_rows)), len(chunks), width)
+        return self._stage_rows(chunks, query_lens, sum(query_lens), len(chunks), width, clear_tables=True,
+                                logits_rows=logits_rows, num_logits_rows=len(logits_rows))
 
     def prefill_layout(self, num_rows: int, num_seqs: int) -> StepLayout:
         """The fixed views a prefill graph of `num_rows` tokens in `num_seqs` sequences reads."""
@@ -149,6 +158,30 @@ class StepInputs:
     def stage_prefill(self, chunks, num_rows: int, num_seqs: int) -> StepLayout:
         """Write `chunks` into `prefill_layout(num_rows, num_seqs)`, padding the rows and
         sequences past theirs; returns their (unpadded) layout's lengths over the padded views."""
+        query_lens = self._check_bucket(chunks, num_rows, num_seqs)
+        return self._stage_rows(chunks, query_lens, num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False)
+
+    def verify_layout(self, num_rows: int, num_seqs: int) -> StepLayout:
+        """The fixed views a verify graph of `num_rows` tokens in `num_seqs` sequences reads:
+        a prefill graph's, and `num_rows` logits rows."""
+        return self._layout([], [], num_rows, num_seqs, self.max_blocks_per_seq, num_rows)
+
+    def pad_verify(self, num_rows: int, num_seqs: int) -> None:
+        """Every row, sequence and logits row of `verify_layout(num_rows, num_seqs)` padded."""
+        self._stage_rows([], [], num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False,
+                         num_logits_rows=num_rows)
+
+    def stage_verify(self, chunks, logits_rows: list[int], num_rows: int, num_seqs: int) -> StepLayout:
+        """`stage_prefill` into `verify_layout(num_rows, num_seqs)`, with `logits_rows` first in
+        its logits rows and row 0 after them."""
+        query_lens = self._check_bucket(chunks, num_rows, num_seqs)
+        if len(logits_rows) > num_rows:
+            raise ValueError(f"{len(logits_rows)} logits rows exceed a graph of {num_rows} tokens")
+        return self._stage_rows(chunks, query_lens, num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False,
+                                logits_rows=logits_rows, num_logits_rows=num_rows)
+
+    def _check_bucket(self, chunks, num_rows: int, num_seqs: int) -> list[int]:
+        """The chunks' query lengths; ValueError when they do not fit a graph's bucket."""
         query_lens = [len(chunk.token_ids) for chunk in chunks]
         if sum(query_lens) > num_rows or len(chunks) > num_seqs:
             raise ValueError(f"{sum(query_lens)} tokens in {len(chunks)} sequences exceed a graph of "
@@ -156,20 +189,26 @@ class StepInputs:
         longest = max(len(chunk.slot_table) for chunk in chunks)
         if longest > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {longest} blocks exceeds the limit of {self.max_blocks_per_seq}")
-        return self._stage_rows(chunks, query_lens, num_rows, num_seqs, self.max_blocks_per_seq, clear_tables=False)
+        return query_lens
 
     def _stage_rows(self, chunks, query_lens: list[int], num_rows: int, num_seqs: int, width: int, *,
-                    clear_tables: bool) -> StepLayout:
+                    clear_tables: bool, logits_rows: Sequence[int] = (), num_logits_rows: int = 0) -> StepLayout:
         """The chunks' rows first, then padding up to `num_rows` rows and `num_seqs` sequences
-        (token 0, position 0, slot -1; no new tokens, context 0, last row 0). `clear_tables`:
-        zero each block-table row past its context (an unpadded step's tables, which the
-        plain-torch backend gathers whole); a graph's wide tables are left as they are."""
+        (token 0, position 0, slot -1; no new tokens, context 0, last row 0), and `logits_rows`
+        then row 0 up to `num_logits_rows`. `clear_tables`: zero each block-table row past its
+        context (an unpadded step's tables, which the plain-torch backend gathers whole); a
+        graph's wide tables are left as they are."""
         block_size = self.block_size
         starts = [chunk.start for chunk in chunks]
         ends = [start + n for start, n in zip(starts, query_lens)]
-        input_ids, positions, slots, last_rows, context_lens, query_start_loc, tables = self._host_fields(
-            num_rows, num_seqs, width)
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, row_index, tables = (
+            self._host_fields(num_rows, num_seqs, width, num_logits_rows))
         real_rows, real_seqs = sum(query_lens), len(chunks)
+        if logits_rows and not 0 <= min(logits_rows) <= max(logits_rows) < real_rows:
+            raise ValueError(f"logits rows {min(logits_rows)}..{max(logits_rows)} are not rows of a step "
+                             f"of {real_rows} tokens")
+        row_index[:len(logits_rows)] = logits_rows
+        row_index[len(logits_rows):] = 0
 
         input_ids[:real_rows] = list(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks))
         for seq, (chunk, end) in enumerate(zip(chunks, ends)):
@@ -195,8 +234,8 @@ class StepInputs:
         positions[real_rows:] = 0
         slots[real_rows:] = -1
 
-        self._copy(num_rows, num_seqs, width)
-        return self._layout(query_lens, starts, num_rows, num_seqs, width)
+        self._copy(num_rows, num_seqs, width, num_logits_rows)
+        return self._layout(query_lens, starts, num_rows, num_seqs, width, num_logits_rows)
 
     def decode_layout(self, bucket: int) -> StepLayout:
         """The fixed views a decode graph of `bucket` rows reads (one new token per row)."""
@@ -216,7 +255,7 @@ class StepInputs:
     def _stage_decode_rows(self, chunks, bucket: int) -> None:
         block_size = self.block_size
         num_seqs = len(chunks)
-        input_ids, positions, slots, last_rows, context_lens, query_start_loc, tables = self._host_fields(
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, _, tables = self._host_fields(
             bucket, bucket, self.max_blocks_per_seq)
         for seq, chunk in enumerate(chunks):
             start = chunk.start

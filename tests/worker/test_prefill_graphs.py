@@ -33,14 +33,14 @@ def test_prefill_buckets_stop_at_the_step_budget_and_hold_at_most_32_sequences()
 def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences():
     _, runner, _ = runner_pair("qwen3")
     runner.max_num_seqs = 64  # sequences per bucket: min(T, 64, 32); only the choice runs here
-    runner.prefill_graphs = StepGraphs(prefill_buckets(128), CPU, kind="prefill")
-    assert runner._prefill_bucket(1, 1) == 16
-    assert runner._prefill_bucket(16, 3) == 16
-    assert runner._prefill_bucket(17, 1) == 32
-    assert runner._prefill_bucket(20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
-    assert runner._prefill_bucket(40, 33) is None  # no bucket holds 33 sequences
-    assert runner._prefill_bucket(128, 2) == 128
-    assert runner._prefill_bucket(129, 1) is None  # beyond the largest bucket: eager
+    graphs = StepGraphs(prefill_buckets(128), CPU, kind="prefill")
+    assert runner._token_bucket(graphs, 1, 1) == 16
+    assert runner._token_bucket(graphs, 16, 3) == 16
+    assert runner._token_bucket(graphs, 17, 1) == 32
+    assert runner._token_bucket(graphs, 20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
+    assert runner._token_bucket(graphs, 40, 33) is None  # no bucket holds 33 sequences
+    assert runner._token_bucket(graphs, 128, 2) == 128
+    assert runner._token_bucket(graphs, 129, 1) is None  # beyond the largest bucket: eager
 
 
 def test_padded_staging_writes_the_chunks_then_padding_rows_and_sequences():
@@ -86,7 +86,7 @@ def test_prefill_graph_steps_give_the_eager_logits_and_kv():
     eagerly on the plain-torch runner; the KV caches must agree at the end, so no padded row
     wrote a slot."""
     torch_runner, kernel_runner, _ = runner_pair("qwen3")
-    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, prefill=True)
+    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, kind="prefill")
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 16, 33)]
     tables = [[0, 9, 13], [3, 17, 4, 21], [11, 2, 7, 20]]
@@ -129,7 +129,7 @@ def test_prefill_graph_steps_give_the_eager_logits_and_kv():
 
 def test_steps_beyond_the_largest_bucket_run_eagerly():
     torch_runner, kernel_runner, _ = runner_pair("llama")
-    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, prefill=True)
+    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, kind="prefill")
     kernel_runner.prefill_graphs.buckets = [16]
     kernel_runner.prefill_graphs.max_bucket = 16
     rng = np.random.default_rng(3)

@@ -14,7 +14,14 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.cuda_graphs import StepGraphs, decode_buckets, decode_step, prefill_buckets, prefill_step
+from spillway.worker.cuda_graphs import (
+    GraphBuckets,
+    StepGraphs,
+    decode_buckets,
+    decode_step,
+    prefill_step,
+    verify_step,
+)
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 
@@ -37,14 +44,14 @@ def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the
 
 class EagerGraphs(StepGraphs):
     """Runs each bucket's step eagerly over the same fixed views a graph would read: the decode
-    step by batch size, or with `prefill`, the prefill step by token count."""
+    step by batch size, or the prefill or verify step by token count (`kind`)."""
 
-    def __init__(self, runner: ModelRunner, max_batch_size: int = 0, *, prefill: bool = False) -> None:
-        if prefill:
-            super().__init__(prefill_buckets(runner.inputs.capacity[0]), CPU, kind="prefill")
-        else:
-            super().__init__(decode_buckets(max_batch_size), CPU)
-        step_for = functools.partial(prefill_step if prefill else decode_step, runner)
+    def __init__(self, runner: ModelRunner, max_batch_size: int = 0, *, kind: str = "decode") -> None:
+        buckets = GraphBuckets.plan(max(max_batch_size, 1), runner.max_num_seqs, runner.inputs.capacity[0],
+                                    verify=True)
+        super().__init__(getattr(buckets, kind), CPU, kind=kind)
+        step_for = functools.partial({"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[kind],
+                                     runner)
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 

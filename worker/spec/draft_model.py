@@ -10,8 +10,12 @@ the first time), then decodes k - 1 single tokens. Greedy requests take the draf
 temperature, top-k, top-p and min-p, which is the q that verification divides by. A seeded
 request draws from a generator of its own, so its outputs stay a function of its seed.
 
-It runs eagerly (no CUDA graphs yet). Its pool is allocated before the target's is sized,
-so on CUDA the target's pool takes only the memory the draft leaves.
+On CUDA (without enforce_eager) its runner captures decode graphs for batches up to the
+switch's largest (`max_graph_batch_size`), so the k - 1 single-token steps replay graphs, and
+prefill graphs: the catch-up forward (one new token per request, as the draft holds the KV of
+the drafts it fed itself; two after a fully accepted run; a new prompt) replays one of either. Its pool and its
+graphs are allocated before the target's pool is sized, so on CUDA the target's pool takes
+only the memory the draft leaves.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ class DraftModelProposer:
     @classmethod
     def load(cls, model: str, *, target_vocab_size: int, device: torch.device, dtype: torch.dtype,
              max_model_len: int, max_num_seqs: int, block_size: int, max_num_batched_tokens: int,
-             num_speculative_tokens: int) -> DraftModelProposer:
+             num_speculative_tokens: int, max_graph_batch_size: int | None = None) -> DraftModelProposer:
         """The draft model from `model` (a folder or GGUF file); ValueError when its vocabulary
-        differs from the target's (its tokens would not be the target's tokens)."""
+        differs from the target's (its tokens would not be the target's tokens). With
+        `max_graph_batch_size` (CUDA), its runner's CUDA graphs are captured, decode batches up
+        to that size."""
         files = loader.resolve_model(model, "auto")
         hf_config = loader.load_config(files)
         if int(hf_config.vocab_size) != target_vocab_size:
@@ -73,6 +79,8 @@ class DraftModelProposer:
         runner = ModelRunner(draft, num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len + num_speculative_tokens)
+        if max_graph_batch_size is not None:
+            runner.capture_graphs(max_graph_batch_size)
         return cls(runner, num_blocks, max_num_batched_tokens)
 
     def forget(self, request_id: str) -> None:
@@ -162,9 +170,12 @@ class DraftModelProposer:
                 else:
                     pending[i] = tokens[len(piece):]
             logits = self.runner.execute(chunks)
-            for row, i in enumerate(owners):
-                if i not in pending:
-                    last[i] = logits[row]
+            done = [(row, i) for row, i in enumerate(owners) if i not in pending]
+            if done:
+                # Gathered into a tensor of their own: the next forward may replay a graph that
+                # overwrites the runner's logits buffer.
+                rows = logits[[row for row, _ in done]]
+                last.update((i, rows[j]) for j, (_, i) in enumerate(done))
         return last
 
     def _choose(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

@@ -14,15 +14,17 @@ from spillway.worker.spec.proposer import NgramProposer, Proposer, ReplayPropose
 from spillway.worker.spec.switch import SpeculationSwitch
 
 # Proposing one token with a draft model, relative to one decode step of the target: a guess
-# for a draft about a tenth of the target's size, run eagerly. Calibrate on the GPU.
+# for a draft about a tenth of the target's size. Calibrate on the GPU.
 DRAFT_MODEL_COST = 0.1
 
 
 def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vocab_size: int,
                        device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                       block_size: int, max_num_batched_tokens: int) -> SpecDecoder:
+                       block_size: int, max_num_batched_tokens: int, cuda_graphs: bool = False) -> SpecDecoder:
     """The proposer, the switch and the verification; ValueError for a configuration no
-    worker can run (a draft model whose vocabulary differs from the target's, ...)."""
+    worker can run (a draft model whose vocabulary differs from the target's, ...).
+    `cuda_graphs`: a draft model's runner captures its graphs, decode batches up to the
+    largest the switch speculates in."""
     problem = config.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -39,7 +41,8 @@ def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vo
             proposer = DraftModelProposer.load(
                 config.model, target_vocab_size=target_vocab_size, device=device, dtype=dtype,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
-                max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens)
+                max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
+                max_graph_batch_size=min(config.disable_by_batch_size, max_num_seqs) if cuda_graphs else None)
             draft_cost = DRAFT_MODEL_COST
         case _:
             raise AssertionError(config.method)

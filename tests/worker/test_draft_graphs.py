@@ -1,0 +1,65 @@
+"""The draft model's CUDA graphs, on the CPU: the proposer's runner captures them only when
+asked, decode batches up to the switch's largest; proposals through the graphs' steps (run
+eagerly over their fixed views) equal those of the plain-torch path, with catch-up forwards
+that replay a graph after the logits of an earlier one were kept."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spillway.protocol.config import SpeculativeConfig
+from spillway.protocol.messages import SamplingParams
+from spillway.worker.model_runner import ModelRunner
+from spillway.worker.request import Request
+from spillway.worker.sampler import Sampler
+from spillway.worker.spec.draft_model import DraftModelProposer
+from spillway.worker.spec.setup import build_spec_decoder
+from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
+from tests.worker.test_spec_engine import tiny_model  # noqa: F401 (a fixture)
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("cuda_graphs, max_num_seqs, expected", [(True, 8, [5]), (True, 4, [4]), (False, 8, [])])
+def test_a_draft_model_captures_graphs_up_to_the_switchs_batch_only_when_asked(
+        tiny_model, monkeypatch, cuda_graphs, max_num_seqs, expected):  # noqa: F811
+    captured = []
+    monkeypatch.setattr(ModelRunner, "capture_graphs",
+                        lambda runner, max_batch_size, verify=False: captured.append((max_batch_size, verify)))
+    config = SpeculativeConfig(method="draft_model", model=tiny_model, num_speculative_tokens=3,
+                               disable_by_batch_size=5)
+    build_spec_decoder(config, Sampler([1], seed=0, device=CPU), target_vocab_size=384, device=CPU,
+                       dtype=torch.float32, max_model_len=128, max_num_seqs=max_num_seqs, block_size=8,
+                       max_num_batched_tokens=256, cuda_graphs=cuda_graphs)
+    assert captured == [(size, False) for size in expected]
+
+
+def requests(prompts: list[list[int]]) -> list[Request]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    return [Request(f"r{i}", list(prompt), greedy, [], i) for i, prompt in enumerate(prompts)]
+
+
+def test_proposals_through_the_graphs_equal_the_eager_ones():
+    torch_runner, kernel_runner, _ = runner_pair("qwen3")
+    kernel_runner.graphs = decode = EagerGraphs(kernel_runner, 4)
+    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    # Catch-up forwards of at most 40 tokens: the prompts take three, the first two of which
+    # finish requests whose logits must outlive the next replay.
+    eager, graphed = (DraftModelProposer(runner, 24, 40) for runner in (torch_runner, kernel_runner))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (30, 9, 50)]
+    eager_requests, graphed_requests = requests(prompts), requests(prompts)
+    for accepted in (1, 3, 0, 2):
+        expected = [p.token_ids for p in eager.propose(eager_requests, [3, 3, 3])]
+        got = [p.token_ids for p in graphed.propose(graphed_requests, [3, 3, 3])]
+        assert got == expected and all(len(tokens) == 3 for tokens in got)
+        for request_list in (eager_requests, graphed_requests):  # the accepted drafts, then a token
+            for request, drafts in zip(request_list, expected):
+                request.all_token_ids += [*drafts[:accepted], 5 + accepted]
+    # The draft holds the KV of the drafts it fed itself: a request catches up over one token,
+    # two after a fully accepted run (the last draft was never fed), a whole prompt at first.
+    assert prefill.replayed == [64, 64, 16, 16]
+    assert decode.replayed == [4] * 10  # two single-token steps of three requests per round, and 2 catch-ups
