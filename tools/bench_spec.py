@@ -2,6 +2,7 @@
 on the same engine (speculation attached and detached between runs, nothing else changed).
 
     python tools/bench_spec.py --decode [--k 1,2,4,8]           # batch 1, replayed outputs
+    python tools/bench_spec.py --decode --ngram --quote-back --model MODEL.gguf   # and n-gram, real text
     python tools/bench_spec.py --draft [--draft-layers 4]        # batch 1, a draft model
     python tools/bench_spec.py --throughput [--batches 32,128,512]
     python tools/bench_spec.py                                   # all three
@@ -10,7 +11,10 @@ on the same engine (speculation attached and detached between runs, nothing else
     decode      greedy, one request at a time: a plain run records the target's output for each
                 prompt, then the same prompts with the replay proposer proposing it (every
                 draft accepted: the verification's ceiling), for each k. Output tokens/s of
-                the decode (prefill left out); acceptance and accepted drafts per verified step
+                the decode (prefill left out); acceptance and accepted drafts per verified step.
+                --ngram adds n-gram prompt lookup for each k; --quote-back makes the prompts
+                repetitive text (a file of this tree, then its first tokens again: the model
+                quotes it back), which needs real weights
     draft       the same with a draft model that is the target cut to its first N layers (same
                 embedding, layers, norm and head, written as a checkpoint the draft-model
                 proposer loads), once with the switch as built and once always on
@@ -48,7 +52,8 @@ from spillway.protocol.config import SpeculativeConfig  # noqa: E402
 from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
 from tools import bench_table  # noqa: E402
 from tools.bench_spec_runs import (CountedSpec, Run, attach_spec, blocks_for, decode_one_at_a_time,  # noqa: E402
-                                   generate_all_at_once, make_engine, matching_tokens, random_prompts,
+                                   generate_all_at_once, make_engine, matching_tokens, quote_back_prompts,
+                                   random_prompts,
                                    recount, write_replay, write_truncated_copy)
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 
@@ -90,7 +95,10 @@ class DecodeBench:
         max_model_len = args.prompt_len + args.new_tokens + self.max_k + 16
         self.engine = make_engine(args.model, args.device, max_model_len=max_model_len, max_num_seqs=1,
                                   num_blocks=blocks_for(max_model_len, 16, 2), async_scheduling=args.async_scheduling)
-        self.prompts = random_prompts(args.num_prompts, args.prompt_len, self.engine.vocab_size, seed=1)
+        if args.quote_back:
+            self.prompts = quote_back_prompts(args.model, args.num_prompts, args.prompt_len)
+        else:
+            self.prompts = random_prompts(args.num_prompts, args.prompt_len, self.engine.vocab_size, seed=1)
         self.warm_prompt = random_prompts(1, args.prompt_len, self.engine.vocab_size, seed=2)
         self.folder = Path(tempfile.mkdtemp(prefix="bench-spec-"))
         self.warm_tokens = min(4 * self.max_k, args.new_tokens)
@@ -98,7 +106,8 @@ class DecodeBench:
         self.plain = decode_one_at_a_time(self.engine, self.prompts, args.new_tokens, "plain")
         write_replay(self.folder / "replay.jsonl", self.prompts, self.plain.outputs)
         self.name = f"decode {args.model_name} batch 1"
-        self.shape = f"{args.num_prompts} prompts of {args.prompt_len} tokens, {args.new_tokens} new each"
+        kind = "documents quoted back" if args.quote_back else "random prompts"
+        self.shape = f"{args.num_prompts} {kind} of {args.prompt_len} tokens, {args.new_tokens} new each"
 
     def measure(self, rows: Rows, label: str, config: SpeculativeConfig, always_on: bool = False) -> None:
         """One timed run with `config`, after a warm-up (the verification's first steps compile
@@ -122,6 +131,8 @@ def run_decode(bench: DecodeBench, rows: Rows) -> None:
     for k in args.k:
         bench.measure(rows, f"replay k={k}", SpeculativeConfig(
             method="replay", num_speculative_tokens=k, replay_path=str(bench.folder / "replay.jsonl")))
+    for k in args.k if args.ngram else ():
+        bench.measure(rows, f"n-gram k={k}", SpeculativeConfig(method="ngram", num_speculative_tokens=k))
 
 
 def run_draft(bench: DecodeBench, rows: Rows) -> None:
@@ -207,6 +218,10 @@ def model_layers(model: str) -> int | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", action="store_true", help="batch 1, the replay proposer, for each --k")
+    parser.add_argument("--ngram", action="store_true", help="decode: n-gram prompt lookup too, for each --k")
+    parser.add_argument("--quote-back", action="store_true",
+                        help="decode, draft: prompts are documents the model quotes back (repetitive text; "
+                             "needs a model with its tokenizer and real weights)")
     parser.add_argument("--draft", action="store_true", help="batch 1, the target's first --draft-layers as draft")
     parser.add_argument("--throughput", action="store_true", help="--batches requests at once, n-gram and replay")
     parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two on an H200")
@@ -246,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if num_layers is None:
         parser.error(f"--model: {args.model!r} is neither a built-in config ({', '.join(builtin_config_names())}) "
                      "nor a model folder or .gguf file")
+    if args.quote_back and args.model in builtin_config_names():
+        parser.error("--quote-back: a built-in config has dummy weights, which quote nothing; give a model "
+                     "folder or .gguf file")
     if args.draft and max(args.draft_layers) > num_layers:
         parser.error(f"--draft-layers: {max(args.draft_layers)} is more than {args.model}'s {num_layers} layers")
     return args

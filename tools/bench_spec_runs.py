@@ -91,6 +91,28 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return [[rng.randrange(256, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+QUOTED_FILES = ("docs/architecture.md", "worker/scheduler.py", "README.md", "worker/block_manager.py")
+RESTART_CUE = 24  # tokens of the document repeated after it: the model goes on quoting
+
+
+def quote_back_prompts(model: str, count: int, length: int) -> list[list[int]]:
+    """Repetitive text for prompt lookup: each prompt is the start of a file of this tree
+    (prose, then code) followed by the document's first tokens again, so that a greedy
+    continuation quotes the document back and its n-grams are in the prompt. Needs `model`'s
+    tokenizer (a folder or GGUF file with real weights: dummy weights quote nothing)."""
+    from spillway.protocol.model_files import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(model))
+    root = Path(__file__).resolve().parent.parent
+    prompts = []
+    for index in range(count):
+        text = (root / QUOTED_FILES[index % len(QUOTED_FILES)]).read_text()
+        document = tokenizer.encode(text, add_special_tokens=False)[: length - RESTART_CUE - 2]
+        newline = tokenizer.encode("\n\n", add_special_tokens=False)
+        prompts.append(document + newline + document[:RESTART_CUE])
+    return prompts
+
+
 def write_replay(path: Path, prompts: list[list[int]], outputs: list[list[int]]) -> None:
     """The JSON lines the replay proposer reads (`worker/spec/setup.py` `load_replay`)."""
     with path.open("w") as lines:

@@ -110,6 +110,10 @@ def completion_body(prompt: list[int], max_tokens: int, model: str) -> dict:
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
+def encode_body(prompt: list[int], max_tokens: int, model: str) -> bytes:
+    return json.dumps(completion_body(prompt, max_tokens, model)).encode()
+
+
 @dataclass(slots=True)
 class Exchange:
     """One request's connection once the response's head has arrived."""
@@ -156,15 +160,17 @@ async def send_request(url: str, method: str, path: str, body: bytes | None = No
         raise
 
 
-async def stream_completion(url: str, prompt: list[int], max_tokens: int, model: str) -> StreamTiming:
+async def stream_completion(url: str, prompt: list[int], max_tokens: int, model: str,
+                            body: bytes | None = None) -> StreamTiming:
     """Send one request and time its events; StreamError for anything but a full answer.
+    `body`: the request's JSON, encoded beforehand (see `stream_all`).
 
     Plain HTTP/1.1 over asyncio streams, one connection per request (`Connection: close`): a
     pooled client's bookkeeping grows with the streams open at once (httpx/httpcore walk every
     connection on each request and each close, O(n^2) over a burst: at 256 streams it kept
     this process busy for seconds after the server had sent the last token).
     """
-    body = json.dumps(completion_body(prompt, max_tokens, model)).encode()
+    body = body or encode_body(prompt, max_tokens, model)
     timing = StreamTiming(start=time.perf_counter())
     try:
         exchange = await send_request(url, "POST", "/v1/completions", body)
@@ -189,9 +195,15 @@ async def stream_completion(url: str, prompt: list[int], max_tokens: int, model:
 
 async def stream_all(url: str, prompts: list[list[int]], max_tokens: int,
                      model: str) -> tuple[list[StreamTiming], float]:
-    """Every prompt sent at once; the timings and the wall seconds from the first send to the last end."""
+    """Every prompt sent at once; the timings and the wall seconds from the first send to the last end.
+
+    The bodies are encoded first: encoded by each request as it starts, a burst of long prompts
+    (~1 ms of JSON each for 10k ids) would hold every send behind all the encodings while the
+    first requests' clocks already run."""
+    bodies = [encode_body(p, max_tokens, model) for p in prompts]
     started = time.perf_counter()
-    timings = await asyncio.gather(*(stream_completion(url, p, max_tokens, model) for p in prompts))
+    timings = await asyncio.gather(*(stream_completion(url, p, max_tokens, model, body)
+                                     for p, body in zip(prompts, bodies)))
     return list(timings), time.perf_counter() - started
 
 

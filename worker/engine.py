@@ -195,8 +195,11 @@ class Engine:
         previous = self._in_flight
         deltas: list[RequestDelta] = []
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
-        if lookahead and previous is not None:
-            # Drafts follow committed tokens only: settle the step in flight before planning.
+        # Drafts follow committed tokens only: settle the step in flight before planning. So
+        # does a step the device has finished: running ahead of an idle device gains nothing,
+        # and its tokens (a burst's first tokens) should not wait for the admission of the
+        # requests that arrived meanwhile.
+        if previous is not None and (lookahead or previous.finished()):
             self._in_flight = None
             deltas = self._commit(previous)
             previous = None

@@ -2,6 +2,8 @@
 
     drain inbox (Generate | Abort | Control) -> engine.step() -> push one StepOutputs
 
+(with work in flight, an iteration takes messages in for at most DRAIN_BUDGET_S).
+
 The gateway binds both sockets; the worker connects, so a worker on another host only
 needs the gateway's address (and, off loopback, the link's key: protocol/link_auth.py).
 A message that does not decode is logged (rate-limited) and dropped.
@@ -15,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -43,6 +46,10 @@ logger = logging.getLogger("spillway.worker")
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 1000
+# How long one iteration keeps taking messages in while there is work: a burst of arrivals
+# (each a decode and an add, ~0.1-1 ms for a long prompt) must not hold back the step that
+# commits tokens already computed, nor the admission of the requests taken in so far.
+DRAIN_BUDGET_S = 0.002
 
 
 def local_main() -> int:
@@ -90,6 +97,20 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     return 0
 
 
+def take_messages(poller: zmq.Poller, sock: zmq.Socket, timeout_ms: int, busy: Callable[[], bool],
+                  budget_s: float = DRAIN_BUDGET_S) -> Iterator[bytes]:
+    """The messages waiting on `sock`, the first awaited up to `timeout_ms`; while `busy()`,
+    only those taken within `budget_s` (the rest stay queued for the next iteration)."""
+    deadline = None
+    while poller.poll(timeout_ms):
+        timeout_ms = 0
+        now = time.perf_counter()
+        deadline = deadline or now + budget_s
+        if now > deadline and busy():
+            return
+        yield sock.recv()
+
+
 def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
     enc, dec = encoder(), gateway_decoder()
     poller = zmq.Poller()
@@ -105,9 +126,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         want_stats = check_invariants = False
         received = 0
         timeout = 0 if engine.has_work else IDLE_POLL_MS
-        while poller.poll(timeout):
-            timeout = 0
-            data = inp.recv()
+        for data in take_messages(poller, inp, timeout, lambda: engine.has_work):
             try:
                 msg = dec.decode(data)
             except msgspec.DecodeError as exc:

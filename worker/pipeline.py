@@ -54,6 +54,11 @@ class LaunchedStep:
     # without speculation. Such a step is committed at once (never run ahead).
     accepted: dict[str, list[int]] = field(default_factory=dict)
 
+    def finished(self) -> bool:
+        """Whether the device has produced the step's tokens (reading them will not wait).
+        False on the CPU, where a step is done when it returns and nothing runs ahead."""
+        return self.copied is not None and self.copied.query()
+
     def read(self) -> dict[str, int]:
         """Request id -> sampled token; waits for the copy."""
         if self.token_ids is None:

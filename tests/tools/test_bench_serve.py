@@ -254,3 +254,24 @@ def test_qwen3_32b_is_a_builtin_name_the_engine_builds():
     assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
             spec.intermediate_size, spec.vocab_size, spec.rope_theta, spec.rms_norm_eps, spec.tie_word_embeddings,
             spec.qk_norm) == (5120, 64, 64, 8, 128, 25600, 151936, 1e6, 1e-6, False, True)
+
+
+def test_a_burst_is_encoded_before_any_request_is_sent(monkeypatch):
+    """Encoding as each request starts would hold every send behind all the encodings while
+    the first requests' clocks run: a burst's TTFTs would count the client's JSON work."""
+    import asyncio
+
+    from tools import serve_stream
+
+    events = []
+    encode = serve_stream.encode_body
+    monkeypatch.setattr(serve_stream, "encode_body", lambda *a: (events.append("encode"), encode(*a))[1])
+
+    async def refuse(url, method, path, body=None):
+        events.append("send")
+        raise ValueError("no server here")
+
+    monkeypatch.setattr(serve_stream, "send_request", refuse)
+    with pytest.raises(StreamError):
+        asyncio.run(serve_stream.stream_all("http://127.0.0.1:9", [[5] * 10] * 3, 1, "m"))
+    assert events[:3] == ["encode"] * 3 and "send" in events

@@ -220,3 +220,26 @@ def test_a_thinking_budget_forces_its_end_marker_among_steps_that_run_ahead(tiny
     assert got == expected and ahead.num_async_steps > 0
     thinking_tokens = got["think"][0]
     assert end in thinking_tokens[:5] and len(thinking_tokens) == 12
+
+
+def test_a_step_the_device_has_finished_is_committed_before_the_next_is_planned(tiny_model, monkeypatch):
+    """When the step in flight is done (its tokens copied), running ahead of the idle device
+    gains nothing: it is committed first, the next plan is made with every token known, and
+    the outputs stay those of synchronous stepping. (On the CPU no step is ever 'finished'
+    early: there the async engine plans ahead, as the tests above show.)"""
+    from spillway.worker.pipeline import LaunchedStep
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batch = prompts(6, seed=3)
+    arrivals = {0: [(f"a{i}", p, greedy) for i, p in enumerate(batch[:3])],
+                4: [(f"b{i}", p, greedy) for i, p in enumerate(batch[3:])]}
+    expected = drive(make_engine(tiny_model, False), arrivals)
+    monkeypatch.setattr(LaunchedStep, "finished", lambda step: True)
+    engine = make_engine(tiny_model, True)
+    planned_ahead = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda ahead=False, lookahead=0: (planned_ahead.append(ahead),
+                                                                  schedule(ahead, lookahead))[1]
+    assert drive(engine, arrivals) == expected
+    assert engine.num_async_steps > 0  # plans still run ahead of their commit
+    assert planned_ahead and not any(planned_ahead)  # but never ahead of a finished step
