@@ -20,6 +20,8 @@ def check_json_values(body: bytes) -> None:
     """413 for a body with more than MAX_BODY_VALUES separators (`,` `:` `[` `{`), counted in
     C before the decoder runs; those inside strings count too, an upper bound that text within
     any context length stays far below."""
+    if len(body) <= MAX_BODY_VALUES:  # too short to hold that many: skip the four scans (~0.1 ms a 50 KB body)
+        return
     count = body.count(b",") + body.count(b":") + body.count(b"[") + body.count(b"{")
     if count > MAX_BODY_VALUES:
         raise api.ApiError(413, f"the request body holds {count} JSON values and keys (separators , : [ {{); "

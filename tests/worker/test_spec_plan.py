@@ -107,13 +107,44 @@ def test_the_switch_turns_speculation_off_for_large_batches_and_losing_acceptanc
     switch = SpeculationSwitch(4, max_batch_size=8, draft_cost=0.1, verify_cost=0.05, acceptance=0.5,
                                smoothing=1.0, probe_interval=3)
     assert switch.lookahead(8) == 4 and switch.lookahead(9) == 0
-    switch.observe(num_draft_tokens=40, num_accepted_tokens=4)  # 0.1 < 0.15: a loss
+    switch.observe(num_slots=40, num_accepted_tokens=4)  # 0.1 < 0.15: a loss
     assert switch.gain() == pytest.approx(1.4 / 1.6)
     assert [switch.lookahead(1) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # a probe every 3 steps
-    switch.observe(num_draft_tokens=8, num_accepted_tokens=6)
+    switch.observe(num_slots=8, num_accepted_tokens=6)
     assert switch.lookahead(1) == 4 and switch.gain() == pytest.approx(4.0 / 1.6)
-    switch.observe(num_draft_tokens=0, num_accepted_tokens=0)  # nothing drafted: nothing learnt
+    switch.observe(num_slots=0, num_accepted_tokens=0)  # no slot offered: nothing learnt
     assert switch.acceptance == 0.75
+
+
+def test_each_probe_that_still_loses_doubles_the_wait_for_the_next():
+    switch = SpeculationSwitch(4, draft_cost=0.1, verify_cost=0.05, acceptance=0.0, smoothing=1.0,
+                               probe_interval=2, max_probe_interval=8)
+    gaps = []
+    for _ in range(5):
+        steps = 1
+        while switch.lookahead(1) == 0:
+            steps += 1
+        gaps.append(steps)
+        switch.observe(num_slots=4, num_accepted_tokens=0)  # the probe: slots offered, nothing accepted
+    assert gaps == [2, 4, 8, 8, 8]
+    switch.observe(num_slots=4, num_accepted_tokens=4)  # it pays again: on, and the wait starts over
+    assert switch.lookahead(1) == 4
+    switch.observe(num_slots=4, num_accepted_tokens=0)
+    assert [switch.lookahead(1) for _ in range(2)] == [0, 4]
+
+
+def test_slots_offered_without_a_proposal_count_as_failed_drafts():
+    """n-gram lookup over text that does not repeat proposes nothing: for the switch that is
+    a loss (each such step gives up running ahead), so it turns speculation off."""
+    from spillway.worker.spec.decoder import SpecDecoder
+    from spillway.worker.step_plan import ScheduledChunk, StepPlan
+
+    switch = SpeculationSwitch(4, acceptance=0.5, smoothing=1.0)
+    decoder = SpecDecoder(NgramProposer(1, 3), switch, sampler=None)
+    request = make_request("a", [1, 2, 3, 4, 5])  # nothing repeats
+    plan = StepPlan([ScheduledChunk(request, 5, 1, [0], True, num_draft_slots=4)], 1, True)
+    assert decoder.propose(plan) is False and plan.run_ahead
+    assert switch.acceptance == 0.0 and switch.lookahead(1) == 0
 
 
 @pytest.mark.parametrize("tokens, count, expected", [

@@ -129,3 +129,27 @@ def test_a_seeded_request_repeats_its_tokens_in_any_batch():
 
     outcomes = {run(n) for n in (0, 1, 5)}
     assert len(outcomes) == 1
+
+
+def test_the_argmax_verification_of_plain_greedy_rows_is_the_general_one():
+    """`verify_argmax` (one kernel, for plain greedy rows with point-mass drafts) against
+    `verify` over the same rows: the same accepted counts and final tokens, drafts of every
+    length, drafts that are the argmax more often than chance."""
+    generator = torch.Generator().manual_seed(11)
+    sampler = RejectionSampler(Sampler([]))
+    for trial in range(50):
+        num_drafts = torch.randint(0, 6, (4,), generator=generator).tolist()
+        logits = torch.randn(sum(num_drafts) + 4, VOCAB, generator=generator)
+        argmax = logits.argmax(dim=-1).tolist()
+        drafts, row = [], 0
+        for count in num_drafts:
+            for position in range(count):  # the argmax two times in three, else a random token
+                keep = torch.rand(1, generator=generator).item() < 0.67
+                drafts.append(argmax[row + position] if keep else int(torch.randint(VOCAB, (1,), generator=generator)))
+            row += count + 1
+        inputs = [make_input(f"g{i}", temperature=0.0) for i in range(4)]
+        rows = [inputs[i] for i, count in enumerate(num_drafts) for _ in range(count + 1)]
+        general = sampler.verify(target_probs(logits, rows, []), inputs, num_drafts, drafts)
+        fast = RejectionSampler.verify_argmax(logits, num_drafts, drafts)
+        assert fast.num_accepted.tolist() == general.num_accepted.tolist(), trial
+        assert fast.token_ids.tolist() == general.token_ids.tolist(), trial

@@ -29,7 +29,7 @@ from torch import Tensor
 from spillway.protocol.messages import TokenLogprobs
 from spillway.protocol.reasoning import advance, forced_token
 from spillway.worker.request import Request
-from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
+from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput, is_plain_greedy
 from spillway.worker.spec.proposer import Proposer
 from spillway.worker.spec.rejection import RejectionSampler, target_probs
 from spillway.worker.spec.switch import SpeculationSwitch
@@ -115,6 +115,8 @@ class SpecDecoder:
         drafted = any(chunk.draft_token_ids for chunk in chunks)
         if drafted:
             plan.run_ahead = False
+        else:  # slots offered, nothing proposed: for the switch, drafts that all failed
+            self.switch.observe(sum(chunk.num_draft_slots for chunk in chunks), 0)
         return drafted
 
     def verify(self, logits: Tensor, plan: StepPlan, sample_rows: list[int]) -> VerifiedStep:
@@ -131,13 +133,16 @@ class SpecDecoder:
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         num_drafts = [len(chunk.draft_token_ids) for chunk in chunks]
         firsts = [rows[row] for row in first_rows]
-        probs = target_probs(logits, rows, self.sampler.eos_token_ids)
-        verified = self.rejection.verify(probs, firsts, num_drafts, flat_drafts,
-                                         self._gather_draft_probs(chunks, probs.shape[-1], probs.device))
+        if not self._draft_probs and all(is_plain_greedy(row) and row.forced_token_id is None for row in rows):
+            verified = self.rejection.verify_argmax(logits, num_drafts, flat_drafts)
+        else:
+            probs = target_probs(logits, rows, self.sampler.eos_token_ids)
+            verified = self.rejection.verify(probs, firsts, num_drafts, flat_drafts,
+                                             self._gather_draft_probs(chunks, probs.shape[-1], probs.device))
         num_accepted = verified.num_accepted.tolist()
         accepted = {chunk.request.request_id: list(chunk.draft_token_ids[:count])
                     for chunk, count in zip(chunks, num_accepted)}
-        self._count(num_drafts, num_accepted)
+        self._count(num_drafts, num_accepted, sum(chunk.num_draft_slots for chunk in chunks))
         logprobs = self._logprobs(logits, rows, first_rows, chunks, num_accepted, verified.token_ids)
         return VerifiedStep(verified.token_ids, accepted, logprobs)
 
@@ -154,7 +159,7 @@ class SpecDecoder:
             parts.append(probs.to(device=device, dtype=torch.float32))
         return torch.cat(parts)
 
-    def _count(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+    def _count(self, num_drafts: list[int], num_accepted: list[int], num_slots: int) -> None:
         metrics = self.metrics
         for drafted, count in zip(num_drafts, num_accepted):
             if drafted:
@@ -163,7 +168,7 @@ class SpecDecoder:
                 metrics.num_accepted_tokens += count
                 for position in range(count):
                     metrics.accepted_per_position[position] += 1
-        self.switch.observe(sum(num_drafts), sum(num_accepted))
+        self.switch.observe(num_slots, sum(num_accepted))
 
     def _logprobs(self, logits: Tensor, rows: list[SamplingInput], first_rows: list[int], chunks,
                   num_accepted: list[int], final_tokens: Tensor) -> dict[str, list[TokenLogprobs]]:

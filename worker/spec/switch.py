@@ -1,7 +1,9 @@
 """When speculation pays: a cost model decides, step by step, how many draft slots to plan.
 
-A step that verifies k drafts per request, of which the fraction r is accepted (measured:
-accepted / drafted tokens), commits
+A step that offers k draft slots per request, of which the fraction r is filled with an
+accepted draft (measured: accepted drafts / slots offered, so a proposer that finds nothing
+to propose, n-gram lookup over text that does not repeat, counts as one whose drafts fail),
+commits
 
     E(k) = 1 + r * k     tokens per request (the accepted drafts and one more),
 
@@ -14,7 +16,9 @@ in the target's forward. Speculation runs while E(k) / C(k) >= 1, that is while
 r >= draft_cost + verify_cost, and the batch is at most
 `max_batch_size` (a large batch is bound by compute: more rows cost their full price). When
 the measured rate makes it a loss it stops, and one step in `probe_interval` speculates
-again to measure whether it pays again. The defaults are estimates, not measurements.
+again to measure whether it pays again; each probe that finds it still a loss doubles that
+interval (up to `max_probe_interval`: a speculating step cannot run ahead of the device, so
+probes cost where speculation never pays). The defaults are estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class SpeculationSwitch:
     acceptance: float = 0.5  # accepted / drafted tokens: a moving average of what is measured
     smoothing: float = 0.1  # weight of a new measurement
     probe_interval: int = 16
+    max_probe_interval: int = 256
     _steps_off: int = 0
+    _interval: int = 0  # the probe interval now: probe_interval, doubled by each failed probe
+    _probing: bool = False
 
     def gain(self) -> float:
         """E(k) / C(k) at the current acceptance estimate."""
@@ -45,16 +52,21 @@ class SpeculationSwitch:
         if batch_size > self.max_batch_size:
             return 0
         if self.gain() >= 1.0:
-            self._steps_off = 0
+            self._steps_off, self._interval = 0, self.probe_interval
             return self.num_speculative_tokens
         self._steps_off += 1
-        if self._steps_off >= self.probe_interval:
-            self._steps_off = 0
+        if self._steps_off >= (self._interval or self.probe_interval):
+            self._steps_off, self._probing = 0, True
             return self.num_speculative_tokens
         return 0
 
-    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """One verifying step's counts: the acceptance estimate moves toward their ratio."""
-        if num_draft_tokens:
-            measured = num_accepted_tokens / num_draft_tokens
+    def observe(self, num_slots: int, num_accepted_tokens: int) -> None:
+        """One speculating step's counts, draft slots offered and drafts accepted: the
+        acceptance estimate moves toward their ratio."""
+        if num_slots:
+            measured = num_accepted_tokens / num_slots
             self.acceptance += self.smoothing * (measured - self.acceptance)
+        if self._probing:
+            self._probing = False
+            if self.gain() < 1.0:
+                self._interval = min(2 * (self._interval or self.probe_interval), self.max_probe_interval)
