@@ -32,6 +32,7 @@ from spillway.gateway.detok import OutputText
 from spillway.gateway.jobs import Job
 from spillway.gateway.reasoning import ReasoningMarkers, ReasoningSplitter, thinking_policy
 from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import FinishReason, Generate, RequestDelta, TokenLogprobs
 from spillway.protocol.reasoning import Phase
 
@@ -118,7 +119,8 @@ class Generation:
         generates = []
         hf_tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
         for prompt_index, prompt in enumerate(job.prompts):
-            hashes = self._block_hashes(prompt.token_ids, job.cache_salt)
+            packed = pack_token_ids(prompt.token_ids)  # the ids were checked: [0, vocab size)
+            hashes = self._block_hashes(packed, job.cache_salt)
             policy = (thinking_policy(self.markers, prompt.token_ids, params.thinking_budget)
                       if self.markers is not None else None)
             for sample_index in range(params.n):
@@ -139,7 +141,7 @@ class Generation:
                 self.samples.append(sample)
                 self._by_id[request_id] = sample
                 generates.append(Generate(
-                    request_id=request_id, prompt_token_ids=prompt.token_ids, block_hashes=hashes,
+                    request_id=request_id, prompt_token_ids=packed, block_hashes=hashes,
                     params=params.to_wire(job.max_tokens[prompt_index], seed), priority=job.priority,
                     arrival_time=time.time(), cache_salt=job.cache_salt,
                     thinking=policy if params.thinking_budget is not None else None))

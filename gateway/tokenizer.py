@@ -27,7 +27,7 @@ class PromptHasher:
         """Hashes the worker that sent `ready` will find: its block size, hash seed and model name."""
         return cls(ready.block_size, root_hash(ready.hash_seed, ready.model))
 
-    def __call__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+    def __call__(self, token_ids: Sequence[int] | bytes, cache_salt: str | None = None) -> list[BlockHash]:
         return block_hashes(token_ids, self.block_size, self.root, cache_salt)
 
 

@@ -115,7 +115,14 @@ class BlockManager:
     def waits_for_load(self, request_id: str) -> bool:
         """Whether one of the request's blocks is loaded by the copies not taken yet."""
         table = self._tables.get(request_id)
-        return self.tier is not None and table is not None and any(map(self.tier.is_loading, table.blocks))
+        if self.tier is None or table is None or not self.tier.num_loading:
+            return False
+        return any(map(self.tier.is_loading, table.blocks))
+
+    def count_on_gpu(self, block_ids: Sequence[int]) -> int:
+        """How many of the blocks have their KV in a GPU slot (a hit on the rest plans a load)."""
+        blocks = self.blocks
+        return sum(blocks[i].gpu_slot is not None for i in block_ids)
 
     def take_copies(self) -> KVCopies:
         """The copies planned since the last call, for the step being planned (module doc)."""
@@ -173,10 +180,13 @@ class BlockManager:
         if table is None:
             hits = [self.blocks[block_id] for block_id in cached_blocks]
             # Every hit is held before any slot is taken: no eviction below can reach one.
-            on_cpu = [block for block in hits if block.gpu_slot is None]
+            on_cpu = []
             for block in hits:
                 if block.gpu_slot is None:
                     self.tier.pin(block)
+                    on_cpu.append(block)
+                elif block.ref_count:  # shared with a running request: the usual hit
+                    block.ref_count += 1
                 else:
                     self._take_cached(block)
             for block in on_cpu:
@@ -255,12 +265,16 @@ class BlockManager:
             raise ValueError(f"{request_id}: cached blocks are taken on the first allocation only")
         if len(cached_blocks) * self.block_size > num_tokens:
             raise ValueError(f"{request_id}: {len(cached_blocks)} cached blocks, {num_tokens} tokens")
-        if any(self.blocks[i].block_hash is None for i in cached_blocks):
-            raise ValueError(f"{request_id}: a cached prefix block was evicted since the lookup")
+        # One pass over the hits (a long shared prefix has hundreds): none evicted since the
+        # lookup, and a hit on a cached block takes its slot out of the allocatable ones too.
+        blocks, num_unreferenced = self.blocks, 0
+        for i in cached_blocks:
+            block = blocks[i]
+            if block.block_hash is None:
+                raise ValueError(f"{request_id}: a cached prefix block was evicted since the lookup")
+            num_unreferenced += block.ref_count == 0
         num_held = len(table.blocks) if table else len(cached_blocks)
-        num_new = max(0, self._num_blocks_needed(num_tokens) - num_held)
-        # A hit on a cached block takes its slot out of the allocatable ones too.
-        return num_new + sum(self.blocks[i].ref_count == 0 for i in cached_blocks)
+        return max(0, self._num_blocks_needed(num_tokens) - num_held) + num_unreferenced
 
     def _take_cached(self, block: Block) -> None:
         if block.ref_count == 0:

@@ -84,6 +84,11 @@ class CpuTier:
         self._loading.add(block.block_id)
         self.num_loaded += 1
 
+    @property
+    def num_loading(self) -> int:
+        """Blocks whose load is among this step's copies."""
+        return len(self._loading)
+
     def is_loading(self, block: Block) -> bool:
         """Whether the block's KV arrives with this step's copies (readable the step after)."""
         return block.block_id in self._loading

@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Annotated
+
+import msgspec
+import numpy as np
 
 from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams, TokenLogprobs
 from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
@@ -82,6 +86,9 @@ class Request:
     # report, no penalties over its history, no thinking budget. With min_tokens reached, its
     # decode steps may run ahead of the host (worker/pipeline.py). Fixed at arrival.
     samples_on_device: bool = field(init=False, default=False)
+    # The largest prompt id when known from the wire (packed ids: numpy found it in
+    # microseconds); None: `refusal` scans the list.
+    max_prompt_token_id: int | None = None
     # prompt_logprobs, when asked for: filled as the prompt's chunks run (worker/logprobs.py).
     prompt_logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
 
@@ -95,9 +102,18 @@ class Request:
 
     @classmethod
     def from_generate(cls, msg: Generate, arrival_index: int) -> Request:
+        """ValueError for packed ids that are not whole uint32s."""
+        prompt, max_id = msg.prompt_token_ids, None
+        if isinstance(prompt, bytes):
+            if len(prompt) % 4:
+                raise ValueError(f"packed prompt token ids of {len(prompt)} bytes: not a multiple of 4")
+            packed = np.frombuffer(prompt, dtype="<u4")
+            prompt = packed.tolist()
+            max_id = int(packed.max()) if packed.size else None
         return cls(
             request_id=msg.request_id,
-            prompt_token_ids=list(msg.prompt_token_ids),
+            prompt_token_ids=prompt,
+            max_prompt_token_id=max_id,
             params=msg.params,
             block_hashes=[BlockHash(h) for h in msg.block_hashes],
             arrival_index=arrival_index,
@@ -145,7 +161,7 @@ def refusal(request: Request, *, max_model_len: int, block_size: int, vocab_size
         return "the prompt is empty"
     if num_prompt >= max_model_len:
         return f"the prompt has {num_prompt} tokens; max_model_len={max_model_len} leaves no room for output"
-    if vocab_size is not None and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < vocab_size:
+    if vocab_size is not None and not _ids_below(request, vocab_size):
         return f"prompt token ids must lie in [0, {vocab_size})"
     if request.params.max_tokens < 1:
         return f"max_tokens must be at least 1, got {request.params.max_tokens}"
@@ -156,3 +172,15 @@ def refusal(request: Request, *, max_model_len: int, block_size: int, vocab_size
     if len(request.block_hashes) > num_prompt // block_size:
         return f"{len(request.block_hashes)} block hashes for {num_prompt // block_size} full prompt blocks"
     return None
+
+
+def _ids_below(request: Request, vocab_size: int) -> bool:
+    """Whether every prompt id lies in [0, vocab_size): packed ids are unsigned and came with
+    their maximum; a list is scanned once, in C."""
+    if request.max_prompt_token_id is not None:
+        return request.max_prompt_token_id < vocab_size
+    try:
+        msgspec.convert(request.prompt_token_ids, list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])
+    except msgspec.ValidationError:
+        return False
+    return True

@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, hash_block, root_hash
+from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, hash_block, pack_token_ids, root_hash
 
 ROOT = root_hash(DEFAULT_HASH_SEED, "SmolLM2-135M-Instruct")
 
@@ -72,3 +72,14 @@ def test_the_packed_chain_equals_hashing_block_by_block():
     assert block_hashes(tokens, 16, root, cache_salt="salt") == expected
     assert block_hashes(tokens, 16, root, cache_salt="salt", start=25, parent=expected[24]) == expected[25:]
     assert block_hashes(tokens[:15], 16, root) == []
+
+
+def test_packed_ids_hash_as_the_list_and_travel_as_little_endian_uint32():
+    ids = [0, 1, 255, 256, 49151, 2**32 - 1] * 6  # 36 ids: two full blocks of 16
+    packed = pack_token_ids(ids)
+    assert packed[:8] == b"\x00\x00\x00\x00\x01\x00\x00\x00" and len(packed) == 4 * len(ids)
+    for salt, start in ((None, 0), ("s", 0), (None, 1)):
+        parent = block_hashes(ids[:16], 16, ROOT, salt)[-1] if start else None
+        assert block_hashes(packed, 16, ROOT, salt, start, parent) == block_hashes(ids, 16, ROOT, salt, start, parent)
+    with pytest.raises(OverflowError):
+        pack_token_ids([1, -1])

@@ -243,3 +243,21 @@ def test_the_executor_refuses_kv_copies_without_a_cpu_tier(tmp_path):
     copying = PackedStep([ChunkInput([1, 2], 0, [0])], [], [], [0], KVCopies(gpu_to_cpu=((0, 0),)))
     with pytest.raises(ValueError, match="no CPU tier"):
         engine.executor.execute(copying)
+
+
+def test_packed_prompt_ids_arrive_as_the_list_and_are_range_checked_by_their_maximum():
+    from spillway.protocol.hashing import pack_token_ids
+
+    def packed(request_id: str, prompt: list[int]) -> Request:
+        msg = Generate(request_id=request_id, prompt_token_ids=pack_token_ids(prompt), block_hashes=[],
+                       params=SamplingParams(max_tokens=8))
+        return Request.from_generate(msg, 0)
+
+    request = packed("p", [3, 499, 0, 7])
+    assert request.prompt_token_ids == [3, 499, 0, 7] and request.max_prompt_token_id == 499
+    assert refusal(request, max_model_len=32, block_size=BLOCK, vocab_size=500) is None
+    assert refusal(packed("q", [3, 500]), max_model_len=32, block_size=BLOCK,
+                   vocab_size=500) == "prompt token ids must lie in [0, 500)"
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        Request.from_generate(Generate(request_id="r", prompt_token_ids=b"\x01\x00\x00", block_hashes=[],
+                                       params=SamplingParams(max_tokens=8)), 0)
