@@ -35,6 +35,16 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_token_ids(token_ids: Sequence[int] | bytes) -> list[int]:
+    """`Generate.prompt_token_ids` as a list, packed or not."""
+    if not isinstance(token_ids, bytes):
+        return list(token_ids)
+    packed = array(_UINT32, token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
     data = parent + struct.pack(f"<{len(tokens)}I", *tokens) + extra
     return BlockHash(xxhash.xxh3_128_digest(data))

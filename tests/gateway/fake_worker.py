@@ -20,6 +20,7 @@ import zmq
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.link_auth import LinkKeys, connect_sockets
+from spillway.protocol.hashing import unpack_token_ids
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -77,7 +78,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                         if h not in seen_hashes:
                             break
                         cached += config.block_size
-                    queries += len(msg.prompt_token_ids)
+                    queries += len(unpack_token_ids(msg.prompt_token_ids))
                     hits += cached
                     seen_hashes.update(msg.block_hashes)
                     running[msg.request_id] = (msg, cached, 0)
@@ -114,7 +115,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
             if first and msg.params.prompt_logprobs is not None:  # each prompt token as the likeliest
                 top = list(range(msg.params.prompt_logprobs))
                 prompt_logprobs = [TokenLogprobs(t, -0.25, 1, top, [-0.25 - i for i in top])
-                                   for t in msg.prompt_token_ids[1:]]
+                                   for t in unpack_token_ids(msg.prompt_token_ids)[1:]]
             pending.append(RequestDelta(
                 request_id=rid, new_token_ids=[token], logprobs=logprobs,
                 finish_reason=FinishReason.LENGTH if done else None,

@@ -23,6 +23,7 @@ from server_helpers import MODEL, SHORT_MODEL, server_in_thread
 from spillway.gateway import openai as api
 from spillway.gateway.app import ServerSettings, build_app
 from spillway.protocol import model_files
+from spillway.protocol.hashing import unpack_token_ids
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate
 
@@ -126,8 +127,8 @@ def wire(name: str, value) -> Callable:
 def prompt_ends_with(text: str, *, special: bool = False) -> Callable:
     def check(sent: Sent, base: Sent, tokenizer) -> None:
         ids = tokens(tokenizer, text)
-        assert sent.generate.prompt_token_ids[-len(ids):] == ids
-        assert sent.generate.prompt_token_ids != base.generate.prompt_token_ids
+        assert unpack_token_ids(sent.generate.prompt_token_ids)[-len(ids):] == ids
+        assert unpack_token_ids(sent.generate.prompt_token_ids) != unpack_token_ids(base.generate.prompt_token_ids)
     return check
 
 
@@ -145,7 +146,7 @@ def cache_salted(sent: Sent, base: Sent, tokenizer) -> None:
 
 def tool_history(sent: Sent, base: Sent, tokenizer) -> None:
     """Tool calls and tool results reach the template (which renders them here)."""
-    prompt = tokenizer.decode(sent.generate.prompt_token_ids)
+    prompt = tokenizer.decode(unpack_token_ids(sent.generate.prompt_token_ids))
     assert "call:get_weather{'city': 'Paris'}" in prompt and "[tool#c1]sunny" in prompt, prompt
 
 
@@ -161,12 +162,12 @@ def same_text(sent: Sent, base: Sent, tokenizer) -> None:
 
 
 def prompt_as_without(sent: Sent, base: Sent, tokenizer) -> None:
-    assert sent.generate.prompt_token_ids == base.generate.prompt_token_ids
+    assert unpack_token_ids(sent.generate.prompt_token_ids) == unpack_token_ids(base.generate.prompt_token_ids)
 
 
 def token_ids_returned(sent: Sent, base: Sent, tokenizer) -> None:
     prompt_ids = sent.answer.get("prompt_token_ids", sent.choice.get("prompt_token_ids"))
-    assert prompt_ids == sent.generate.prompt_token_ids
+    assert prompt_ids == unpack_token_ids(sent.generate.prompt_token_ids)
     assert sent.choice["token_ids"] == sent.tokens
     assert "token_ids" not in base.choice and "prompt_token_ids" not in base.answer | base.choice
 
@@ -174,7 +175,7 @@ def token_ids_returned(sent: Sent, base: Sent, tokenizer) -> None:
 def prompt_logprobs_returned(sent: Sent, base: Sent, tokenizer) -> None:
     """vLLM's shape: None for the first prompt token, then token id -> {logprob, rank, decoded_token}."""
     entries = sent.answer.get("prompt_logprobs", sent.choice.get("prompt_logprobs"))
-    prompt = sent.generate.prompt_token_ids
+    prompt = unpack_token_ids(sent.generate.prompt_token_ids)
     assert entries[0] is None and len(entries) == len(prompt)
     for token_id, entry in zip(prompt[1:], entries[1:]):
         assert entry[str(token_id)] == {"logprob": -0.25, "rank": 1, "decoded_token": tokenizer.decode([token_id])}
