@@ -175,3 +175,12 @@ def test_replay_proposes_the_recorded_continuation_while_it_holds():
     request.append_token(4)  # went elsewhere
     assert proposer.propose([request], [2])[0].token_ids == ()
     assert proposer.propose([make_request("b", [3])], [2])[0].token_ids == ()
+
+
+def test_a_proposer_that_finds_nothing_turns_speculation_off_within_a_few_steps():
+    switch = SpeculationSwitch(4)  # the defaults: prior 0.5, costs of an n-gram proposer
+    steps_on = 0
+    while switch.lookahead(32):
+        steps_on += 1
+        switch.observe(num_slots=32 * 4, num_accepted_tokens=0)
+    assert steps_on <= 8
