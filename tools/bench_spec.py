@@ -166,20 +166,34 @@ def run_throughput(args, rows: Rows) -> None:
     for batch in args.batches:
         prompts = random_prompts(batch, args.input_len, engine.vocab_size, seed=10 + batch)
         attach_spec(engine, None)
-        plain = generate_all_at_once(engine, prompts, args.output_len, f"plain-{batch}")
-        write_replay(folder / "replay.jsonl", prompts, plain.outputs)
+        write_replay(folder / "replay.jsonl", prompts,
+                     generate_all_at_once(engine, prompts, args.output_len, f"record-{batch}").outputs)
+        # --repeats rounds of every setting in turn: a drift of the machine reaches them alike,
+        # and each row keeps its median run.
+        runs: dict[str, list[tuple[Run, CountedSpec | None]]] = {"plain": [], **{m: [] for m in methods}}
+        for repeat in range(args.repeats):
+            for method, settings in [("plain", None), *methods.items()]:
+                spec = attach_spec(engine, settings and SpeculativeConfig(num_speculative_tokens=args.throughput_k,
+                                                                          **settings))
+                runs[method].append((generate_all_at_once(engine, prompts, args.output_len,
+                                                          f"{method}-{batch}-{repeat}"), spec))
+        attach_spec(engine, None)
         name = f"throughput {args.model_name} batch {batch}"
-        shape = f"{batch} x ({args.input_len} in, {args.output_len} out)"
+        shape = f"{batch} x ({args.input_len} in, {args.output_len} out), median of {args.repeats}"
+        plain, _ = median_run(runs["plain"])
         rows.add(row(f"{name} no speculation", plain.tokens_per_s, "tok/s", note=f"{shape}, {plain.seconds:.2f} s"))
-        for method, settings in methods.items():
-            spec = attach_spec(engine, SpeculativeConfig(num_speculative_tokens=args.throughput_k, **settings))
-            run = generate_all_at_once(engine, prompts, args.output_len, f"{method}-{batch}")
+        for method in methods:
+            run, spec = median_run(runs[method])
             rows.add(spec_row(f"{name} {method} k={args.throughput_k}", run, plain, spec,
                               f"{shape}, {run.seconds:.2f} s", target=THROUGHPUT_TARGET))
-        attach_spec(engine, None)
     shutil.rmtree(folder)
     del engine
     free_memory()
+
+
+def median_run(runs: list[tuple[Run, CountedSpec | None]]) -> tuple[Run, CountedSpec | None]:
+    """The run of median time (the upper one of an even count) with its speculation."""
+    return sorted(runs, key=lambda pair: pair[0].seconds)[len(runs) // 2]
 
 
 def free_memory() -> None:
@@ -237,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=positive_int, help="throughput: prompt tokens (256)")
     parser.add_argument("--output-len", type=positive_int, help="throughput: output tokens (256)")
     parser.add_argument("--throughput-k", type=positive_int, default=4, help="throughput: drafts per step")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="throughput: rounds of every setting in turn; each row keeps its median run")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="overlap the next step's scheduling with this one (default: on with CUDA)")
     parser.add_argument("--results", help="append every row here as a JSON line")

@@ -39,7 +39,7 @@ def test_every_section_runs_end_to_end_on_the_cpu(tiny_model, tmp_path):
     done = run_tool("--device", "cpu", "--model", tiny_model, "--async-scheduling", "--k", "1,2",
                     "--num-prompts", "1", "--prompt-len", "12", "--new-tokens", "16", "--draft-layers", "2",
                     "--draft-k", "2", "--batches", "3", "--input-len", "12", "--output-len", "10",
-                    "--results", str(results))
+                    "--repeats", "2", "--results", str(results))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
     model = Path(tiny_model).name
@@ -67,6 +67,7 @@ def test_every_section_runs_end_to_end_on_the_cpu(tiny_model, tmp_path):
         assert row["target"] == 0.97 and row["ratio"] == pytest.approx(row["value"] / row["baseline"])
         assert row["baseline"] == rows[f"{throughput} no speculation"]["value"]
     assert "acceptance 1.000" in rows[f"{decode} replay k=1"]["note"]
+    assert "median of 2" in rows[f"{throughput} ngram k=4"]["note"]
     assert all(r["machine"].startswith("CPU") for r in rows.values())
     report = run_tool("--report", str(results))
     assert report.returncode == 0 and report.stdout.count(" no speculation ") >= 2
@@ -111,3 +112,12 @@ def test_bad_flags_exit_2_naming_the_flag(tiny_model, flags, message):
 def test_without_cuda_it_stops_with_a_message(tiny_model):
     done = run_tool("--model", tiny_model, "--decode")
     assert done.returncode == 1 and "bench_spec needs a CUDA GPU (or --device cpu)" in done.stderr
+
+
+def test_a_row_keeps_the_run_of_median_time():
+    from tools.bench_spec import median_run
+    from tools.bench_spec_runs import Run
+
+    runs = [(Run(seconds=seconds), tag) for seconds, tag in ((3.0, "c"), (1.0, "a"), (2.0, "b"))]
+    assert median_run(runs)[1] == "b"
+    assert median_run(runs[:2])[1] == "c"  # an even count: the upper one
