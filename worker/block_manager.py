@@ -113,7 +113,8 @@ class BlockManager:
         return self.blocks[block_id].gpu_slot is not None
 
     def waits_for_load(self, request_id: str) -> bool:
-        """Whether one of the request's blocks is loaded by the copies not taken yet."""
+        """Whether one of the request's blocks is still to arrive from the CPU tier (planned in
+        the copies not taken yet, or on its way: `CpuTier.is_loading`)."""
         table = self._tables.get(request_id)
         if self.tier is None or table is None or not self.tier.num_loading:
             return False

@@ -39,7 +39,9 @@ class CpuTier:
         # block id -> block, head evicted next; holds exactly the unpinned CPU copies.
         self._lru: OrderedDict[int, Block] = OrderedDict()
         self._pinned: dict[int, Block] = {}  # by block id: CPU copies this step's copies touch
-        self._loading: set[int] = set()  # block ids whose load is in this step's copies
+        # Block ids whose load is in this step's copies, or in copies taken whose loads have
+        # not landed yet (`landed` clears those): their requests compute once it has.
+        self._loading: set[int] = set()
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         # What each owned CPU slot holds: the hash of the block stored there (invariants).
@@ -86,19 +88,23 @@ class CpuTier:
 
     @property
     def num_loading(self) -> int:
-        """Blocks whose load is among this step's copies."""
+        """Blocks whose load is planned or on its way."""
         return len(self._loading)
 
     def is_loading(self, block: Block) -> bool:
-        """Whether the block's KV arrives with this step's copies (readable the step after)."""
+        """Whether the block's KV is still to arrive: planned in this step's copies, or taken
+        with copies whose loads have not landed (`landed`)."""
         return block.block_id in self._loading
+
+    def landed(self) -> None:
+        """Every load of the copies taken so far has landed on the GPU."""
+        self._loading.clear()
 
     def take_copies(self) -> KVCopies:
         """This step's copies, in plan order per direction; unpins their CPU copies."""
         for block in self._pinned.values():
             self._lru[block.block_id] = block
         self._pinned.clear()
-        self._loading.clear()
         if not self._stores and not self._loads:
             return NO_KV_COPIES
         copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads))

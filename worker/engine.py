@@ -194,6 +194,9 @@ class Engine:
         before the step in flight is committed, and is itself committed one call later."""
         previous = self._in_flight
         deltas: list[RequestDelta] = []
+        tier, copier = self.block_manager.tier, self.executor.kv_copier
+        if tier is not None and tier.num_loading and copier.loads_landed():
+            self.scheduler.loads_landed()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
         # Drafts follow committed tokens only: settle the step in flight before planning. So
         # does a step the device has finished: running ahead of an idle device gains nothing,

@@ -116,6 +116,7 @@ class KVCopier:
         self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self._landed: torch.cuda.Event | None = None  # the last step's loads, until compute waits for them
+        self._last_loads: torch.cuda.Event | None = None  # the same, kept for `loads_landed`
         # (started, finished) events per direction of the steps whose times are not read yet
         self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -146,6 +147,7 @@ class KVCopier:
                              copies.gpu_to_cpu, self._store_timings)
         self._landed = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
                                    self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
+        self._last_loads = self._landed
         compute.wait_event(stored)
 
     @staticmethod
@@ -164,6 +166,11 @@ class KVCopier:
             finished.record()
         timings.append((started, finished))
         return finished
+
+    def loads_landed(self) -> bool:
+        """Whether every load queued so far has landed (one stream: the last one has). Asks
+        the device without waiting; on the CPU the copies ran when queued."""
+        return self._last_loads is None or self._last_loads.query()
 
     def wait_for_loads(self) -> None:
         """Make compute wait for the loads of the steps before (call before every forward

@@ -15,9 +15,11 @@ released into the prefix cache, whose evictions write them back to the CPU tier 
 is one (a swap-out); resumed, it takes them back as cache hits (loaded from the CPU tier
 where needed) and recomputes only the rest.
 
-With a CPU tier, a request whose prefix hits need a load this step (its own, or one another
-request planned: one load per block, shared) is admitted without a chunk and computes from
-the next step on, when the load has landed; the requests behind it are not held up.
+With a CPU tier, a request whose prefix hits need a load (planned this step, its own or
+another's: one load per block, shared; or on its way from an earlier step) is admitted without
+a chunk and computes from the first step after the load has landed (`loads_landed`, which the
+engine calls when the device says so); the requests behind it are not held up, and the host
+never waits for a load: it goes on taking requests in meanwhile.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []  # sorted by _queue_key: the newest is last
         self._requests: dict[str, Request] = {}
+        # Running requests admitted on prefix blocks whose load has not landed (`loads_landed`).
+        self._awaiting_load: set[str] = set()
         # Cumulative, in prompt tokens, first schedulings only (never a resume).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -166,6 +170,8 @@ class Scheduler:
             index += 1
             if ahead and request.num_pending_tokens and self._last_token_is_pending(request):
                 continue
+            if request.request_id in self._awaiting_load:
+                continue  # admitted on blocks still landing: computes once they have, holding up nobody
             num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
@@ -203,6 +209,13 @@ class Scheduler:
                 chunk.slot_table = self.block_manager.slot_table(request.request_id)
                 budget -= room
         return budget
+
+    def loads_landed(self) -> None:
+        """Every load of the CPU tier's copies taken so far is on the GPU: the requests that
+        waited for one compute from this step on."""
+        self._awaiting_load.clear()
+        if self.block_manager.tier is not None:
+            self.block_manager.tier.landed()
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed
@@ -277,6 +290,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._awaiting_load.discard(request.request_id)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -309,6 +323,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         insort(self.running, request, key=_queue_key)
         if manager.waits_for_load(request.request_id):
+            self._awaiting_load.add(request.request_id)
             return True, None
         return True, self._chunk(request, num_tokens)
 
@@ -352,6 +367,7 @@ class Scheduler:
         return None
 
     def _release(self, request: Request, status: RequestStatus) -> None:
+        self._awaiting_load.discard(request.request_id)
         request.status = status
         self.block_manager.free(request.request_id)
         del self._requests[request.request_id]

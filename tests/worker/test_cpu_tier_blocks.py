@@ -52,6 +52,8 @@ def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
     manager.check_invariants()
     # a2 was stored to CPU slot 1, a3 to CPU slot 0: one load each.
     assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)))
+    assert manager.waits_for_load("c") and manager.waits_for_load("d")  # on their way
+    manager.tier.landed()
     assert not manager.waits_for_load("c") and not manager.waits_for_load("d")
     manager.free("c")
     manager.free("d")

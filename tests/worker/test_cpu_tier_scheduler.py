@@ -51,6 +51,31 @@ def test_a_second_turn_past_the_gpu_pool_loads_its_history_and_recomputes_only_t
     assert without.scheduler.cpu_cache_queries == 0
 
 
+def test_requests_on_blocks_still_landing_wait_without_holding_up_others_or_the_host():
+    """A load planned in one step may still be on its way steps later (a 10k-token prefix is
+    ~1.5 GB of copies): the requests on it stay out of the plans, so the host never waits for
+    the copy, requests arriving meanwhile that need the same blocks wait with them, others
+    run; once the engine says the loads landed, all of them compute in one step."""
+    harness = two_turns(num_cpu_blocks=32)
+    steps = []
+    harness.scheduler.loads_landed = lambda: None  # the device has not finished the loads yet
+    plan, _ = harness.step()
+    assert plan.chunks == [] and len(plan.kv_copies.cpu_to_gpu) == 5
+    history = TURN_1 + harness.outputs["turn-1"]
+    harness.add("same-prefix", history + [40, 41], max_tokens=2)
+    harness.add("other", list(range(100, 110)), max_tokens=3)
+    for _ in range(3):
+        plan, _ = harness.step()
+        steps.append(sorted(chunk.request.request_id for chunk in plan.chunks))
+    assert steps == [["other"], ["other"], ["other"]]
+    assert not plan.kv_copies.cpu_to_gpu  # the second request shares the load on its way
+    del harness.scheduler.loads_landed  # back to the real one: the loads have landed
+    plan, _ = harness.step()
+    assert sorted(chunk.request.request_id for chunk in plan.chunks) == ["same-prefix", "turn-2"]
+    harness.run()
+    assert harness.cached["turn-2"] == 20 and harness.cached["same-prefix"] == 20
+
+
 def test_an_abort_while_its_blocks_load_leaves_them_cached_for_the_next_request():
     harness = two_turns(num_cpu_blocks=32)
     prompt = harness.scheduler.waiting[0].prompt_token_ids

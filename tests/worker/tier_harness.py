@@ -57,6 +57,8 @@ class TierHarness:
                 dst[(dst_slot, offset)] = value
 
     def step(self) -> tuple[StepPlan, list[StepResult]]:
+        # The loads of the step before landed at its end, as the engine learns from the device.
+        self.scheduler.loads_landed()
         plan = self.scheduler.schedule()
         self.plans.append(plan)
         for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
