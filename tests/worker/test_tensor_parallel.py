@@ -1,0 +1,163 @@
+"""A model sharded over two CPU ranks (gloo) computes the unsharded model's logits.
+
+Each rank builds the same tiny random decoder twice, shards one copy, and runs both through
+their own `ModelRunner` (plain-torch attention, each its own KV pool): a batched prefill, then
+greedy decode steps. The ranks report their largest logit difference and their tokens; the
+test asserts on every rank's report.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.models import build_model
+from spillway.worker.models.cpu_linear import onednn_linear_works, pack_linear_layers
+from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
+
+TOLERANCE = 1e-4
+CPU = torch.device("cpu")
+WORLD_SIZE = 2
+DECODE_STEPS = 8
+BLOCK_SIZE = 4
+PROMPT_LENGTHS = (3, 9, 14)
+
+# 4 query heads over 2 KV heads (one per rank), q/k norms, an odd vocabulary (a padded shard).
+QWEN3 = dict(model_type="qwen3", vocab_size=301, num_attention_heads=4, num_key_value_heads=2)
+# One KV head for 2 ranks (replicated), every bias (o_proj's and down_proj's added once), tied.
+LLAMA_ONE_KV_HEAD = dict(model_type="llama", vocab_size=300, num_attention_heads=4, num_key_value_heads=1,
+                         attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+
+
+def tiny_config(**overrides) -> SimpleNamespace:
+    values = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def random_model(config):
+    """Our decoder with every weight random (biases and norm scales too), the same on every rank."""
+    model = build_model(config, device=CPU, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5, generator=generator)
+            else:
+                param.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+def greedy_steps(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Every step's logits and the greedy tokens: one prefill step of all prompts, then decodes."""
+    tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]  # 32 slots each, disjoint
+    sequences = [list(p) for p in prompts]
+    chunks = [ChunkInput(p, 0, t) for p, t in zip(prompts, tables)]
+    step_logits = []
+    for _ in range(DECODE_STEPS):
+        logits = runner.execute(chunks).clone()
+        step_logits.append(logits)
+        for sequence, token in zip(sequences, logits.argmax(-1).tolist()):
+            sequence.append(token)
+        chunks = [ChunkInput([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables)]
+    return step_logits, [s[len(p):] for s, p in zip(sequences, prompts)]
+
+
+def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, pack: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE)
+    try:
+        config = tiny_config(**config_values)
+        generator = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(config.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+        runners = []
+        for sharded in (False, True):
+            model = random_model(config)
+            packed = 0
+            if sharded:
+                layout = shard_model(model, rank, WORLD_SIZE)
+                packed = pack_linear_layers(model) if pack else 0
+            runners.append(ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32))
+        (reference_logits, reference_tokens), (logits, tokens) = (greedy_steps(r, prompts) for r in runners)
+        report = dict(
+            max_diff=max((a - b).abs().max().item() for a, b in zip(logits, reference_logits)),
+            logits_shape=tuple(logits[0].shape),
+            tokens=tokens,
+            reference_tokens=reference_tokens,
+            kv_cache_shape=tuple(runners[1].kv_cache.shape),
+            layout=layout,
+            packed=packed,
+        )
+        torch.save(report, f"{results_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp_path, config_values: dict, pack: bool) -> list[dict]:
+    rendezvous = f"file://{tmp_path}/rendezvous"
+    mp.spawn(run_rank, args=(rendezvous, str(tmp_path), config_values, pack), nprocs=WORLD_SIZE)
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize(("config_values", "pack", "kv_heads", "first_kv_heads"), [
+    pytest.param(QWEN3, True, 1, [0, 1], id="qwen3-split-kv-heads-packed"),
+    pytest.param(LLAMA_ONE_KV_HEAD, False, 1, [0, 0], id="llama-replicated-kv-head-tied-biases"),
+])
+def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_values, pack, kv_heads, first_kv_heads):
+    reports = run_ranks(tmp_path, config_values, pack)
+
+    for rank, report in enumerate(reports):
+        assert report["logits_shape"] == (len(PROMPT_LENGTHS), config_values["vocab_size"])
+        assert report["max_diff"] < TOLERANCE, f"rank {rank}"
+        assert report["tokens"] == report["reference_tokens"]
+        assert len(set(report["tokens"][0])) > 1  # the outputs do not loop on one token
+        # Each rank's pool: [blocks, layers, k/v, block_size, its KV heads, head_dim].
+        assert report["kv_cache_shape"] == (32, 2, 2, BLOCK_SIZE, kv_heads, 16)
+        assert report["layout"].num_heads == 2
+        assert report["layout"].first_kv_head == first_kv_heads[rank]
+        # Packed after sharding: 4 per layer (qkv, o, gate_up, down) and lm_head, where oneDNN works.
+        assert report["packed"] == (4 * 2 + 1 if pack and onednn_linear_works(torch.float32) else 0)
+
+
+@pytest.mark.parametrize(("kv_heads", "world_size", "first_kv_heads"), [
+    (8, 4, [0, 2, 4, 6]),  # split: two heads a rank
+    (2, 4, [0, 0, 1, 1]),  # replicated: each head on the two ranks whose query heads read it
+    (1, 8, [0] * 8),
+])
+def test_layout_gives_each_rank_the_kv_heads_its_query_heads_read(kv_heads, world_size, first_kv_heads):
+    spec = random_model(tiny_config(model_type="llama", vocab_size=30, num_attention_heads=8,
+                                    num_key_value_heads=kv_heads, head_dim=8)).spec
+    layouts = [ShardLayout.plan(spec, rank, world_size) for rank in range(world_size)]
+
+    assert [layout.first_kv_head for layout in layouts] == first_kv_heads
+    assert {layout.num_kv_heads for layout in layouts} == {max(kv_heads // world_size, 1)}
+    group_size = 8 // kv_heads  # query heads per KV head
+    for layout in layouts:
+        read = {head // group_size for head in range(layout.first_head, layout.first_head + layout.num_heads)}
+        assert read == set(range(layout.first_kv_head, layout.first_kv_head + layout.num_kv_heads))
+    assert [layout.first_vocab_row for layout in layouts] == [rank * -(-30 // world_size) for rank in range(world_size)]
+
+
+def test_kv_heads_that_do_not_split_raise_naming_the_sizes():
+    model = random_model(tiny_config(model_type="qwen3", vocab_size=64, num_attention_heads=6, num_key_value_heads=3))
+
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 and the model's 3 KV heads do not divide"):
+        shard_model(model, rank=0, world_size=2)
+    assert model.num_kv_heads == 3 and model.model.layers[0].self_attn.qkv_proj.out_features == (6 + 2 * 3) * 16
+
+
+def test_query_heads_or_intermediate_size_that_do_not_split_raise():
+    odd_heads = random_model(tiny_config(model_type="llama", vocab_size=64, num_attention_heads=3,
+                                         num_key_value_heads=1))
+    odd_intermediate = random_model(tiny_config(model_type="llama", vocab_size=64, num_attention_heads=4,
+                                                num_key_value_heads=2, intermediate_size=90))
+
+    with pytest.raises(ValueError, match=r"tensor parallel size 2 does not divide the model's 3 attention heads"):
+        shard_model(odd_heads, rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 does not divide the model's intermediate size 90"):
+        shard_model(odd_intermediate, rank=1, world_size=4)
