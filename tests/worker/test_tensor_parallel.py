@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 from spillway.worker.models.cpu_linear import onednn_linear_works, pack_linear_layers
+from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 TOLERANCE = 1e-4
@@ -68,7 +69,9 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[to
     return step_logits, [s[len(p):] for s, p in zip(sequences, prompts)]
 
 
-def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, pack: bool) -> None:
+def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, weights: str) -> None:
+    """`weights`: after sharding, lay the weights out as the CPU path does ("packed" for oneDNN)
+    or as the GPU path does ("input-major")."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE)
     try:
@@ -78,10 +81,10 @@ def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, 
         runners = []
         for sharded in (False, True):
             model = random_model(config)
-            packed = 0
+            relaid = 0
             if sharded:
                 layout = shard_model(model, rank, WORLD_SIZE)
-                packed = pack_linear_layers(model) if pack else 0
+                relaid = (pack_linear_layers if weights == "packed" else store_weights_input_major)(model)
             runners.append(ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32))
         (reference_logits, reference_tokens), (logits, tokens) = (greedy_steps(r, prompts) for r in runners)
         report = dict(
@@ -91,25 +94,31 @@ def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, 
             reference_tokens=reference_tokens,
             kv_cache_shape=tuple(runners[1].kv_cache.shape),
             layout=layout,
-            packed=packed,
+            relaid=relaid,
         )
         torch.save(report, f"{results_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, config_values: dict, pack: bool) -> list[dict]:
+def run_ranks(tmp_path, config_values: dict, weights: str) -> list[dict]:
     rendezvous = f"file://{tmp_path}/rendezvous"
-    mp.spawn(run_rank, args=(rendezvous, str(tmp_path), config_values, pack), nprocs=WORLD_SIZE)
+    mp.spawn(run_rank, args=(rendezvous, str(tmp_path), config_values, weights), nprocs=WORLD_SIZE)
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize(("config_values", "pack", "kv_heads", "first_kv_heads"), [
-    pytest.param(QWEN3, True, 1, [0, 1], id="qwen3-split-kv-heads-packed"),
-    pytest.param(LLAMA_ONE_KV_HEAD, False, 1, [0, 0], id="llama-replicated-kv-head-tied-biases"),
+@pytest.mark.parametrize(("config_values", "weights", "kv_heads", "first_kv_heads"), [
+    pytest.param(QWEN3, "packed", 1, [0, 1], id="qwen3-split-kv-heads-packed"),
+    pytest.param(LLAMA_ONE_KV_HEAD, "input-major", 1, [0, 0], id="llama-replicated-kv-head-tied-biases-input-major"),
 ])
-def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_values, pack, kv_heads, first_kv_heads):
-    reports = run_ranks(tmp_path, config_values, pack)
+def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_values, weights, kv_heads,
+                                                           first_kv_heads):
+    reports = run_ranks(tmp_path, config_values, weights)
+    # Re-laid after sharding: 4 per layer (qkv, o, gate_up, down), and for oneDNN lm_head too.
+    if weights == "input-major":
+        relaid = 4 * 2
+    else:
+        relaid = 4 * 2 + 1 if onednn_linear_works(torch.float32) else 0
 
     for rank, report in enumerate(reports):
         assert report["logits_shape"] == (len(PROMPT_LENGTHS), config_values["vocab_size"])
@@ -120,8 +129,7 @@ def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_valu
         assert report["kv_cache_shape"] == (32, 2, 2, BLOCK_SIZE, kv_heads, 16)
         assert report["layout"].num_heads == 2
         assert report["layout"].first_kv_head == first_kv_heads[rank]
-        # Packed after sharding: 4 per layer (qkv, o, gate_up, down) and lm_head, where oneDNN works.
-        assert report["packed"] == (4 * 2 + 1 if pack and onednn_linear_works(torch.float32) else 0)
+        assert report["relaid"] == relaid
 
 
 @pytest.mark.parametrize(("kv_heads", "world_size", "first_kv_heads"), [
