@@ -10,12 +10,14 @@ order (relative 1e-6 in float32).
 `pack_linear_layers(model)` swaps every `nn.Linear` of a loaded model for a `PackedLinear`
 holding the reordered weight. The dense weight is released, except where another module
 shares it (a tied lm_head keeps the embedding table). Where this torch build has no oneDNN
-linear, or its result disagrees with `F.linear`, the model is left as it is.
+linear, or its result disagrees with `F.linear`, the model is left as it is. It first bounds
+the caches that keep a compiled kernel per input shape (`bound_kernel_caches`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +28,29 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# oneDNN builds a primitive (and keeps memory that grows with the row count) for every input
-# shape it meets: a server that sees every prompt length grew ~1 MB a request until its primitive
-# cache filled, and kept much of it after. Row counts above EXACT_ROWS are padded up to one of
-# ROW_STEPS_PER_OCTAVE sizes per power of two (at most 1/8 more rows), so a worker meets a
-# bounded set of shapes: ~100 up to 8,192 rows.
+# oneDNN builds a primitive for every input shape it meets. Row counts above EXACT_ROWS are
+# padded up to one of ROW_STEPS_PER_OCTAVE sizes per power of two (at most 1/8 more rows), so a
+# worker meets a bounded set of shapes, ~100 up to 8,192 rows, and the kernel caches below
+# (CACHED_KERNELS) hold a larger share of the ones in use.
 EXACT_ROWS = 32
 ROW_STEPS_PER_OCTAVE = 8
+
+
+# Each shape's kernel is cached twice, by oneDNN (its primitive cache) and by torch's ideep layer
+# (an LRU of its own), ~0.3 MB each whatever the weight's size, 1,024 of each by default: a
+# server meeting new step sizes grew for hundreds of MB (~3 MB per new row count of a model's
+# five weight shapes). CACHED_KERNELS of each keeps the few shapes a run of steps reuses (the
+# decode batch sizes); an evicted one is rebuilt in ~0.4 ms, against the tens of ms of the
+# product that needs it.
+CACHED_KERNELS = 64
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches() -> None:
+    """Cap both per-shape kernel caches at CACHED_KERNELS, where the environment does not set
+    them. Each reads its variable once, when the first oneDNN product runs: call this before."""
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(CACHED_KERNELS))
 
 
 def padded_rows(rows: int) -> int:
@@ -92,6 +110,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     Call after the weights are loaded. Returns 0, changing nothing, where the model is not on
     the CPU, not float32/bfloat16, or oneDNN's linear is unavailable or wrong here.
     """
+    bound_kernel_caches()
     linears = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
     if not linears:
         return 0
