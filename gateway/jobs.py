@@ -148,6 +148,8 @@ class JobBuilder:
     async def encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Each text's token ids; on a thread when they are long together (a thousand short
         prompts tokenized one after another would hold the event loop as one long one does)."""
+        if not texts:  # token-id prompts only: a model without a tokenizer takes them
+            return []
         tokenizer = self.require_tokenizer()
 
         def encode() -> list[list[int]]:
