@@ -40,6 +40,7 @@ from spillway.protocol.messages import (
 )
 from spillway.worker.compile_log import log_late_compiles
 from spillway.worker.engine import Engine
+from spillway.worker.heap import HeapTrimmer
 from spillway.worker.step_trace import StepTrace
 
 logger = logging.getLogger("spillway.worker")
@@ -121,6 +122,8 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
     gateway_session: bytes | None = None  # the gateway whose HELLO came last
     drops = DropLog(logger, "from the gateway")
     trace = StepTrace(path) if (path := step_trace_path()) else None
+    # On the CPU the linear layers' per-shape kernels churn glibc's heap (worker/heap.py).
+    trimmer = HeapTrimmer() if engine.device.type == "cpu" else None
     while True:
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
@@ -171,6 +174,8 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         now = time.monotonic()
         if was_busy and not engine.has_work:
             want_stats = True  # the gateway sees the idle state right away
+        if trimmer is not None and was_busy:
+            trimmer.maybe_trim(went_idle=not engine.has_work)
         if was_busy and (not busy_before or now - last_stats >= STATS_INTERVAL_S):
             want_stats = True  # and a busy one from its first step on
         busy_before = engine.has_work
