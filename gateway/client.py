@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from spillway.gateway.metrics import GatewayMetrics, observe_repeated
 from spillway.gateway.request_metrics import RequestTimes
 from spillway.gateway.worker_link import LinkState, WorkerLink
+from spillway.protocol.hashing import num_token_ids
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -159,7 +160,7 @@ class EngineClient:
         stream = RequestStream(self, [g.request_id for g in generates])
         now = time.monotonic()
         for generate in generates:
-            times = RequestTimes(now, len(generate.prompt_token_ids))
+            times = RequestTimes(now, num_token_ids(generate.prompt_token_ids))
             self._routes[generate.request_id] = _Tracked(stream, times, last_heard=now)
             self.link.send(generate)
         if self._metrics is not None:

@@ -35,6 +35,11 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def num_token_ids(token_ids: Sequence[int] | bytes) -> int:
+    """How many ids `Generate.prompt_token_ids` holds, packed or not."""
+    return len(token_ids) // 4 if isinstance(token_ids, bytes) else len(token_ids)
+
+
 def unpack_token_ids(token_ids: Sequence[int] | bytes) -> list[int]:
     """`Generate.prompt_token_ids` as a list, packed or not."""
     if not isinstance(token_ids, bytes):

@@ -271,7 +271,7 @@ CHAT_ROWS = [
                                              {"role": "assistant", "content": "Once upon"}]},
      prompt_ends_with("<|im_start|>assistant\nOnce upon")),
     ("continue_final_message", {"continue_final_message": True}, REFUSED),  # with add_generation_prompt
-    ("add_special_tokens", {"add_special_tokens": True}, answer(lambda s: s.generate.prompt_token_ids[0] == BOS)),
+    ("add_special_tokens", {"add_special_tokens": True}, answer(lambda s: unpack_token_ids(s.generate.prompt_token_ids)[0] == BOS)),
     ("documents", {"chat_template": "{% for d in documents or [] %}{{ d.text }}{% endfor %}" + TEMPLATE,
                    "documents": [{"title": "t", "text": "Paris is sunny"}]}, prompt_ends_with("Paris is sunny[user]Hi")),
     ("chat_template", {"chat_template": TEMPLATE}, prompt_ends_with("[user]Hi")),
@@ -289,7 +289,7 @@ COMPLETION_ROWS = [
     ("return_tokens_as_token_ids", {"return_tokens_as_token_ids": True, "logprobs": 1},
      answer(lambda s: s.choice["logprobs"] is not None
             and s.choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in s.tokens])),
-    ("add_special_tokens", {"add_special_tokens": False}, answer(lambda s: s.generate.prompt_token_ids[0] != BOS)),
+    ("add_special_tokens", {"add_special_tokens": False}, answer(lambda s: unpack_token_ids(s.generate.prompt_token_ids)[0] != BOS)),
     ("cache_salt", {"cache_salt": "salt", "prompt": "a full block of prompt tokens " * 4}, cache_salted),
     ("suffix", {"suffix": "!"}, REFUSED),
     ("prompt_embeds", {"prompt_embeds": "AAAA"}, REFUSED),

@@ -5,7 +5,7 @@ import struct
 import pytest
 import xxhash
 
-from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, hash_block, pack_token_ids, root_hash
+from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, hash_block, num_token_ids, pack_token_ids, root_hash, unpack_token_ids
 
 ROOT = root_hash(DEFAULT_HASH_SEED, "SmolLM2-135M-Instruct")
 
@@ -81,5 +81,6 @@ def test_packed_ids_hash_as_the_list_and_travel_as_little_endian_uint32():
     for salt, start in ((None, 0), ("s", 0), (None, 1)):
         parent = block_hashes(ids[:16], 16, ROOT, salt)[-1] if start else None
         assert block_hashes(packed, 16, ROOT, salt, start, parent) == block_hashes(ids, 16, ROOT, salt, start, parent)
+    assert unpack_token_ids(packed) == ids and num_token_ids(packed) == num_token_ids(ids) == 36
     with pytest.raises(OverflowError):
         pack_token_ids([1, -1])
