@@ -9,10 +9,14 @@ later blocks carry no extra. 128-bit digests are trusted without comparing token
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
 
 import xxhash
 
@@ -33,6 +37,20 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
+
+
+def ids_below(token_ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether every id lies in [0, vocab_size): one pass in C (min() and max() take twice as long)."""
+    try:
+        msgspec.convert(token_ids, _ids_below_type(vocab_size))
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=4)
+def _ids_below_type(vocab_size: int) -> type:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
 
 
 def num_token_ids(token_ids: Sequence[int] | bytes) -> int:

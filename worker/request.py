@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Annotated
 
-import msgspec
 import numpy as np
 
+from spillway.protocol.hashing import ids_below
 from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams, TokenLogprobs
 from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
 
@@ -179,8 +178,4 @@ def _ids_below(request: Request, vocab_size: int) -> bool:
     their maximum; a list is scanned once, in C."""
     if request.max_prompt_token_id is not None:
         return request.max_prompt_token_id < vocab_size
-    try:
-        msgspec.convert(request.prompt_token_ids, list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]])
-    except msgspec.ValidationError:
-        return False
-    return True
+    return ids_below(request.prompt_token_ids, vocab_size)
