@@ -26,7 +26,10 @@ The model is a built-in config with dummy weights (default qwen3-8b), a checkpoi
 GGUF file. Dummy weights make a poor draft of themselves: each layer adds an update as large
 as the stream it reads, so the first N layers foretell nothing of the rest and a cut draft's
 acceptance is about 0 (its rows then measure the switch's protection; a whole copy accepts
-every draft). Real weights give a measurable one: --model with the default model's GGUF.
+every draft). Real weights give a measurable one: --model with the default model's GGUF; so
+does --draft-damp F, which scales the norms of the target's layers past the draft's by F (the
+target of every row, the plain one included), so that those layers only nudge the stream the
+draft's layers computed.
 --quick takes small sizes (a minute or two on an H200).
 Every row is printed as it is measured and again in the table at the end; --results FILE
 also appends each row (with command, machine and date) as a JSON line.
@@ -51,10 +54,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from spillway.protocol.config import SpeculativeConfig  # noqa: E402
 from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
 from tools import bench_table  # noqa: E402
-from tools.bench_spec_runs import (CountedSpec, Run, attach_spec, blocks_for, decode_one_at_a_time,  # noqa: E402
-                                   generate_all_at_once, make_engine, matching_tokens, quote_back_prompts,
-                                   random_prompts,
-                                   recount, write_replay, write_truncated_copy)
+from tools.bench_spec_runs import (CountedSpec, Run, attach_spec, blocks_for, damp_layers_after,  # noqa: E402
+                                   decode_one_at_a_time, generate_all_at_once, make_engine, matching_tokens,
+                                   quote_back_prompts, random_prompts, recount, write_replay,
+                                   write_truncated_copy)
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 
 THROUGHPUT_TARGET = 0.97  # speculation on / off: where it does not pay, the switch turns it off
@@ -95,6 +98,8 @@ class DecodeBench:
         max_model_len = args.prompt_len + args.new_tokens + self.max_k + 16
         self.engine = make_engine(args.model, args.device, max_model_len=max_model_len, max_num_seqs=1,
                                   num_blocks=blocks_for(max_model_len, 16, 2), async_scheduling=args.async_scheduling)
+        if args.draft_damp is not None:  # before the baseline: the target of every row
+            damp_layers_after(self.engine, min(args.draft_layers), args.draft_damp)
         if args.quote_back:
             self.prompts = quote_back_prompts(args.model, args.num_prompts, args.prompt_len)
         else:
@@ -108,6 +113,8 @@ class DecodeBench:
         self.name = f"decode {args.model_name} batch 1"
         kind = "documents quoted back" if args.quote_back else "random prompts"
         self.shape = f"{args.num_prompts} {kind} of {args.prompt_len} tokens, {args.new_tokens} new each"
+        if args.draft_damp is not None:
+            self.shape += f"; target's norms past layer {min(args.draft_layers)} scaled by {args.draft_damp}"
 
     def measure(self, rows: Rows, label: str, config: SpeculativeConfig, always_on: bool = False) -> None:
         """One timed run with `config`, after a warm-up (the verification's first steps compile
@@ -247,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=positive_int, help="decode, draft: output tokens per prompt (256)")
     parser.add_argument("--draft-layers", type=positive_ints, default=[4], help="draft: the draft's layers, e.g. 2,4")
     parser.add_argument("--draft-k", type=positive_int, default=4, help="draft: drafts per step")
+    parser.add_argument("--draft-damp", type=float, metavar="F",
+                        help="scale the norms of the target's layers past the first --draft-layers by F "
+                             "(e.g. 0.05), so the cut draft foretells it (a measurable acceptance)")
     parser.add_argument("--batches", type=positive_ints, help="throughput: requests at once (32,128,512)")
     parser.add_argument("--input-len", type=positive_int, help="throughput: prompt tokens (256)")
     parser.add_argument("--output-len", type=positive_int, help="throughput: output tokens (256)")
@@ -280,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quote_back and args.model in builtin_config_names():
         parser.error("--quote-back: a built-in config has dummy weights, which quote nothing; give a model "
                      "folder or .gguf file")
+    if args.draft_damp is not None and not 0 < args.draft_damp <= 1:
+        parser.error(f"--draft-damp: a factor in (0, 1], got {args.draft_damp}")
     if args.draft and max(args.draft_layers) > num_layers:
         parser.error(f"--draft-layers: {max(args.draft_layers)} is more than {args.model}'s {num_layers} layers")
     return args

@@ -233,5 +233,19 @@ def write_truncated_copy(engine: Engine, num_layers: int, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def damp_layers_after(engine: Engine, num_layers: int, factor: float) -> None:
+    """Scale the two norm weights of the engine's decoder layers from `num_layers` on by
+    `factor`: what the attention reads as values and what the MLP reads shrink with it (q and
+    k are normed again where the family norms them), so each of those layers adds a small
+    update to the stream the first `num_layers` computed, and a draft cut to those layers
+    (`write_truncated_copy`, which rebuilds them unscaled) agrees with the target often. It
+    makes a dummy target whose acceptance by a cut draft is measurable; the weights are
+    changed in place, so captured graphs read them."""
+    with torch.no_grad():
+        for layer in engine.runner.model.model.layers[num_layers:]:
+            layer.input_layernorm.weight.mul_(factor)
+            layer.post_attention_layernorm.weight.mul_(factor)
+
+
 def blocks_for(max_model_len: int, block_size: int, num_requests: int) -> int:
     return num_requests * math.ceil(max_model_len / block_size)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,7 @@ from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402
 from spillway.worker.config import WorkerConfig  # noqa: E402
 from spillway.worker.engine import Engine  # noqa: E402
 from tests.worker.tiny_models import save_tiny_qwen3  # noqa: E402
-from tools.bench_spec_runs import write_truncated_copy  # noqa: E402
+from tools.bench_spec_runs import damp_layers_after, write_truncated_copy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,19 @@ def test_a_truncated_copy_holds_the_first_layers_and_decodes_like_the_target_whe
     assert greedy_tokens(copy) == greedy_tokens(target)
 
 
+def test_a_damped_target_is_foretold_by_its_cut_draft(tiny_model, tmp_path):
+    """Past the draft's layers, a damped target only nudges the stream: the one-layer cut decodes
+    as the damped target does, while undamped the two part ways."""
+    target = Engine(WorkerConfig(model=tiny_model, load_format="dummy", dtype="float32", device="cpu", seed=3))
+    write_truncated_copy(target, 1, tmp_path / "one")
+    draft = Engine(WorkerConfig(model=str(tmp_path / "one"), dtype="float32", device="cpu"))
+    first_layer = [p.clone() for p in target.runner.model.model.layers[0].parameters()]
+    assert greedy_tokens(draft) != greedy_tokens(target)
+    damp_layers_after(target, 1, 1e-4)
+    assert greedy_tokens(draft) == greedy_tokens(target)
+    assert all(torch.equal(a, b) for a, b in zip(first_layer, target.runner.model.model.layers[0].parameters()))
+
+
 def greedy_tokens(engine: Engine) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.add_request(Generate(request_id="a", prompt_token_ids=list(range(20, 36)), block_hashes=[], params=params))
@@ -102,6 +116,7 @@ def greedy_tokens(engine: Engine) -> list[int]:
     (["--model", "no-such-model"], "--model: 'no-such-model' is neither a built-in config"),
     (["--draft-layers", "3"], "--draft-layers: 3 is more than"),
     (["--new-tokens", "10", "--k", "8"], "--new-tokens: at least twice the largest k + 1"),
+    (["--draft-damp", "0"], "--draft-damp: a factor in (0, 1], got 0.0"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(tiny_model, flags, message):
     model = [] if "--model" in flags else ["--model", tiny_model]
