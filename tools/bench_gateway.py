@@ -46,7 +46,7 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int) -> None:
     from spillway.gateway.app import ServerSettings, build_app
     from spillway.protocol.config import WorkerConfig
 
-    config = WorkerConfig(model=folder, served_model_name=SERVED_NAME, max_model_len=4096, load_format="dummy",
+    config = WorkerConfig(model=folder, served_model_name=SERVED_NAME, max_model_len=32768, load_format="dummy",
                           max_num_seqs=max_num_seqs)
     rng = random.Random(0)
     script = [rng.randrange(256, 49152) for _ in range(997)]  # random text, as bench_serve's prompts

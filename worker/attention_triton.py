@@ -11,6 +11,13 @@ is the same without the store, for a layer whose k/v an earlier kernel already w
     anything else (prefill, extend, mixed prefill + decode)
         -> paged_prefill_attention  (ragged; decodes are sequences with query_len 1)
 
+The decode kernel is compiled per Q and per split count (its grid's third axis, chosen from
+the batch), and a variant first met mid-serving stalls its step for the ~1 s of the compile
+(a burst of 49 four-token extends on a 10k-token prefix did). So Q > 1 takes the decode
+kernel only where a runner verifies drafts (`max_decode_query_len` 8, whose verify graphs
+compile those variants at start); elsewhere it is 1 and same-length extends take the prefill
+kernel, whose variants the start-up warm-up compiles.
+
 Metadata comes in two forms; `forward` accepts either.
 
 1. `build_metadata(query_lens, starts, block_tables, slot_mapping, *, context_lens=None,
@@ -105,7 +112,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with the Triton kernels; q/k/v may be strided views of a fused qkv."""
 
-    def __init__(self, block_size: int, scale: float | None = None, max_decode_query_len: int = 8) -> None:
+    def __init__(self, block_size: int, scale: float | None = None, max_decode_query_len: int = 1) -> None:
         super().__init__(block_size, scale)
         self.max_decode_query_len = max_decode_query_len
 

@@ -186,6 +186,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None
 
+    @property
+    def waits_for_loads(self) -> bool:
+        """Nothing to compute until loads from the CPU tier land: the last plan was empty, no
+        step is in flight, and requests wait for their blocks (the busy loop then polls the
+        inbox with a short timeout instead of spinning)."""
+        plan = self.last_plan
+        return (self._in_flight is None and plan is not None and not plan.chunks
+                and self.scheduler.num_awaiting_load > 0)
+
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
-from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, num_blocks_for_memory
+from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend, num_blocks_for_memory
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
@@ -89,7 +89,8 @@ class Executor:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, num_blocks=None, block_size=block_size, device=device, dtype=dtype,
-                                  kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                                  kv_cache_dtype=kv_cache_dtype, backend=default_backend(device, block_size, speculative),
+                                  max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)
 

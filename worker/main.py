@@ -51,6 +51,9 @@ IDLE_POLL_MS = 1000
 # (each a decode and an add, ~0.1-1 ms for a long prompt) must not hold back the step that
 # commits tokens already computed, nor the admission of the requests taken in so far.
 DRAIN_BUDGET_S = 0.002
+# With nothing to compute until a load from the CPU tier lands (a 10k-token prefix takes
+# ~27 ms), the inbox is polled this long between checks of the device, not in a spin.
+LANDING_POLL_MS = 1
 
 
 def local_main() -> int:
@@ -128,7 +131,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
         received = 0
-        timeout = 0 if engine.has_work else IDLE_POLL_MS
+        timeout = IDLE_POLL_MS if not engine.has_work else LANDING_POLL_MS if engine.waits_for_loads else 0
         for data in take_messages(poller, inp, timeout, lambda: engine.has_work):
             try:
                 msg = dec.decode(data)

@@ -77,12 +77,18 @@ def num_blocks_for_memory(config, block_size: int, dtype: torch.dtype, memory_by
     return max(0, int(memory_bytes) // kv_block_bytes(config, block_size, dtype))
 
 
-def default_backend(device: torch.device, block_size: int) -> AttentionBackend:
-    """The Triton kernels on CUDA, plain torch elsewhere."""
+# The longest same-length query that takes the decode kernel where steps verify drafts
+# (worker/attention_triton.py: one compiled variant per length).
+MAX_VERIFY_QUERY_LEN = 8
+
+
+def default_backend(device: torch.device, block_size: int, verifies: bool = False) -> AttentionBackend:
+    """The Triton kernels on CUDA, plain torch elsewhere. `verifies`: steps will verify drafts
+    (k + 1 queries a request), which the decode kernel serves up to MAX_VERIFY_QUERY_LEN."""
     if device.type == "cuda":
         from spillway.worker.attention_triton import TritonAttentionBackend
 
-        return TritonAttentionBackend(block_size)
+        return TritonAttentionBackend(block_size, max_decode_query_len=MAX_VERIFY_QUERY_LEN if verifies else 1)
     return TorchAttentionBackend(block_size)
 
 

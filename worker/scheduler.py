@@ -121,6 +121,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_awaiting_load(self) -> int:
+        """Running requests admitted on prefix blocks whose load has not landed yet."""
+        return len(self._awaiting_load)
+
     def request_ids(self) -> list[str]:
         """Every unfinished request's id, waiting or running."""
         return list(self._requests)

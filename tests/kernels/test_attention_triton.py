@@ -35,11 +35,12 @@ def _step(query_lens, starts, *, num_heads, num_kv_heads, head_dim, block_size=1
     return tables.to(device), torch.tensor(slots, dtype=torch.int64, device=device), cache, q, k, v
 
 
-def _compare(query_lens, starts, *, tolerance=1e-5, **shape):
+def _compare(query_lens, starts, *, tolerance=1e-5, max_decode_query_len=1, **shape):
     tables, slots, cache, q, k, v = _step(query_lens, starts, **shape)
     num_rows = sum(query_lens)
     results = []
-    for backend in (TorchAttentionBackend(shape.get("block_size", 16)), TritonAttentionBackend(shape.get("block_size", 16))):
+    block_size = shape.get("block_size", 16)
+    for backend in (TorchAttentionBackend(block_size), TritonAttentionBackend(block_size, None, max_decode_query_len)):
         layer_cache = cache.clone()
         metadata = backend.build_metadata(query_lens, starts, tables, slots)
         out = backend.forward(1, q, k, v, layer_cache, metadata)
@@ -62,8 +63,24 @@ def test_decode_batch_uses_the_decode_kernel():
 
 
 def test_speculative_batch_uses_the_decode_kernel():
-    metadata = _compare([4, 4], [13, 30], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    metadata = _compare([4, 4], [13, 30], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+                        max_decode_query_len=8)
     assert metadata.decode is not None and metadata.decode.query_len == 4
+
+
+def test_same_length_extends_take_the_prefill_kernel_where_nothing_verifies():
+    """The decode kernel compiles a variant per query length: without verification, a burst of
+    4-token extends must not meet one mid-serving."""
+    metadata = _compare([4, 4], [13, 30], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    assert metadata.decode is None and metadata.prefill is not None
+
+
+def test_runners_verify_with_the_decode_kernel_only_when_speculating():
+    from spillway.worker.model_runner import MAX_VERIFY_QUERY_LEN, default_backend
+
+    cuda = torch.device("cuda")
+    assert default_backend(cuda, 16).max_decode_query_len == 1
+    assert default_backend(cuda, 16, verifies=True).max_decode_query_len == MAX_VERIFY_QUERY_LEN
 
 
 def test_decode_metadata_with_padding_sequences():
@@ -93,7 +110,7 @@ def test_gpu_bf16_matches_torch_backend(query_lens):
     starts = torch.randint(0, 1500, (len(query_lens),), generator=generator).tolist()
     starts[0] = 0
     _compare(query_lens, starts, num_heads=32, num_kv_heads=8, head_dim=128, padded_rows=3,
-             dtype=torch.bfloat16, device="cuda", tolerance=1e-2)
+             dtype=torch.bfloat16, device="cuda", tolerance=1e-2, max_decode_query_len=8)
 
 
 def test_staged_device_tensors_are_used_as_given():

@@ -69,9 +69,11 @@ def test_requests_on_blocks_still_landing_wait_without_holding_up_others_or_the_
         steps.append(sorted(chunk.request.request_id for chunk in plan.chunks))
     assert steps == [["other"], ["other"], ["other"]]
     assert not plan.kv_copies.cpu_to_gpu  # the second request shares the load on its way
+    assert harness.scheduler.num_awaiting_load == 2
     del harness.scheduler.loads_landed  # back to the real one: the loads have landed
     plan, _ = harness.step()
     assert sorted(chunk.request.request_id for chunk in plan.chunks) == ["same-prefix", "turn-2"]
+    assert harness.scheduler.num_awaiting_load == 0
     harness.run()
     assert harness.cached["turn-2"] == 20 and harness.cached["same-prefix"] == 20
 
