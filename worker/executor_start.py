@@ -54,18 +54,17 @@ def _max_model_len(config: WorkerConfig, hf_config, window: int | None) -> int:
 
 
 def pool_blocks(executor: Executor, config: WorkerConfig, limits: Limits, *, tensor_parallel: bool) -> int:
-    """The KV pool's block count: the override, else what fits this device, at most what
-    `max_num_seqs` full-length requests use; with `tensor_parallel`, the smallest over the ranks
-    (all_reduce MIN), so that a block id names the same slot in every rank's pool. ValueError
-    when the pool holds less than one `max_model_len` sequence."""
+    """The KV pool's block count: the override (the same on every rank), else what fits this
+    device, at most what `max_num_seqs` full-length requests use; with `tensor_parallel`, the
+    smallest over the ranks (all_reduce MIN), so that a block id names the same slot in every
+    rank's pool. ValueError when the pool holds less than one `max_model_len` sequence."""
     if config.num_gpu_blocks_override is not None:
         if config.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be at least 1")
-        num_blocks = config.num_gpu_blocks_override
-    else:
-        with_graphs = executor.device.type == "cuda" and not config.enforce_eager
-        num_blocks = executor.kv_pool_blocks(gpu_memory_utilization=config.gpu_memory_utilization,
-                                             with_graphs=with_graphs)
+        return config.num_gpu_blocks_override
+    with_graphs = executor.device.type == "cuda" and not config.enforce_eager
+    num_blocks = executor.kv_pool_blocks(gpu_memory_utilization=config.gpu_memory_utilization,
+                                         with_graphs=with_graphs)
     blocks_per_request = math.ceil(limits.max_model_len / config.block_size)
     num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_request)
     if tensor_parallel:
