@@ -59,17 +59,19 @@ def worker_config(args: argparse.Namespace):
         raise ValueError(f"two different models given: {args.model_tag!r} and --model {args.model!r}")
     config, files = engine_config(
         args.model or args.model_tag, load_format=args.load_format,
-        served_model_name=args.served_model_name[0] if args.served_model_name else None, dtype=args.dtype,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None, spell=_flag,
+        dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
+        tensor_parallel_size=args.tensor_parallel_size,
         speculative=speculative_config(
             speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
             speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
-            speculative_config=args.speculative_config),
+            speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size),
     )
     return config, files.name
 
@@ -125,7 +127,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
         settings = _server_settings(args)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     start_worker = None
     if args.worker_address is None:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
@@ -211,7 +213,7 @@ def worker_command(args: argparse.Namespace) -> int:
         keys = _worker_keys(args, args.connect)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway worker: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     logging.getLogger("spillway").info("worker for %s connecting to %s", config.served_model_name, args.connect)
     try:
         return run_worker(config, inbox, outbox, parent_pid=None, keys=keys)

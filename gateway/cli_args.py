@@ -75,7 +75,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-model", help="a draft model with the target's tokenizer")
     spec.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per step")
-    spec.add_argument("--speculative-draft-tensor-parallel-size", type=int, help="1 (no tensor parallelism yet)")
+    spec.add_argument("--speculative-draft-tensor-parallel-size", type=int, help="1 or --tensor-parallel-size")
     spec.add_argument("--speculative-config", metavar="JSON",
                       help='{"method": "draft_model" | "ngram", "num_speculative_tokens": K, '
                            '"prompt_lookup_min": N, "prompt_lookup_max": N}')

@@ -4,13 +4,14 @@ WorkerConfig they become."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
+import json
 import math
+from collections.abc import Callable, Mapping
 
 from spillway.protocol import envs
 from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, worker_config_from_env
 from spillway.protocol.model_files import ModelFiles, resolve_model
+from spillway.protocol.tensor_parallel import feature_problems, layout_problems
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -21,7 +22,6 @@ NOT_YET = (
     ("swap_space", 0, "a swap space apart from the CPU KV tier (--cpu-offload-gb)"),
     ("quantization", None, "quantised execution"),
     ("enable_lora", False, "LoRA adapters"),
-    ("tensor_parallel_size", 1, "tensor parallelism"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
     ("kv_transfer_config", None, "KV transfer between instances (disaggregated prefill)"),
     ("additional_config", None, "platform plugins' additional configuration"),
@@ -33,6 +33,11 @@ ALWAYS_ON = (
                                "(--max-num-batched-tokens): the scheduler has no whole-prompt prefill"),
 )
 ALWAYS_ON_NAMES = frozenset(name for name, _ in ALWAYS_ON)
+
+
+class RefusedArgument(ValueError):
+    """An argument the model or the other arguments rule out, found once the model is known
+    (the command line exits with status 2 for it, as for a flag refused outright)."""
 
 
 def refusals(values: Mapping[str, object], spell: Callable[[str, object], str]) -> list[str]:
@@ -88,10 +93,27 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_tensor_parallel(files: ModelFiles, size: int, *, cpu_offload_gb: float, speculative: bool,
+                          spell: Callable[[str, object], str]) -> None:
+    """RefusedArgument naming the argument (as `spell` writes it) when `size` ranks cannot split
+    the model (its config.json's heads, KV heads and intermediate size) or run the other settings."""
+    if not _is_int(size) or size < 1:
+        raise RefusedArgument(f"{spell('tensor_parallel_size', size)}: must be a positive integer")
+    if size == 1:
+        return
+    with open(files.path / "config.json", encoding="utf-8") as f:
+        problems = layout_problems(size, json.load(f))
+    problems += feature_problems(size, cpu_offload_gb=cpu_offload_gb, speculative=speculative)
+    if problems:
+        raise RefusedArgument(f"{spell('tensor_parallel_size', size)}: " + "; ".join(problems))
+
+
 def engine_config(model: str | None, *, load_format: str = "auto", served_model_name: str | None = None,
+                  spell: Callable[[str, object], str] = lambda name, value: f"{name}={value!r}",
                   **settings) -> tuple[WorkerConfig, ModelFiles]:
     """Check the arguments, resolve the model (converting a GGUF file once) and build the
-    worker's configuration, its kernel switches from this process's environment."""
+    worker's configuration, its kernel switches from this process's environment. `spell`
+    writes an argument as the caller's user gave it, for the messages."""
     defaults = WorkerConfig()
     settings["cpu_offload_gb"] = cpu_tier_gib(settings.get("cpu_offload_gb"), settings.pop("kv_offloading_size", None))
     if settings["cpu_offload_gb"] and not settings.get("enable_prefix_caching", True):
@@ -100,6 +122,8 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
         "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
         "kv_cache_dtype", "dtype")})
     files = resolve_model(model, load_format)  # ValueError for unknown models
+    check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
+                          speculative=settings.get("speculative") is not None, spell=spell)
     config = worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
                                     load_format=files.load_format, **settings)
     return config, files

@@ -76,8 +76,8 @@ class LLM:
         for name in unsupported:
             if name not in NOT_YET_NAMES and name not in ALWAYS_ON_NAMES:
                 raise ValueError(f"LLM() got an unknown argument {name!r}")
-        problems = refusals({**unsupported, "tensor_parallel_size": tensor_parallel_size},
-                            lambda name, value: f"LLM({name}={value!r})")
+        spell = lambda name, value: f"LLM({name}={value!r})"  # noqa: E731
+        problems = refusals(unsupported, spell)
         if problems:
             raise ValueError("; ".join(problems))
         if tokenizer is not None and tokenizer != model:
@@ -86,6 +86,7 @@ class LLM:
             model,
             load_format=load_format,
             served_model_name=served_model_name,
+            spell=spell,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             device=device,
@@ -101,10 +102,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size,
             speculative=spec_args.speculative_config(
                 speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                 speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,
-                speculative_config=speculative_config),
+                speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size),
         )
         try:
             self._hf_tokenizer = model_files.load_tokenizer(files)

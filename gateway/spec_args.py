@@ -2,7 +2,7 @@
 
     --speculative-model M                      a draft model (method draft_model)
     --num-speculative-tokens K                 drafts per step (0 or absent: no speculation)
-    --speculative-draft-tensor-parallel-size   1 (no tensor parallelism yet)
+    --speculative-draft-tensor-parallel-size   1 or --tensor-parallel-size
     --speculative-config JSON                  {"method": "draft_model" | "ngram" | "replay",
                                                 "num_speculative_tokens": K, "model": ...,
                                                 "prompt_lookup_min": .., "prompt_lookup_max": ..}
@@ -27,7 +27,8 @@ KEYS = tuple(SpeculativeConfig.__struct_fields__)
 
 def speculative_config(*, speculative_model: str | None = None, num_speculative_tokens: int | None = None,
                        speculative_draft_tensor_parallel_size: int | None = None,
-                       speculative_config: str | Mapping | None = None) -> SpeculativeConfig | None:
+                       speculative_config: str | Mapping | None = None,
+                       tensor_parallel_size: int = 1) -> SpeculativeConfig | None:
     """The worker's speculative configuration, or None when nothing asks for speculation;
     ValueError naming the bad value otherwise."""
     settings = _parse_json(speculative_config)
@@ -42,7 +43,7 @@ def speculative_config(*, speculative_model: str | None = None, num_speculative_
         settings[field] = value
     if not settings or (settings.keys() <= {"num_speculative_tokens", "draft_tensor_parallel_size"}
                         and settings.get("num_speculative_tokens") in (None, 0)
-                        and settings.get("draft_tensor_parallel_size") in (None, 1)):
+                        and settings.get("draft_tensor_parallel_size") in (None, 1, tensor_parallel_size)):
         return None  # nothing asks for speculation (vLLM's "0 tokens" included)
     if "method" not in settings:
         if settings.get("model"):
@@ -58,7 +59,7 @@ def speculative_config(*, speculative_model: str | None = None, num_speculative_
         config = msgspec.convert(settings, SpeculativeConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"speculative config: {exc}") from None
-    problem = config.problem()
+    problem = config.problem(tensor_parallel_size)
     if problem is not None:
         raise ValueError(problem)
     return config

@@ -49,16 +49,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
     replay_path: str | None = None
     disable_by_batch_size: int = 32
 
-    def problem(self) -> str | None:
-        """Why a worker cannot run this configuration, or None."""
+    def problem(self, tensor_parallel_size: int = 1) -> str | None:
+        """Why a worker of `tensor_parallel_size` ranks cannot run this configuration, or None."""
         if self.method not in SPECULATIVE_METHODS:
             return f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             return f"num_speculative_tokens must be an integer of at least 1, got {k!r}"
-        if self.draft_tensor_parallel_size != 1:
-            return (f"speculative draft tensor parallel size must be 1 (no tensor parallelism yet), "
-                    f"got {self.draft_tensor_parallel_size!r}")
+        if self.draft_tensor_parallel_size not in (1, tensor_parallel_size):
+            return (f"speculative draft tensor parallel size must be 1 or the tensor parallel size "
+                    f"({tensor_parallel_size}), got {self.draft_tensor_parallel_size!r}")
         if self.method == "draft_model" and not self.model:
             return "the draft_model method needs a speculative model"
         if self.method != "draft_model" and self.model:
@@ -99,6 +99,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool | None = None
     hash_seed: bytes = DEFAULT_HASH_SEED
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Executor processes, one per device, each holding a shard of the model (worker/tp_group.py).
+    tensor_parallel_size: int = 1
     # Kernel switches, on by default; off only to measure what they save (SPILLWAY_PDL=0,
     # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).
     programmatic_launch: bool = True  # Triton kernels with programmatic dependent launch

@@ -7,8 +7,6 @@ here (see main.py).
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import torch
 
@@ -27,7 +25,7 @@ from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
-from spillway.worker.executor import Executor, load_model
+from spillway.worker.executor_start import build_executor, finish_start, pool_blocks
 from spillway.worker.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
@@ -38,6 +36,7 @@ from spillway.worker.scheduler import Scheduler
 from spillway.worker.spec.decoder import SpecDecoder
 from spillway.worker.spec.setup import build_spec_decoder
 from spillway.worker.stats import collect_stats
+from spillway.worker.tp_group import RankGroup, check_tensor_parallel
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
 
@@ -52,24 +51,17 @@ class Engine:
         files = loader.resolve_model(config.model, config.load_format)
         self.model_name = config.served_model_name or files.name
         hf_config = loader.load_config(files)
-        self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
-        model = load_model(hf_config, files, device=self.device, dtype=self.dtype, seed=config.seed,
-                           input_major_weights=config.input_major_weights)
-        window = getattr(model, "sliding_window", None)
-        if window is not None and self.max_model_len > window:
-            # Sliding-window attention is not implemented: stay within one window, exactly.
-            if config.max_model_len is not None:
-                raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding "
-                                 f"window ({window}), which Spillway does not implement yet")
-            self.max_model_len = window
+        self.group: RankGroup | None = None  # tensor parallelism: the other ranks
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(config, hf_config, self.device)
+            self.group = RankGroup(config, self.device)
+            self.device = self.group.device
+        self.executor, limits = build_executor(config, files, hf_config, device=self.device, dtype=self.dtype,
+                                               kv_cache_dtype=self.kv_cache_dtype,
+                                               shard=self.group.shard if self.group else None)
+        self.max_model_len, self.max_num_batched_tokens = limits.max_model_len, limits.max_num_batched_tokens
         self.block_size = config.block_size
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
-        self.executor = Executor(model, block_size=self.block_size, device=self.device, dtype=self.dtype,
-                                 kv_cache_dtype=self.kv_cache_dtype, max_num_seqs=config.max_num_seqs,
-                                 max_num_batched_tokens=self.max_num_batched_tokens,
-                                 max_model_len=self.max_model_len,
-                                 speculative=config.speculative is not None)
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.spec: SpecDecoder | None = None
@@ -79,14 +71,14 @@ class Engine:
                 dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                 block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
                 cuda_graphs=self.device.type == "cuda" and not config.enforce_eager)
-        num_blocks = self._num_blocks(hf_config)
+        num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
         if num_cpu_blocks:
             self.executor.allocate_cpu_kv_cache(num_cpu_blocks)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.executor.capture_graphs()
-        self.executor.warm_up()
+        finish_start(self.executor, config)
+        if self.group is not None:
+            self.executor.step_sender = self.group.send_step
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
@@ -113,25 +105,6 @@ class Engine:
     def runner(self) -> ModelRunner:
         """The executor's model runner (benchmarks reach the graphs and the KV pool through it)."""
         return self.executor.runner
-
-    def _num_blocks(self, hf_config) -> int:
-        config = self.config
-        if config.num_gpu_blocks_override is not None:
-            if config.num_gpu_blocks_override < 1:
-                raise ValueError("num_gpu_blocks_override must be at least 1")
-            return config.num_gpu_blocks_override
-        num_blocks = self.executor.kv_pool_blocks(
-            hf_config, gpu_memory_utilization=config.gpu_memory_utilization,
-            with_graphs=self.device.type == "cuda" and not config.enforce_eager)
-        # No point in more blocks than max_num_seqs full-length requests can use.
-        blocks_per_request = math.ceil(self.max_model_len / self.block_size)
-        num_blocks = min(num_blocks, config.max_num_seqs * blocks_per_request)
-        if num_blocks < blocks_per_request:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; lower max_model_len or give it more memory"
-            )
-        return num_blocks
 
     def _num_cpu_blocks(self, hf_config) -> int:
         config = self.config
@@ -312,3 +285,8 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.group is not None:
+            self.group.stop()

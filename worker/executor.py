@@ -2,7 +2,8 @@
 
 The driver (worker/engine.py: scheduler, requests, sampler state) sends each step to the
 executor as a `PackedStep`, plain data that never points at a request, so the same step can
-be broadcast to N executors (tensor parallelism) without change. One executor for now.
+be broadcast to N executors without change: with tensor parallelism, rank 0's executor sends
+each step to the other ranks' (`step_sender`, worker/tp_group.py) before running it itself.
 
 Start-up, in this order on CUDA (the pool is what is left once the model and one step fit):
 
@@ -16,16 +17,18 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
-from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend, num_blocks_for_memory
+from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
+from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 logger = logging.getLogger(__name__)
@@ -60,13 +63,19 @@ class PackedStep:
 
 
 def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,
-               seed: int, input_major_weights: bool = True) -> nn.Module:
-    """The model with its weights (random ones for the dummy format), laid out for `device`."""
+               seed: int, input_major_weights: bool = True, shard: tuple[int, int] | None = None) -> nn.Module:
+    """The model with its weights (random ones for the dummy format), laid out for `device`.
+
+    `shard`: `(rank, world_size)` of the default process group: every rank loads the whole
+    model (dummy weights from the same seed, so the same model whatever the size), then keeps
+    its shard, before the linear layers are re-laid for the device (both find the shards)."""
     model = model_class_for(hf_config).build(hf_config, device=device, dtype=dtype)
     if files.load_format == "dummy":
         loader.init_dummy_weights(model, seed=seed)
     else:
         model.load_weights(loader.iter_weights(files))
+    if shard is not None:
+        shard_model(model, *shard)
     if device.type == "cpu":
         packed = pack_linear_layers(model)
         logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
@@ -93,12 +102,15 @@ class Executor:
                                   max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)
+        # Tensor parallelism, on rank 0: sends each step (and its fed tokens) to the other ranks.
+        self.step_sender: Callable[[PackedStep, torch.Tensor | None], None] | None = None
 
-    def kv_pool_blocks(self, hf_config, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
+    def kv_pool_blocks(self, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
         """How many KV blocks fit this device: on CUDA, the utilisation's share of the GPU less
         what is in use (weights, CUDA context, other processes), the peak a step of
         max_num_batched_tokens adds and the graphs' logits buffer (`ModelRunner.graph_logits_bytes`,
-        larger with verify graphs); 1 GiB on the CPU."""
+        larger with verify graphs); 1 GiB on the CPU. A block holds this device's KV heads only
+        (a tensor-parallel rank's share: `ModelRunner.kv_block_bytes`)."""
         runner = self.runner
         if self.device.type != "cuda":
             budget = CPU_KV_CACHE_BYTES
@@ -111,7 +123,7 @@ class Executor:
             logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "
                         "buffers, %.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
                         activation_peak / 2**30, max(budget, 0) / 2**30)
-        return num_blocks_for_memory(hf_config, runner.block_size, runner.kv_cache_dtype, int(budget))
+        return max(0, int(budget) // runner.kv_block_bytes)
 
     @torch.inference_mode()
     def _activation_peak(self) -> int:
@@ -185,6 +197,8 @@ class Executor:
         `fed_tokens`: the step before's sampled ids on the device, when `step.feed_rows` is
         set. The result may be a view of a buffer that the next step overwrites.
         """
+        if self.step_sender is not None:
+            self.step_sender(step, fed_tokens if step.feed_rows else None)
         if step.kv_copies.gpu_to_cpu or step.kv_copies.cpu_to_gpu:
             self.copy_kv(step.kv_copies)
         elif self.kv_copier is not None:

@@ -97,6 +97,7 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
                                         traceback=traceback.format_exc())))
         return 1
     finally:
+        engine.close()
         ctx.destroy(linger=2000)
     return 0
 

@@ -150,6 +150,12 @@ class ModelRunner:
         model = self.model
         return (model.num_layers, 2, self.block_size, model.num_kv_heads, model.head_dim)
 
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block of this runner's pool: its model's KV heads (a tensor-parallel
+        rank's share of them), every layer, in the cache's dtype."""
+        return math.prod(self.kv_cache_shape) * self.kv_cache_dtype.itemsize
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         # Zeroed, not empty: the attention kernels read a float8 cache's slots past a context
         # in its last block, which must never hold NaN (kernels/fp8.py).

@@ -28,6 +28,15 @@ def test_settings_become_one_config(settings, expected):
     assert speculative_config(**settings) == expected
 
 
+def test_the_draft_takes_the_targets_tensor_parallel_size():
+    config = speculative_config(speculative_model="d", num_speculative_tokens=2,
+                                speculative_draft_tensor_parallel_size=2, tensor_parallel_size=2)
+    assert config.draft_tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"must be 1 or the tensor parallel size \(2\), got 4"):
+        speculative_config(speculative_model="d", num_speculative_tokens=2,
+                           speculative_draft_tensor_parallel_size=4, tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"speculative_model": "d", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer of at least 1"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": -2}}, "at least 1, got -2"),

@@ -1,0 +1,37 @@
+"""What a tensor-parallel size needs of the model and of the other settings, checked by the
+gateway (before a worker starts, with the flag's name) and by the worker (before its ranks
+start). The worker's sharding (worker/models/tensor_parallel.py) splits query heads, KV heads
+(replicating them when fewer than the ranks and dividing their number) and the MLP's
+intermediate size evenly. Imports only the standard library."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+def layout_problems(size: int, config: Mapping) -> list[str]:
+    """Why `size` ranks cannot split the model of Hugging Face `config` (a config.json's values)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    intermediate = config["intermediate_size"]
+    problems = []
+    if heads % size:
+        problems.append(f"{size} does not divide the model's {heads} attention heads")
+    if kv_heads % size if kv_heads >= size else size % kv_heads:
+        problems.append(f"{size} and the model's {kv_heads} KV heads do not divide one another (the KV heads "
+                        f"are split across the ranks, or replicated when fewer)")
+    if intermediate % size:
+        problems.append(f"{size} does not divide the model's intermediate size {intermediate}")
+    return problems
+
+
+def feature_problems(size: int, *, cpu_offload_gb: float, speculative: bool) -> list[str]:
+    """The features a worker of `size` > 1 ranks does not run yet."""
+    problems = []
+    if size > 1 and cpu_offload_gb:
+        problems.append("the CPU KV tier (--cpu-offload-gb, --kv-offloading-size) does not work with tensor "
+                        "parallelism yet")
+    if size > 1 and speculative:
+        problems.append("speculative decoding (--speculative-config, --speculative-model) does not work with "
+                        "tensor parallelism yet")
+    return problems

@@ -1,0 +1,139 @@
+"""A tensor-parallel worker on the CPU: two gloo ranks (the worker and one `tp_rank` process).
+
+`LLM(tensor_parallel_size=2)` generates, token for token, what one process generates; sizes the
+model cannot split are refused before any worker starts; each rank sizes its pool from its own
+KV heads; the step broadcast delivers rank 0's steps and fed tokens unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spillway.gateway import LLM, SamplingParams
+from spillway.protocol import model_files
+from spillway.worker.executor import Executor, PackedStep
+from spillway.worker.model_runner import ChunkInput
+from spillway.worker.models import build_model
+from spillway.worker.models.tensor_parallel import shard_model
+from spillway.worker.step_plan import KVCopies
+from spillway.worker.tp_group import StepChannel
+from tiny_models import save_tiny_qwen3
+
+CPU = torch.device("cpu")
+# Prompts of several lengths, one past the step budget (so later steps mix its prefill chunk
+# with the others' decodes), and one sampled request: the seeded sampler runs on rank 0 only.
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 70)), [3], list(range(100, 121))]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+def generate(model: str, tensor_parallel_size: int, **settings) -> list[list[int]]:
+    # No block override: each rank sizes its pool, and the group takes the smallest (all_reduce MIN).
+    llm = LLM(model=model, tensor_parallel_size=tensor_parallel_size, device="cpu", max_model_len=256,
+              max_num_seqs=8, max_num_batched_tokens=32, **settings)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [greedy] * 3 + [sampled])
+        return [list(output.outputs[0].token_ids) for output in outputs]
+    finally:
+        llm.shutdown()
+
+
+def test_two_ranks_generate_what_one_process_does(tiny_qwen3):
+    alone = generate(tiny_qwen3, 1)
+    assert generate(tiny_qwen3, 2) == alone
+    assert all(len(tokens) == 12 for tokens in alone) and len({tuple(t) for t in alone}) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("model, size, numbers", [
+    (None, 2, "the model's 3 KV heads"),  # SmolLM2-135M: 9 heads, 3 KV heads
+    ("tiny", 3, "3 does not divide the model's 4 attention heads; 3 and the model's 2 KV heads"),
+])
+def test_sizes_the_model_cannot_split_are_refused(tiny_qwen3, model, size, numbers):
+    with pytest.raises(ValueError) as refused:
+        LLM(model=tiny_qwen3 if model == "tiny" else model, load_format="dummy" if model is None else "auto",
+            tensor_parallel_size=size, device="cpu")
+    assert f"LLM(tensor_parallel_size={size}): " in str(refused.value) and numbers in str(refused.value)
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "--speculative-config"),
+])
+def test_features_not_yet_run_by_ranks_are_refused(tiny_qwen3, settings, named):
+    with pytest.raises(ValueError, match=f"LLM\\(tensor_parallel_size=2\\): .*{named}.*tensor parallelism yet"):
+        LLM(model=tiny_qwen3, tensor_parallel_size=2, device="cpu", **settings)
+
+
+def test_a_rank_sizes_its_pool_from_its_own_kv_heads(tiny_qwen3):
+    """On the CPU the pool's budget is fixed (1 GiB): a rank holding half the KV heads fits twice the blocks."""
+    files = model_files.resolve_model(tiny_qwen3)
+    config = model_files.load_config(files)
+    whole = build_model(config, device=CPU, dtype=torch.float32)
+    half = build_model(config, device=CPU, dtype=torch.float32)
+    shard_model(half, 0, 2)  # rank 0 of 2's shapes (sharding itself calls no collective)
+    blocks = [Executor(model, block_size=16, device=CPU, dtype=torch.float32, kv_cache_dtype=torch.float32,
+                       max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+              .kv_pool_blocks(gpu_memory_utilization=0.9, with_graphs=False) for model in (whole, half)]
+    assert json.load(open(files.path / "config.json"))["num_key_value_heads"] == 2
+    assert blocks[1] == 2 * blocks[0] > 0
+
+
+STEPS = [
+    PackedStep([ChunkInput([1, 2, 3], 0, [0, 1]), ChunkInput([9], 4, [2])], [], [], [0, 1],
+               KVCopies(gpu_to_cpu=((1, 2),)), [2, 3], 1),
+    PackedStep([ChunkInput([0], 3, [0, 1]), ChunkInput([7, 8], 0, [3]), ChunkInput([0], 4, [2])],
+               [0, 2], [2, 0], [0, 1, 2]),
+]
+FED = torch.tensor([11, 12, 13, 14])
+
+
+def _broadcast_rank(rank: int, rendezvous: str, queue) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    channel = StepChannel(CPU)
+    try:
+        if rank == 0:
+            for step in STEPS:
+                channel.send(step, FED if step.feed_rows else None)
+            channel.stop()
+            return
+        received = []
+        while True:
+            step, fed = channel.receive()
+            received.append((step, None if fed is None else fed.tolist()))
+            if step is None:
+                break
+        queue.put(received)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_step_broadcast_delivers_each_step_its_fed_tokens_and_the_stop(tmp_path):
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    mp.start_processes(_broadcast_rank, args=(f"file://{tmp_path}/rendezvous", queue), nprocs=2,
+                       start_method="spawn")
+    # The fed tokens travel up to the step's largest source row: [11, 12, 13] for sources [2, 0].
+    assert queue.get(timeout=10) == [(STEPS[0], None), (STEPS[1], [11, 12, 13]), (None, None)]
+
+
+def test_qwen3_dummy_weights_generate_the_same_on_two_ranks():
+    """The built-in qwen3-0.6b config with dummy weights: each rank generates the whole model
+    from the seed, then keeps its shard, so both sizes run the same model."""
+    def run(size: int) -> list[list[int]]:
+        with LLM(model="qwen3-0.6b", load_format="dummy", tensor_parallel_size=size, device="cpu",
+                 max_model_len=128, num_gpu_blocks_override=32, max_num_seqs=4) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            return [list(output.outputs[0].token_ids) for output in outputs]
+
+    assert run(2) == run(1)
