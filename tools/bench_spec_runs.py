@@ -24,6 +24,7 @@ from spillway.worker.engine import Engine
 from spillway.worker.models import build_model, loader
 from spillway.worker.spec.decoder import SpecDecoder
 from spillway.worker.spec.setup import build_spec_decoder
+from spillway.worker.spec.switch import SpeculationSwitch
 from spillway.worker.step_plan import StepPlan
 
 
@@ -80,8 +81,12 @@ def attach_spec(engine: Engine, config: SpeculativeConfig | None, *, always_on: 
 
 
 def recount(engine: Engine) -> CountedSpec:
-    """The attached speculation with its counts from zero: the same proposer (a draft model
-    stays loaded) and switch (its acceptance estimate is what the runs so far measured)."""
+    """The attached speculation with its counts from zero and its switch as a server starts
+    it: the same proposer (a draft model stays loaded) and costs, but nothing of what the
+    warm-up measured (its prompt is not one the replay proposer knows)."""
+    old = engine.spec.switch
+    engine.spec.switch = SpeculationSwitch(old.num_speculative_tokens, max_batch_size=old.max_batch_size,
+                                           draft_cost=old.draft_cost, verify_cost=old.verify_cost)
     engine.spec = CountedSpec(engine.spec)
     return engine.spec
 

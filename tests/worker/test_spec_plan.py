@@ -109,7 +109,12 @@ def test_the_switch_turns_speculation_off_for_large_batches_and_losing_acceptanc
     assert switch.lookahead(8) == 4 and switch.lookahead(9) == 0
     switch.observe(num_slots=40, num_accepted_tokens=4)  # 0.1 < 0.15: a loss
     assert switch.gain() == pytest.approx(1.4 / 1.6)
-    assert [switch.lookahead(1) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # a probe every 3 steps
+    answers = []
+    for _ in range(9):
+        answers.append(switch.lookahead(1))
+        if answers[-1]:
+            switch.observe(num_slots=4, num_accepted_tokens=0)  # the probe still loses
+    assert answers == [0, 0, 4, 0, 0, 0, 0, 0, 4]  # a probe after 3 steps, the next after 6
     switch.observe(num_slots=8, num_accepted_tokens=6)
     assert switch.lookahead(1) == 4 and switch.gain() == pytest.approx(4.0 / 1.6)
     switch.observe(num_slots=0, num_accepted_tokens=0)  # no slot offered: nothing learnt
@@ -126,7 +131,7 @@ def test_each_probe_that_still_loses_doubles_the_wait_for_the_next():
             steps += 1
         gaps.append(steps)
         switch.observe(num_slots=4, num_accepted_tokens=0)  # the probe: slots offered, nothing accepted
-    assert gaps == [2, 4, 8, 8, 8]
+    assert gaps == [1, 4, 8, 8, 8]  # the first step probes; then 2 doubled by each failed probe
     switch.observe(num_slots=4, num_accepted_tokens=4)  # it pays again: on, and the wait starts over
     assert switch.lookahead(1) == 4
     switch.observe(num_slots=4, num_accepted_tokens=0)
@@ -177,10 +182,20 @@ def test_replay_proposes_the_recorded_continuation_while_it_holds():
     assert proposer.propose([make_request("b", [3])], [2])[0].token_ids == ()
 
 
-def test_a_proposer_that_finds_nothing_turns_speculation_off_within_a_few_steps():
-    switch = SpeculationSwitch(4)  # the defaults: prior 0.5, costs of an n-gram proposer
-    steps_on = 0
-    while switch.lookahead(32):
-        steps_on += 1
-        switch.observe(num_slots=32 * 4, num_accepted_tokens=0)
-    assert steps_on <= 8
+def test_a_proposer_that_finds_nothing_costs_one_step_then_a_probe_per_growing_interval():
+    switch = SpeculationSwitch(4)  # the defaults: it starts off, probing at its first step
+    assert switch.lookahead(32) == 4
+    switch.observe(num_slots=0, num_accepted_tokens=0)  # a prefill step: no slot, the probe goes on
+    on = [1]
+    for step in range(2, 257):
+        if switch.lookahead(32):
+            on.append(step)
+            switch.observe(num_slots=32 * 4, num_accepted_tokens=0)
+    assert on == [1, 2, 34, 98, 226]  # the wait doubles from 16 after each probe
+
+
+def test_one_probe_that_pays_turns_speculation_on():
+    switch = SpeculationSwitch(4)
+    assert switch.lookahead(1) == 4
+    switch.observe(num_slots=4, num_accepted_tokens=3)
+    assert switch.acceptance == pytest.approx(0.225) and switch.lookahead(1) == 4

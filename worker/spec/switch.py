@@ -18,7 +18,14 @@ r >= draft_cost + verify_cost, and the batch is at most
 the measured rate makes it a loss it stops, and one step in `probe_interval` speculates
 again to measure whether it pays again; each probe that finds it still a loss doubles that
 interval (up to `max_probe_interval`: a speculating step cannot run ahead of the device, so
-probes cost where speculation never pays). The defaults are estimates, not measurements.
+probes cost where speculation never pays). A probe lasts until a step offers draft slots
+(a prompt's prefill offers none) and its outcome is observed.
+
+It starts off, with an acceptance of 0 and a probe at the first step: text that never
+repeats then costs one speculating step, then one per growing interval. A prior of 0.5
+kept it on for the first ~7 steps as well, and on a batch of 32 random prompts those steps
+(each committing the step in flight before planning) cost more than the probes. The
+defaults are estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -34,16 +41,16 @@ class SpeculationSwitch:
     max_batch_size: int = 32
     draft_cost: float = 0.0
     verify_cost: float = 0.05
-    acceptance: float = 0.5  # accepted / drafted tokens: a moving average of what is measured
+    acceptance: float = 0.0  # accepted / drafted tokens: a moving average of what is measured
     # Weight of a new measurement. A step's measurement already averages its batch's slots;
-    # at 0.3 a proposer that finds nothing turns speculation off within ~7 steps of the 0.5
-    # prior (each such step gives up running ahead: at 0.1 it took ~22, 5% of a 256-step run).
+    # at 0.3 one probe turns speculation on where it measures 3.3x the break-even acceptance,
+    # and a proposer that stops finding drafts turns it off within a few steps.
     smoothing: float = 0.3
     probe_interval: int = 16
     max_probe_interval: int = 256
     _steps_off: int = 0
     _interval: int = 0  # the probe interval now: probe_interval, doubled by each failed probe
-    _probing: bool = False
+    _probing: bool = True  # the first step that offers slots measures the proposer
 
     def gain(self) -> float:
         """E(k) / C(k) at the current acceptance estimate."""
@@ -55,7 +62,9 @@ class SpeculationSwitch:
         if batch_size > self.max_batch_size:
             return 0
         if self.gain() >= 1.0:
-            self._steps_off, self._interval = 0, self.probe_interval
+            self._steps_off, self._interval, self._probing = 0, self.probe_interval, False
+            return self.num_speculative_tokens
+        if self._probing:  # no step has offered a slot since the probe began
             return self.num_speculative_tokens
         self._steps_off += 1
         if self._steps_off >= (self._interval or self.probe_interval):
@@ -66,9 +75,10 @@ class SpeculationSwitch:
     def observe(self, num_slots: int, num_accepted_tokens: int) -> None:
         """One speculating step's counts, draft slots offered and drafts accepted: the
         acceptance estimate moves toward their ratio."""
-        if num_slots:
-            measured = num_accepted_tokens / num_slots
-            self.acceptance += self.smoothing * (measured - self.acceptance)
+        if not num_slots:
+            return  # nothing learnt (no one-token decode to draft after); a probe goes on
+        measured = num_accepted_tokens / num_slots
+        self.acceptance += self.smoothing * (measured - self.acceptance)
         if self._probing:
             self._probing = False
             if self.gain() < 1.0:
