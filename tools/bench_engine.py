@@ -77,7 +77,9 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
     prompt = [rng.randrange(256, engine.vocab_size) for _ in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[], params=params))
-    first = sum(len(d.new_token_ids) for d in engine.step())  # the prefill and the first token
+    first = 0
+    while not first:  # the prefill and the first token (a call later when the prefill ran ahead)
+        first = sum(len(d.new_token_ids) for d in engine.step())
     assert first == 1, first
     torch.cuda.synchronize()
     started, tokens = time.perf_counter(), 0

@@ -54,3 +54,21 @@ def test_the_throughput_rows_count_the_matrix_products_of_the_built_in_configs()
     assert abs(layers + head + embedding - 8.19e9) / 8.19e9 < 0.01
     layers_32b, _ = matmul_params("qwen3-32b")  # 64 layers of 5,120: ~31.2B in its layers
     assert abs(layers_32b - 31.2e9) / 31.2e9 < 0.01
+
+
+def test_decode_timing_waits_for_a_first_token_that_comes_a_call_late(tmp_path, monkeypatch):
+    """With asynchronous scheduling the prefill step runs ahead and its token comes back from
+    the next call: the timing starts after it, and counts every decoded token."""
+    import torch
+
+    from spillway.protocol.config import WorkerConfig
+    from spillway.worker.engine import Engine
+    from tests.worker.tiny_models import save_tiny_qwen3
+    from tools.bench_engine import decode_ms_per_token
+
+    save_tiny_qwen3(tmp_path)
+    engine = Engine(WorkerConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
+                                 async_scheduling=True))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert decode_ms_per_token(engine, 8, 6, "a") > 0
+    assert engine.num_async_steps > 0  # the path that returned no token at the first call
