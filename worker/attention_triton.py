@@ -127,6 +127,8 @@ def shared_prefix_len(starts: list[int], host_block_tables, block_size: int,
     if limit * block_size < min_tokens:
         return 0
     leading = np.asarray(host_block_tables[: len(starts), :limit])
+    if (leading[1:, 0] != leading[0, 0]).any():  # the usual batch of unrelated sequences: O(B)
+        return 0
     differs = (leading[1:] != leading[0]).any(axis=0)
     shared = int(differs.argmax()) if differs.any() else limit
     return shared * block_size if shared * block_size >= min_tokens else 0
