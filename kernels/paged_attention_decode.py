@@ -25,7 +25,6 @@ cache holds q's dtype, or float8 e4m3: its keys and values are then converted to
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -40,6 +39,7 @@ from spillway.kernels.utils import (
     check_tensor,
     dtypes_for_cache,
     for_device,
+    multiprocessor_count,
     next_power_of_2,
     wait_for_inputs,
 )
@@ -156,13 +156,6 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """Splits per request: 1 when the (request, KV head) programs already number 1.5x the
     multiprocessors, else about four programs per multiprocessor, each split at least 256
@@ -176,7 +169,7 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int,
     split than 2; batch 8 x 8192 best at 8 splits, batch 1 x 32k at 32-64.
     """
     programs = max(1, batch_size * num_kv_heads)
-    num_sms = _num_sms(device)
+    num_sms = multiprocessor_count(device)
     if 2 * programs >= 3 * num_sms:
         return 1
     wanted = min(-(-4 * num_sms // programs), max(1, max_context_len // 256), 64)

@@ -185,11 +185,24 @@ def paged_prefill_attention(
     (module docstring; `prefill_num_splits` picks one). Rows past `query_start_loc[B]` are
     left unspecified. q may be a strided view with a contiguous last dim.
     """
+    check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len)
+    check(isinstance(num_splits, int) and num_splits >= 1 and num_splits & (num_splits - 1) == 0,
+          f"num_splits must be a power of two, got {num_splits}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
+        return out
+    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+                   num_splits)
+
+
+def check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len) -> None:
+    """ValueError naming the argument unless they describe a ragged batch over `kv_cache`:
+    what `paged_prefill_attention` and kernels/cascade_attention.py take."""
     device = kv_cache.device
     check_cache(kv_cache, layer)
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     check_tensor("q", q, ndim=3, dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
-    num_tokens, num_heads, _ = q.shape
+    num_heads = q.shape[1]
     check(q.shape[2] == head_dim, f"q's head_dim is {q.shape[2]}, the cache's {head_dim}")
     check(num_heads % num_kv_heads == 0,
           f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -201,13 +214,6 @@ def paged_prefill_attention(
         check(tensor.shape[0] == length, f"{name} has {tensor.shape[0]} entries, expected {length}")
     check(isinstance(max_query_len, int) and max_query_len >= 0,
           f"max_query_len must be an int >= 0, got {max_query_len}")
-    check(isinstance(num_splits, int) and num_splits >= 1 and num_splits & (num_splits - 1) == 0,
-          f"num_splits must be a power of two, got {num_splits}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_seqs == 0 or max_query_len == 0 or num_tokens == 0:
-        return out
-    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-                   num_splits)
 
 
 def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,

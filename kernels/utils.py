@@ -179,6 +179,14 @@ def check_tensor(
         check(tensor.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
 
 
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (8 stands in for the CPU): what split counts fill."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 

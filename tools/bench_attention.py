@@ -5,8 +5,16 @@ setting beside the others in the same run and against the read bandwidth measure
     python tools/bench_attention.py --cache-dtype fp8 --shapes 512x1000-2000
     python tools/bench_attention.py --extend 32x4128,64x4160,32x32800   # prefill kernel, key splits
 
+    python tools/bench_attention.py --convoy                # 50x4@10000: cascade vs prefill kernel
+
 `--extend NEWxCONTEXT`: the prefill kernel on one sequence's NEW tokens after a cached prefix
 (CONTEXT tokens in all), bf16 cache, with 1, 2, 4, 8 and 16 key splits against 1.
+
+`--convoy SEQSxNEW@PREFIX` (default 50x4@10000): SEQS sequences of NEW new tokens each, after
+PREFIX tokens in the same blocks and 0-15 cached tokens of their own, bf16 cache, one layer:
+cascade attention (its default split count, then 1, 2, 4, 8, 16) against the prefill kernel
+as an eager step runs it (1 split), with the KV bytes each reads and the host time of finding
+the shared prefix.
 
 A shape is BATCHxCONTEXT or BATCHxLOW-HIGH (contexts drawn uniformly, seed 0); Qwen3-8B heads
 (32 query, 8 KV heads of 128), blocks of 16 tokens in shuffled order. Bytes counted are the
@@ -27,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tools.bench_ceilings import bench_ms, machine, read_bandwidth  # noqa: E402
 
 DEFAULT_SHAPES = "64x4096,512x1000-2000,200x1040"
+BLOCK_SIZE = 16
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -47,15 +56,36 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return [parse_shape(part) for part in text.split(",")]
 
 
+def parse_convoy(text: str) -> tuple[int, int, int]:
+    """`(seqs, new, prefix)` of `SEQSxNEW@PREFIX`; PREFIX whole blocks of 16 tokens."""
+    try:
+        counts, prefix = text.split("@")
+        seqs, new = counts.split("x")
+        shape = int(seqs), int(new), int(prefix)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"convoy {text!r} is not SEQSxNEW@PREFIX") from None
+    if not (shape[0] >= 2 and shape[1] > 0 and shape[2] > 0 and shape[2] % BLOCK_SIZE == 0):
+        raise argparse.ArgumentTypeError(f"convoy {text!r}: SEQS >= 2, NEW > 0, PREFIX a positive multiple "
+                                         f"of {BLOCK_SIZE} (the block size)")
+    return shape
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                         help="comma-separated BATCHxCONTEXT or BATCHxLOW-HIGH")
     parser.add_argument("--cache-dtype", choices=["bf16", "fp8", "both"], default="both")
     parser.add_argument("--extend", type=parse_shapes, help="comma-separated NEWxCONTEXT: the prefill kernel")
+    parser.add_argument("--convoy", type=parse_convoy, nargs="?", const=parse_convoy("50x4@10000"),
+                        help="SEQSxNEW@PREFIX (default 50x4@10000): cascade attention vs the prefill kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
+    if args.convoy:
+        from tools.bench_convoy import bench_convoy
+
+        bench_convoy(*args.convoy)
+        return
     if args.extend:
         bench_extend(args.extend)
         return

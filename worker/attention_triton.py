@@ -10,6 +10,9 @@ is the same without the store, for a layer whose k/v an earlier kernel already w
         -> paged_decode_attention   (decode Q = 1; speculative verification Q = k + 1)
     anything else (prefill, extend, mixed prefill + decode)
         -> paged_prefill_attention  (ragged; decodes are sequences with query_len 1)
+    an eager step of >= 2 sequences whose first CASCADE_MIN_TOKENS or more cached tokens sit
+    in the same blocks (`shared_prefix_len`), whatever their query lengths
+        -> cascade_attention        (the shared prefix's keys read once for all rows)
 
 The decode kernel is compiled per Q and per split count (its grid's third axis, chosen from
 the batch), and a variant first met mid-serving stalls its step for the ~1 s of the compile
@@ -21,10 +24,12 @@ kernel, whose variants the start-up warm-up compiles.
 Metadata comes in two forms; `forward` accepts either.
 
 1. `build_metadata(query_lens, starts, block_tables, slot_mapping, *, context_lens=None,
-   query_start_loc=None)` -> `TritonAttentionMetadata` for eager steps. block_tables int32
-   (int64 is cast), slot_mapping int64 with -1 for padded rows. Pass the int32 device tensors
-   `context_lens` [B] (= starts + query_lens) and `query_start_loc` [B + 1] when they are
-   already staged; otherwise they are built here with one small host-to-device copy.
+   query_start_loc=None, host_block_tables=None)` -> `TritonAttentionMetadata` for eager
+   steps. block_tables int32 (int64 is cast), slot_mapping int64 with -1 for padded rows.
+   Pass the int32 device tensors `context_lens` [B] (= starts + query_lens) and
+   `query_start_loc` [B + 1] when they are already staged; otherwise they are built here with
+   one small host-to-device copy. The shared prefix is found on `host_block_tables` (block
+   tables on the CPU serve as their own); without a host copy of device tables, never.
    `metadata_for(layout)` passes the views worker/step_inputs.py staged: the runner's way.
 
 2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph. The runner owns
@@ -50,8 +55,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from spillway.kernels.cascade_attention import cascade_attention
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
@@ -101,12 +108,40 @@ def graph_prefill_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor
     return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits)
 
 
+# A shared prefix shorter than this runs the plain kernels. Below 1,024 tokens one sequence's
+# reread of it is at most 4 MiB a layer with Qwen3-8B's KV heads (8 x 128 in bf16, 4 KiB a
+# token), under a microsecond of an H200's bandwidth, about what the cascade path adds (a
+# second launch, each row's split partials written and read back); a GPU measurement tunes it.
+CASCADE_MIN_TOKENS = 1024
+
+
+def shared_prefix_len(starts: list[int], host_block_tables, block_size: int,
+                      min_tokens: int = CASCADE_MIN_TOKENS) -> int:
+    """Tokens at the head of every sequence that sit in the same blocks and were cached before
+    this step: whole blocks, up to the first table column where a row differs from row 0 and
+    at most the smallest start. 0 for one sequence or under `min_tokens`. `host_block_tables`
+    [B, width] (a numpy array or CPU tensor) is compared column-wise: no device read."""
+    if len(starts) < 2:
+        return 0
+    limit = min(starts) // block_size
+    if limit * block_size < min_tokens:
+        return 0
+    leading = np.asarray(host_block_tables[: len(starts), :limit])
+    if (leading[1:, 0] != leading[0, 0]).any():  # the usual batch of unrelated sequences: O(B)
+        return 0
+    differs = (leading[1:] != leading[0]).any(axis=0)
+    shared = int(differs.argmax()) if differs.any() else limit
+    return shared * block_size if shared * block_size >= min_tokens else 0
+
+
 @dataclass(slots=True)
 class TritonAttentionMetadata(AttentionMetadata):
-    """Exactly one of `decode` and `prefill` is set."""
+    """Exactly one of `decode` and `prefill` is set; `shared_prefix_len` > 0 (prefill set) runs
+    cascade_attention over the prefill tensors."""
 
     decode: DecodeMetadata | None
     prefill: PrefillMetadata | None
+    shared_prefix_len: int = 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -125,9 +160,11 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         context_lens: torch.Tensor | None = None,
         query_start_loc: torch.Tensor | None = None,
+        host_block_tables: np.ndarray | torch.Tensor | None = None,
     ) -> TritonAttentionMetadata:
         """`context_lens` int32 [B] (starts + query_lens) and `query_start_loc` int32 [B + 1],
-        when the runner already has them on the device, save building and copying them here."""
+        when the runner already has them on the device, save building and copying them here;
+        `host_block_tables`, a host copy of block_tables, lets a shared prefix be found."""
         assert query_lens and all(n > 0 for n in query_lens), "every sequence needs at least one new token"
         device = slot_mapping.device
         row_starts = [0, *itertools.accumulate(query_lens)]
@@ -136,7 +173,10 @@ class TritonAttentionBackend(AttentionBackend):
         decode = prefill = None
         query_len = query_lens[0]
         num_seqs = len(query_lens)
-        if query_len <= self.max_decode_query_len and all(n == query_len for n in query_lens):
+        if host_block_tables is None and block_tables.device.type == "cpu":
+            host_block_tables = block_tables
+        shared = 0 if host_block_tables is None else shared_prefix_len(starts, host_block_tables, self.block_size)
+        if not shared and query_len <= self.max_decode_query_len and all(n == query_len for n in query_lens):
             if context_lens is None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
             decode = DecodeMetadata(tables, context_lens, slot_mapping, query_len)
@@ -146,14 +186,16 @@ class TritonAttentionBackend(AttentionBackend):
                 query_start_loc, context_lens = packed[: num_seqs + 1], packed[num_seqs + 1 :]
             prefill = PrefillMetadata(query_start_loc, context_lens, tables, max(query_lens))
         return TritonAttentionMetadata(
-            query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill
+            query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill,
+            shared_prefix_len=shared,
         )
 
     def metadata_for(self, layout: StepLayout) -> TritonAttentionMetadata:
         """The step's metadata over the views `layout` staged on the device in the step's one
         host-to-device copy: nothing is built or copied again."""
         return self.build_metadata(layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping,
-                                   context_lens=layout.context_lens, query_start_loc=layout.query_start_loc)
+                                   context_lens=layout.context_lens, query_start_loc=layout.query_start_loc,
+                                   host_block_tables=layout.host_block_tables)
 
     def forward(
         self,
@@ -186,10 +228,12 @@ class TritonAttentionBackend(AttentionBackend):
             decode, prefill = metadata.decode, metadata.prefill
         if decode is not None:
             return self._decode(layer_idx, q, kv_cache, decode, scale)
-        out = paged_prefill_attention(
-            q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
-            scale, prefill.max_query_len,
-        )
+        arguments = (q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
+                     scale, prefill.max_query_len)
+        if metadata.shared_prefix_len:
+            out = cascade_attention(*arguments, metadata.shared_prefix_len)
+        else:
+            out = paged_prefill_attention(*arguments)
         num_rows = metadata.query_start_loc[-1]
         if q.shape[0] > num_rows:
             out[num_rows:].zero_()

@@ -271,6 +271,22 @@ class ModelRunner:
         if num_blocks > min(self.kv_cache.shape[0], self.max_blocks_per_seq):
             return
         self._forward(self.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
+        self._warm_up_cascade()
+
+    def _warm_up_cascade(self) -> None:
+        """Compile cascade attention's kernels (worker/attention_triton.py) too: two one-token
+        sequences on CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what
+        the step above wrote: finite), each writing its token into a block of its own after
+        them. Skipped where the pool or a block table cannot hold that."""
+        from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
+
+        prefix_blocks = -(-CASCADE_MIN_TOKENS // self.block_size)
+        if prefix_blocks + 2 > self.kv_cache.shape[0] or prefix_blocks + 1 > self.max_blocks_per_seq:
+            return
+        prefix = list(range(prefix_blocks))
+        start = prefix_blocks * self.block_size
+        self._forward(self.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
+                                         ChunkInput([0], start, [*prefix, prefix_blocks + 1])]))
 
     def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the

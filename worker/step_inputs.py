@@ -46,6 +46,7 @@ class StepLayout:
     query_start_loc: torch.Tensor  # [seqs + 1]
     logits_rows: torch.Tensor  # [L]: the rows whose logits the step returns; empty: last_rows
     block_tables: torch.Tensor  # [seqs, width]
+    host_block_tables: np.ndarray | None = None  # the same in the host buffer, until the next step is staged
 
 
 # Every field starts 16 bytes into alignment and an unpadded step's block tables are a whole
@@ -133,7 +134,9 @@ class StepInputs:
 
     def _layout(self, query_lens, starts, num_rows: int, num_seqs: int, width: int,
                 num_logits_rows: int = 0) -> StepLayout:
-        return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width, num_logits_rows))
+        host_tables = self._fields(self.host_np, num_rows, num_seqs, width, num_logits_rows)[-1]
+        return StepLayout(query_lens, starts, *self._fields(self.dev, num_rows, num_seqs, width, num_logits_rows),
+                          host_block_tables=host_tables)
 
     def stage(self, chunks, logits_rows: Sequence[int] = ()) -> StepLayout:
         """Inputs for any batch of chunks, unpadded, block tables as wide as the longest context

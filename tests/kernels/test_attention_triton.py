@@ -1,18 +1,25 @@
 """TritonAttentionBackend against TorchAttentionBackend: the same step through both, the same
-cache afterwards, the same outputs; mixed, decode-only and speculative batches; the
-tensors-only DecodeMetadata with padding rows, as a CUDA-graph step uses it."""
+cache afterwards, the same outputs; mixed, decode-only and speculative batches; steps whose
+sequences share a cached prefix (the cascade path); the tensors-only DecodeMetadata with
+padding rows, as a CUDA-graph step uses it."""
 
 import pytest
 import torch
 from kernel_testing import gpu, random_tensor, relative_error
 
 from spillway.worker.attention import TorchAttentionBackend
-from spillway.worker.attention_triton import DecodeMetadata, TritonAttentionBackend
+from spillway.worker.attention_triton import (
+    CASCADE_MIN_TOKENS,
+    DecodeMetadata,
+    TritonAttentionBackend,
+    shared_prefix_len,
+)
 
 
 def _step(query_lens, starts, *, num_heads, num_kv_heads, head_dim, block_size=16, padded_rows=0,
-          dtype=torch.float32, device="cpu", seed=0):
-    """A batch: block tables (int64, 0-padded), slots (-1 for padded rows), q/k/v and a cache."""
+          dtype=torch.float32, device="cpu", seed=0, shared_blocks=0):
+    """A batch: block tables (int64, 0-padded), slots (-1 for padded rows), q/k/v and a cache.
+    Every sequence's first `shared_blocks` blocks are sequence 0's."""
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     context_lens = [start + n for start, n in zip(starts, query_lens)]
@@ -22,8 +29,10 @@ def _step(query_lens, starts, *, num_heads, num_kv_heads, head_dim, block_size=1
     tables = torch.zeros(len(query_lens), max(needed), dtype=torch.int64)
     slots = []
     for seq, (start, n, count) in enumerate(zip(starts, query_lens, needed)):
-        tables[seq, :count] = torch.tensor(order[:count])
-        order = order[count:]
+        shared = min(shared_blocks, count) if seq else 0
+        tables[seq, :shared] = tables[0, :shared]
+        tables[seq, shared:count] = torch.tensor(order[: count - shared])
+        order = order[count - shared :]
         for pos in range(start, start + n):
             slots.append(int(tables[seq, pos // block_size]) * block_size + pos % block_size)
     slots += [-1] * padded_rows
@@ -42,7 +51,8 @@ def _compare(query_lens, starts, *, tolerance=1e-5, max_decode_query_len=1, **sh
     block_size = shape.get("block_size", 16)
     for backend in (TorchAttentionBackend(block_size), TritonAttentionBackend(block_size, None, max_decode_query_len)):
         layer_cache = cache.clone()
-        metadata = backend.build_metadata(query_lens, starts, tables, slots)
+        host_tables = {"host_block_tables": tables.cpu()} if isinstance(backend, TritonAttentionBackend) else {}
+        metadata = backend.build_metadata(query_lens, starts, tables, slots, **host_tables)
         out = backend.forward(1, q, k, v, layer_cache, metadata)
         results.append((out, layer_cache, metadata))
     (expected, expected_cache, _), (out, out_cache, metadata) = results
@@ -113,6 +123,17 @@ def test_gpu_bf16_matches_torch_backend(query_lens):
              dtype=torch.bfloat16, device="cuda", tolerance=1e-2, max_decode_query_len=8)
 
 
+@gpu[0]
+@gpu[1]
+def test_gpu_bf16_cascade_matches_torch_backend():
+    query_lens = [4] * 12 + [1, 1, 30]
+    generator = torch.Generator().manual_seed(0)
+    starts = (4096 + torch.randint(0, 600, (len(query_lens),), generator=generator)).tolist()
+    metadata = _compare(query_lens, starts, num_heads=32, num_kv_heads=8, head_dim=128, padded_rows=3,
+                        dtype=torch.bfloat16, device="cuda", tolerance=1e-2, shared_blocks=4096 // 16)
+    assert metadata.shared_prefix_len == 4096
+
+
 def test_staged_device_tensors_are_used_as_given():
     backend = TritonAttentionBackend(16)
     tables, slots, cache, q, k, v = _step([3, 1], [0, 20], num_heads=4, num_kv_heads=2, head_dim=32)
@@ -124,3 +145,60 @@ def test_staged_device_tensors_are_used_as_given():
     reference = TorchAttentionBackend(16)
     expected = reference.forward(0, q, k, v, cache.clone(), reference.build_metadata([3, 1], [0, 20], tables, slots))
     assert relative_error(backend.forward(0, q, k, v, cache, metadata), expected) < 1e-5
+
+
+def _tables(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_shared_prefix_is_found_up_to_the_first_differing_column():
+    tables = _tables([7, 8, 9, 3, 0], [7, 8, 9, 4, 5], [7, 8, 9, 3, 6])
+    assert shared_prefix_len([64, 50, 60], tables, 16, min_tokens=32) == 48  # column 3 differs
+
+
+def test_shared_prefix_is_cut_to_the_earliest_start():
+    """A sequence whose new tokens begin inside the shared blocks would see them under a causal
+    mask: the prefix ends at the last whole block before every start, or is not used."""
+    tables = _tables([7, 8, 9, 3], [7, 8, 9, 3], [7, 8, 9, 3])
+    assert shared_prefix_len([64, 40, 60], tables, 16, min_tokens=32) == 32
+    assert shared_prefix_len([64, 31, 60], tables, 16, min_tokens=32) == 0  # 1 block: under the minimum
+
+
+def test_no_shared_prefix_for_one_sequence_or_a_differing_first_block():
+    assert shared_prefix_len([64], _tables([7, 8, 9, 3]), 16, min_tokens=16) == 0
+    assert shared_prefix_len([64, 64], _tables([7, 8, 9, 3], [2, 8, 9, 3]), 16, min_tokens=16) == 0
+
+
+def test_shared_prefix_under_the_minimum_is_not_used():
+    blocks = CASCADE_MIN_TOKENS // 16
+    tables = torch.arange(blocks + 1, dtype=torch.int32).repeat(2, 1)
+    tables[1, blocks - 1 :] = 999  # the tables differ from the last block of the minimum on
+    assert shared_prefix_len([CASCADE_MIN_TOKENS + 16] * 2, tables, 16) == 0
+    tables[1, blocks - 1] = tables[0, blocks - 1]
+    assert shared_prefix_len([CASCADE_MIN_TOKENS + 16] * 2, tables, 16) == CASCADE_MIN_TOKENS
+
+
+SHARED = CASCADE_MIN_TOKENS // 16 + 1  # blocks of 16 shared by every sequence below
+
+
+@pytest.mark.parametrize("query_lens,own", [([4, 1, 3], [0, 40, 7]), ([1, 1, 1], [5, 0, 70])],
+                         ids=["extends", "decodes"])
+def test_steps_sharing_a_prefix_take_the_cascade_path(query_lens, own):
+    """The forward over a shared prefix (decodes too) equals the plain-torch backend's."""
+    starts = [SHARED * 16 + n for n in own]
+    metadata = _compare(query_lens, starts, num_heads=4, num_kv_heads=2, head_dim=32, padded_rows=2,
+                        shared_blocks=SHARED)
+    assert metadata.shared_prefix_len == SHARED * 16 and metadata.prefill is not None
+
+
+def test_the_staged_host_tables_find_the_shared_prefix():
+    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.step_inputs import StepInputs
+
+    inputs = StepInputs(max_num_tokens=8, max_num_seqs=2, max_blocks_per_seq=SHARED + 2, block_size=16,
+                        device=torch.device("cpu"))
+    prefix = list(range(SHARED))
+    start = SHARED * 16 + 3
+    layout = inputs.stage([ChunkInput([1, 2], start, prefix + [SHARED]), ChunkInput([3], start, prefix + [SHARED + 1])])
+    assert layout.host_block_tables is not None
+    assert TritonAttentionBackend(16).metadata_for(layout).shared_prefix_len == SHARED * 16

@@ -136,7 +136,7 @@ def counted(function, calls: list[int]):
     return wrapper
 
 
-def runner_pair(family: str, seed: int = 0):
+def runner_pair(family: str, seed: int = 0, num_blocks: int = 24, max_model_len: int = 128):
     """The same random weights behind the CPU path (plain torch) and the CUDA path (kernels),
     and a list that grows by one each time a layer runs the fused qkv kernel."""
     from dataclasses import replace
@@ -161,8 +161,9 @@ def runner_pair(family: str, seed: int = 0):
     kernel_model.load_weights(torch_model.checkpoint_weights())
     runners = []
     for model, backend in ((torch_model, TorchAttentionBackend(BLOCK)), (kernel_model, TritonAttentionBackend(BLOCK))):
-        runners.append(ModelRunner(model, num_blocks=24, block_size=BLOCK, device=CPU, dtype=torch.float32,
-                                   backend=backend, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128))
+        runners.append(ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, device=CPU, dtype=torch.float32,
+                                   backend=backend, max_num_seqs=4, max_num_batched_tokens=128,
+                                   max_model_len=max_model_len))
     return runners[0], runners[1], fused_calls
 
 

@@ -1,0 +1,277 @@
+"""Cascade attention: a ragged batch whose sequences all begin with the same cached blocks reads
+that shared prefix's keys and values once for every query row, not once per sequence.
+
+The batch is the one kernels/paged_attention_prefill.py takes (rows of q packed sequence after
+sequence), plus `prefix_len`: the first `prefix_len` positions of every sequence sit in the
+same blocks (its block table's leading entries equal row 0's), and every new token lies at or
+after it, so it sees the whole prefix: no causal mask there. Two launches:
+
+    prefix pass   one program per (BLOCK_Q packed rows, KV head, key split): its rows, of any
+                  sequences, times the GROUP query heads of the KV head, against keys
+                  [s * L, (s + 1) * L) of the prefix, read through row 0's table; stores each
+                  row's (max, sum, acc) for its split
+    suffix pass   one program per (query tile, sequence, KV head), as in the prefill kernel,
+                  over the sequence's own keys [P, seq_len) (causal); then it folds in the
+                  prefix splits' partials, an online-softmax step each, and stores the output
+
+P is `prefix_len` rounded down to whole tiles of BLOCK_N keys, so the prefix pass reads only
+whole, unmasked tiles and the suffix starts on a tile; the few keys between P and
+`prefix_len` are read per sequence. The splits are sized on the host (`prefix_len` is a host
+int), every one of them holds keys: the merge needs no counts. Scores are in log2 units, as
+in the other attention kernels; a float8 cache is read as they read it (kernels/fp8.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, tile_piece
+from spillway.kernels.fp8 import cache_values, query_for_cache
+from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arguments, prefill_tile_sizes
+from spillway.kernels.utils import check, for_device, multiprocessor_count, wait_for_inputs
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_parts"])
+def _prefix_kernel(
+    q_ptr, cache_ptr, table_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    num_rows, prefix_end, split_len, num_parts,
+    stride_q_t, stride_q_h, stride_c_block, stride_c_kv, stride_c_token, stride_c_head, layer_offset, qk_scale,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    token = tl.program_id(0) * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < num_rows)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = token.to(tl.int64)
+    q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    q = query_for_cache(q, cache_ptr)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
+                                         stride_c_head, BLOCK_SIZE)
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_end)
+    for tile in range(start, end, BLOCK_N):  # whole tiles: prefix_end and split_len are multiples of BLOCK_N
+        k, v = load_kv_tile(key_base, value_base, table_ptr, tile, end, dims, stride_c_block, stride_c_token,
+                            q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, token, qk_scale,
+                                            False, DOT_PRECISION)
+    # Partials are [rows, NUM_HEADS, num_parts] (+ HEAD_DIM for acc), contiguous.
+    parts = (q_rows * NUM_HEADS + head) * num_parts + split
+    tl.store(part_max_ptr + parts, row_max, mask=row_valid)
+    tl.store(part_sum_ptr + parts, row_sum, mask=row_valid)
+    tl.store(part_acc_ptr + parts[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["prefix_end", "num_parts"])
+def _suffix_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr, prefix_end, num_parts,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_c_block, stride_c_kv, stride_c_token, stride_c_head, stride_bt, layer_offset, qk_scale,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_HEADS: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_inputs(PDL)
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    first_token = q_tile * BLOCK_Q
+    if first_token >= query_len:
+        return
+    cached_len = tl.load(seq_lens_ptr + seq) - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    query_pos = cached_len + token
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (query_start + token).to(tl.int64)
+    q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    q = query_for_cache(q, cache_ptr)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
+                                         stride_c_head, BLOCK_SIZE)
+    kv_end = cached_len + tl.minimum(first_token + BLOCK_Q, query_len)
+    # Keys before the tile's first query position are visible to all its rows: no mask there.
+    masked_start = tl.maximum(prefix_end, (cached_len + first_token) // BLOCK_N * BLOCK_N)
+    for tile in range(prefix_end, masked_start, BLOCK_N):
+        k, v = load_kv_tile(key_base, value_base, table, tile, kv_end, dims, stride_c_block, stride_c_token,
+                            q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, kv_end, query_pos, qk_scale,
+                                            False, DOT_PRECISION)
+    for tile in range(masked_start, kv_end, BLOCK_N):
+        k, v = load_kv_tile(key_base, value_base, table, tile, kv_end, dims, stride_c_block, stride_c_token,
+                            q.dtype, True, BLOCK_SIZE, BLOCK_N, PIECE)
+        acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, kv_end, query_pos, qk_scale,
+                                            True, DOT_PRECISION)
+
+    part_rows = (q_rows * NUM_HEADS + head) * num_parts
+    for part in range(num_parts):  # the prefix splits' partials: one more online-softmax step each
+        split_max = tl.load(part_max_ptr + part_rows + part, mask=row_valid, other=float("-inf"))
+        split_sum = tl.load(part_sum_ptr + part_rows + part, mask=row_valid, other=0.0)
+        split_acc = tl.load(part_acc_ptr + (part_rows + part)[:, None] * HEAD_DIM + dims[None, :],
+                            mask=row_valid[:, None], other=0.0)
+        new_max = tl.maximum(row_max, split_max)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha, beta = tl.math.exp2(row_max - shift), tl.math.exp2(split_max - shift)
+        row_sum = row_sum * alpha + split_sum * beta
+        acc = acc * alpha[:, None] + split_acc * beta[:, None]
+        row_max = new_max
+
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    out_offsets = q_rows * stride_o_t + head * stride_o_h
+    tl.store(out_ptr + out_offsets[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
+
+
+def cascade_num_splits(num_rows: int, num_kv_heads: int, group: int, head_dim: int, prefix_len: int,
+                       num_sms: int) -> int:
+    """Key splits of the prefix: enough (row tile, KV head, split) programs to fill the
+    multiprocessors about twice, each split at least MIN_SPLIT keys, at most 16. Every split
+    adds a partial per row and head to write and read back, so no more than that."""
+    block_q = prefill_tile_sizes(group, head_dim)[0]
+    programs = max(1, -(-num_rows // block_q) * num_kv_heads)
+    return max(1, min(-(-2 * num_sms // programs), prefix_len // MIN_SPLIT, 16))
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    prefix_len: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_prefill_attention` (same arguments, same result) for a batch whose sequences share
+    their first `prefix_len` positions' blocks, each sequence's new tokens all at or after it
+    (module docstring; the caller vouches for both: nothing is read back from the device).
+    `num_splits`: the prefix's key splits; None: `cascade_num_splits`. Every row of q is
+    attended to the prefix, rows past `query_start_loc[B]` are left unspecified."""
+    check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len)
+    table_len = block_tables.shape[1] * kv_cache.shape[3]
+    check(isinstance(prefix_len, int) and 0 <= prefix_len <= table_len,
+          f"prefix_len must be an int in 0..{table_len} (the block tables' reach), got {prefix_len}")
+    check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
+          f"num_splits must be None or an int >= 1, got {num_splits}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
+        return out
+    if num_splits is None:
+        group = q.shape[1] // kv_cache.shape[4]
+        num_splits = cascade_num_splits(q.shape[0], kv_cache.shape[4], group, kv_cache.shape[5], prefix_len,
+                                        multiprocessor_count(kv_cache.device))
+    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+                   num_splits, out)
+
+
+def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+            num_splits, out, prefix_rows=64, rows=64, num_warps=4, num_stages=2) -> torch.Tensor:
+    """Both passes on checked arguments; tile sizes and warps are open for tuning runs."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    device = kv_cache.device
+    block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, prefix_rows)
+    prefix_end = prefix_len // block_n * block_n
+    tiles = prefix_end // block_n
+    split_len = -(-tiles // num_splits) * block_n if tiles else 0
+    num_parts = -(-prefix_end // split_len) if tiles else 0
+    part_rows = num_tokens * num_heads * num_parts
+    parts = (out,) * 3  # unused without a prefix
+    if num_parts:
+        parts = (torch.empty(part_rows, dtype=torch.float32, device=device),
+                 torch.empty(part_rows, dtype=torch.float32, device=device),
+                 torch.empty(part_rows * head_dim, dtype=torch.float32, device=device))
+    cache_strides = (kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4))
+    shapes = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+                  PIECE=tile_piece(block_size, block_n), NUM_HEADS=num_heads,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=num_warps, num_stages=num_stages)
+    if num_parts:
+        grid = (triton.cdiv(num_tokens, block_q), num_kv_heads, num_parts)
+        for_device(_prefix_kernel, device)[grid](
+            q, kv_cache, block_tables, *parts, num_tokens, prefix_end, split_len, num_parts,
+            q.stride(0), q.stride(1), *cache_strides, layer * kv_cache.stride(1), scale * _LOG2E,
+            BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
+        )
+    block_q, block_m, _ = prefill_tile_sizes(group, head_dim, rows)
+    grid = (triton.cdiv(max_query_len, block_q), block_tables.shape[0], num_kv_heads)
+    for_device(_suffix_kernel, device)[grid](
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, *parts, prefix_end, num_parts,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
+        layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
+    )
+    return out
+
+
+def cascade_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    prefix_len: int,
+) -> torch.Tensor:
+    """`cascade_attention` in plain torch (float32): each row's scores over the shared prefix
+    (row 0's blocks, unmasked) and over its own keys after it (causal), softmax-ed apart and
+    merged through their log-sum-exps. Padded rows are 0."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_heads // num_kv_heads
+
+    def keys_and_values(seq: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = block_tables[seq, : -(-end // block_size)].long()
+        keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:end]
+        values = cache_values(kv_cache, layer)[blocks].reshape(-1, num_kv_heads, head_dim)[:end]
+        return (keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1))
+
+    def partial(rows: torch.Tensor, keys, values, visible) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.einsum("qhd,khd->hqk", rows.float(), keys) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values), torch.logsumexp(scores, -1).T
+
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = query_start_loc.tolist()
+    prefix_keys, prefix_values = keys_and_values(0, prefix_len)
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        rows = q[starts[seq] : starts[seq + 1]]
+        keys, values = keys_and_values(seq, seq_len)
+        query_pos = torch.arange(seq_len - rows.shape[0], seq_len, device=q.device)
+        own = torch.arange(prefix_len, seq_len, device=q.device)
+        suffix, suffix_lse = partial(rows, keys[prefix_len:], values[prefix_len:],
+                                     own[None, :] <= query_pos[:, None])
+        prefix, prefix_lse = partial(rows, prefix_keys, prefix_values,
+                                     torch.ones(rows.shape[0], prefix_len, dtype=torch.bool, device=q.device))
+        total_lse = torch.logaddexp(prefix_lse, suffix_lse)
+        out[starts[seq] : starts[seq + 1]] = (prefix * (prefix_lse - total_lse).exp()[..., None]
+                                              + suffix * (suffix_lse - total_lse).exp()[..., None])
+    return out.to(q.dtype)

@@ -1,0 +1,111 @@
+"""The convoy shape of tools/bench_attention.py (`--convoy`): many sequences with a few new tokens
+each on one long shared prefix (a batch of users on one document or system prompt), through
+cascade attention and through the prefill kernel, in the same run.
+
+The inputs are built by `convoy_inputs` on any device, so the CPU tests run the same code
+through Triton's interpreter on a small convoy; only `bench_convoy` needs a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spillway.kernels.cascade_attention import cascade_attention
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.worker.attention_triton import shared_prefix_len
+
+QWEN3_8B_HEADS = (32, 8, 128)  # query heads, KV heads, head_dim
+
+
+@dataclass(slots=True)
+class Convoy:
+    """One layer's step: q `[seqs * new, heads, head_dim]`, a cache of one layer and int32 tables
+    whose first `prefix_len // block_size` entries are the same blocks in every row."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    starts: list[int]
+    prefix_len: int
+    new: int
+
+
+def convoy_inputs(seqs: int, new: int, prefix_len: int, *, heads: tuple[int, int, int] = QWEN3_8B_HEADS,
+                  block_size: int = 16, own_max: int = 15, dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | str = "cuda", seed: int = 0) -> Convoy:
+    """`seqs` sequences of `new` new tokens after `prefix_len` shared tokens and 0..`own_max`
+    cached tokens of their own (seed `seed`); blocks past the prefix are each sequence's own."""
+    num_heads, num_kv_heads, head_dim = heads
+    generator = torch.Generator().manual_seed(seed)
+    own = torch.randint(0, own_max + 1, (seqs,), generator=generator).tolist()
+    prefix_blocks = prefix_len // block_size
+    own_blocks = [-(-(prefix_len + n + new) // block_size) - prefix_blocks for n in own]
+    tables = torch.zeros(seqs, prefix_blocks + max(own_blocks), dtype=torch.int32)
+    tables[:, :prefix_blocks] = torch.arange(prefix_blocks, dtype=torch.int32)
+    next_block = prefix_blocks
+    for seq, count in enumerate(own_blocks):
+        tables[seq, prefix_blocks : prefix_blocks + count] = torch.arange(next_block, next_block + count)
+        next_block += count
+    cache = torch.randn(next_block, 1, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(seqs * new, num_heads, head_dim, generator=generator).to(dtype)
+    starts = [prefix_len + n for n in own]
+    query_start_loc = torch.tensor([0, *itertools.accumulate([new] * seqs)], dtype=torch.int32)
+    seq_lens = torch.tensor([start + new for start in starts], dtype=torch.int32)
+    return Convoy(q.to(device), cache.to(device), query_start_loc.to(device), seq_lens.to(device),
+                  tables.to(device), starts, prefix_len, new)
+
+
+def convoy_launches(convoy: Convoy, split_counts=(None, 1, 2, 4, 8, 16)) -> dict[str, callable]:
+    """Labelled calls, each returning the step's attention: the prefill kernel as an eager step
+    runs it (1 split) first, then cascade attention with each of `split_counts` (None: its
+    default)."""
+    c = convoy
+    arguments = (c.q, c.kv_cache, 0, c.query_start_loc, c.seq_lens, c.block_tables, c.q.shape[2] ** -0.5, c.new)
+    launches = {"prefill kernel": lambda: paged_prefill_attention(*arguments)}
+    for splits in split_counts:
+        label = f"cascade, {'default' if splits is None else splits} splits"
+        launches[label] = lambda splits=splits: cascade_attention(*arguments, c.prefix_len, splits)
+    return launches
+
+
+def kv_bytes(convoy: Convoy, cascade: bool) -> int:
+    """Keys and values read: every context in full, or the prefix once and each sequence's own."""
+    tokens = int(convoy.seq_lens.sum())
+    if cascade:
+        tokens -= (len(convoy.starts) - 1) * convoy.prefix_len
+    num_kv_heads, head_dim = convoy.kv_cache.shape[4], convoy.kv_cache.shape[5]
+    return tokens * num_kv_heads * head_dim * 2 * convoy.kv_cache.element_size()
+
+
+def detection_us(convoy: Convoy, repeats: int = 1000) -> float:
+    """Host microseconds of finding the shared prefix on a host copy of the tables."""
+    host_tables = convoy.block_tables.cpu().numpy()
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        found = shared_prefix_len(convoy.starts, host_tables, convoy.kv_cache.shape[3])
+    assert found == convoy.prefix_len, f"found a shared prefix of {found} tokens, built {convoy.prefix_len}"
+    return (time.perf_counter() - begin) / repeats * 1e6
+
+
+def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
+    from tools.bench_ceilings import bench_ms, machine
+
+    convoy = convoy_inputs(seqs, new, prefix_len)
+    print(f"{machine()}; {seqs} sequences x {new} new tokens on a shared prefix of {prefix_len} tokens, "
+          f"Qwen3-8B heads, bf16 cache, one layer; finding the prefix: {detection_us(convoy):.1f} us on the host")
+    print(f"{'path':>22} {'us':>9} {'KV MB read':>11} {'max rel err':>11} {'speed vs prefill':>16}")
+    baseline_out = baseline_us = None
+    for label, launch in convoy_launches(convoy).items():
+        out = launch()
+        baseline_out = baseline_out if baseline_out is not None else out
+        error = float((out.float() - baseline_out.float()).norm() / baseline_out.float().norm())
+        us = 1e3 * bench_ms(launch)
+        baseline_us = baseline_us or us
+        megabytes = kv_bytes(convoy, label.startswith("cascade")) / 1e6
+        print(f"{label:>22} {us:9.1f} {megabytes:11.1f} {error:11.2e} {baseline_us / us:15.2f}x")
