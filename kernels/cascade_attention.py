@@ -76,7 +76,7 @@ def _prefix_kernel(
     tl.store(part_acc_ptr + parts[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["prefix_end", "num_parts"])
+@triton.jit(do_not_specialize=["prefix_end", "num_parts", "stride_bt"])
 def _suffix_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     part_max_ptr, part_sum_ptr, part_acc_ptr, prefix_end, num_parts,
