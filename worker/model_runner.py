@@ -277,11 +277,13 @@ class ModelRunner:
         """Compile cascade attention's kernels (worker/attention_triton.py) too: two one-token
         sequences on CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what
         the step above wrote: finite), each writing its token into a block of its own after
-        them. Skipped where the pool or a block table cannot hold that."""
+        them. Skipped where the pool, a block table or a step (one sequence at most: then no
+        step ever shares a prefix) cannot hold that."""
         from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
 
         prefix_blocks = -(-CASCADE_MIN_TOKENS // self.block_size)
-        if prefix_blocks + 2 > self.kv_cache.shape[0] or prefix_blocks + 1 > self.max_blocks_per_seq:
+        if (prefix_blocks + 2 > self.kv_cache.shape[0] or prefix_blocks + 1 > self.max_blocks_per_seq
+                or self.max_num_seqs < 2):
             return
         prefix = list(range(prefix_blocks))
         start = prefix_blocks * self.block_size

@@ -44,3 +44,7 @@ def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():
     _, kernel_runner, found = _runners(PREFIX_BLOCKS + 1)
     kernel_runner.warm_up(num_tokens=40)
     assert [metadata.shared_prefix_len for metadata in found] == [0]
+    _, kernel_runner, found = _runners(PREFIX_BLOCKS + 2)
+    kernel_runner.max_num_seqs = 1  # one request at a time (batch-1 benchmarks): no step shares a prefix
+    kernel_runner.warm_up(num_tokens=40)
+    assert [metadata.shared_prefix_len for metadata in found] == [0]
