@@ -129,6 +129,24 @@ class BlockManager:
         """The copies planned since the last call, for the step being planned (module doc)."""
         return self.tier.take_copies() if self.tier else NO_KV_COPIES
 
+    def write_back_ahead(self, max_blocks: int, max_scan: int) -> int:
+        """Plan CPU copies of up to `max_blocks` cached GPU blocks without one, from the GPU
+        LRU's head (the next evicted), looking at most `max_scan` blocks deep; into free CPU
+        slots only, and only once the ahead stores taken before have finished (one batch on
+        the copy stream at a time). Returns how many (worker/cpu_tier.py)."""
+        tier = self.tier
+        if tier is None or tier.num_ahead_pending or not tier.num_free:
+            return 0
+        planned = 0
+        for depth, block in enumerate(self._lru):
+            if planned == max_blocks or depth == max_scan:
+                break
+            if block.cpu_slot is None:
+                if not tier.store_ahead(block, block.gpu_slot):
+                    break
+                planned += 1
+        return planned
+
     def free_gpu_slots(self) -> list[int]:
         """The allocatable GPU slots in the order they are taken: free slots, then the slots
         of cached blocks from the LRU head."""
@@ -295,7 +313,9 @@ class BlockManager:
             return self._free_slots.popleft()
         block = self._lru.popleft()
         slot, block.gpu_slot = block.gpu_slot, None
-        if block.cpu_slot is None and not (self.tier and self.tier.store(block, slot)):
+        if block.cpu_slot is not None:
+            self.tier.evicted(block)  # written back ahead: the slot's reuse may wait for that store
+        elif not (self.tier and self.tier.store(block, slot)):
             self._drop_cpu_only(block)
         return slot
 

@@ -15,6 +15,13 @@ drop them.
 
 Every CPU copy belongs to a hashed block: a block with a CPU copy and no GPU slot is cached
 on the CPU only; evicting its CPU copy then frees the block (`drop` callback).
+
+Write-back ahead (`store_ahead`): cached GPU blocks near the head of the GPU LRU get a CPU
+copy before they are evicted, into free CPU slots only (never at the expense of a CPU-only
+copy), so that the eviction that later takes their slot has no store to wait for: a load
+into that slot (a CPU hit) then runs alone instead of behind a store of the same size. Those
+copies run on the store stream without holding up any forward; a step that evicts a block
+whose ahead store may still run (`evicted`) makes its forward and its loads wait for it.
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ class CpuTier:
         self._loading: set[int] = set()
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self._ahead: list[tuple[int, int]] = []  # this step's write-back ahead of eviction
+        self._ahead_ids: list[int] = []  # and the ids of its blocks
+        # Block ids of ahead stores taken whose completion the device has not confirmed
+        # (`ahead_stored` clears them), and whether this step evicts one of them.
+        self._ahead_pending: set[int] = set()
+        self._wait_for_ahead = False
         # What each owned CPU slot holds: the hash of the block stored there (invariants).
         self.slot_hashes: dict[int, BlockHash] = {}
         # Cumulative counts of blocks copied each way.
@@ -73,6 +86,40 @@ class CpuTier:
         self._stores.append((gpu_slot, slot))
         self.num_stored += 1
         return True
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_ahead_pending(self) -> int:
+        """Blocks whose ahead store was taken with a step's copies and may still run."""
+        return len(self._ahead_pending)
+
+    def store_ahead(self, block: Block, gpu_slot: int) -> bool:
+        """Give the cached GPU `block` a CPU copy now, into a free CPU slot (module doc); False
+        when none is free."""
+        assert block.block_hash is not None and block.cpu_slot is None
+        if not self._free_slots:
+            return False
+        slot = self._free_slots.popleft()
+        block.cpu_slot = slot
+        self.slot_hashes[slot] = block.block_hash
+        self._pinned[block.block_id] = block
+        self._ahead.append((gpu_slot, slot))
+        self._ahead_ids.append(block.block_id)
+        self.num_stored += 1
+        return True
+
+    def evicted(self, block: Block) -> None:
+        """The block's GPU slot goes to another block this step: if its ahead store may still
+        be reading that slot, the step waits for the ahead stores."""
+        if block.block_id in self._ahead_pending:
+            self._wait_for_ahead = True
+
+    def ahead_stored(self) -> None:
+        """Every ahead store taken so far has finished on the device."""
+        self._ahead_pending.clear()
 
     def pin(self, block: Block) -> None:
         """Keep the block's CPU copy until this step's copies are taken (a lookup hit it)."""
@@ -105,11 +152,18 @@ class CpuTier:
         for block in self._pinned.values():
             self._lru[block.block_id] = block
         self._pinned.clear()
-        if not self._stores and not self._loads:
+        if not (self._stores or self._loads or self._ahead or self._wait_for_ahead):
             return NO_KV_COPIES
-        copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads))
+        copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads),
+                          ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead)
+        if self._wait_for_ahead:
+            self._ahead_pending.clear()  # this step waits for all of them
+        self._ahead_pending.update(self._ahead_ids)
         self._stores.clear()
         self._loads.clear()
+        self._ahead.clear()
+        self._ahead_ids.clear()
+        self._wait_for_ahead = False
         return copies
 
     def forget(self, block: Block) -> None:

@@ -199,7 +199,7 @@ class Executor:
         """
         if self.step_sender is not None:
             self.step_sender(step, fed_tokens if step.feed_rows else None)
-        if step.kv_copies.gpu_to_cpu or step.kv_copies.cpu_to_gpu:
+        if step.kv_copies != NO_KV_COPIES:
             self.copy_kv(step.kv_copies)
         elif self.kv_copier is not None:
             self.kv_copier.wait_for_loads()

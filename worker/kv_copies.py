@@ -22,6 +22,11 @@ work at once; events order them:
   A CPU slot is never both a store's destination and a load's source in one step
   (worker/cpu_tier.py), so no other wait is needed between the two streams.
 
+Stores ahead of eviction (`KVCopies.ahead_to_cpu`, worker/cpu_tier.py) queue on the store
+stream after the step's stores, behind an event of their own that compute does not wait for;
+a later step that reuses one of their GPU slots (`wait_for_ahead`) makes its forward and its
+loads wait for that event. `ahead_stored` asks the device whether they have finished.
+
 Each direction is timed by events on its own stream (a load's time starts after its wait).
 On the CPU device the same copies run in order, synchronously.
 """
@@ -117,6 +122,7 @@ class KVCopier:
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self._landed: torch.cuda.Event | None = None  # the last step's loads, until compute waits for them
         self._last_loads: torch.cuda.Event | None = None  # the same, kept for `loads_landed`
+        self._ahead_stored: torch.cuda.Event | None = None  # after the last stores ahead of eviction
         # (started, finished) events per direction of the steps whose times are not read yet
         self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -130,25 +136,39 @@ class KVCopier:
         the stores when a load fills a GPU slot a store reads). Call before the step's forward,
         after `wait_for_loads`."""
         self.seconds()  # fold the finished timings: the lists stay short without stats reads
-        self.bytes_to_cpu += len(copies.gpu_to_cpu) * self.block_bytes
+        self.bytes_to_cpu += (len(copies.gpu_to_cpu) + len(copies.ahead_to_cpu)) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
         if self.store_stream is None:
             started = time.perf_counter()
-            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu)
+            copy_blocks(self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu + copies.ahead_to_cpu)
             stored = time.perf_counter()
             copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
             self._seconds_to_cpu += stored - started
             self._seconds_to_gpu += time.perf_counter() - stored
             return
         compute = torch.cuda.current_stream(self.gpu_pool.device)
+        if copies.wait_for_ahead and self._ahead_stored is not None:
+            # A GPU slot an ahead store reads is reused by this step: its forward writes it,
+            # and a load may fill it.
+            compute.wait_event(self._ahead_stored)
+            self.load_stream.wait_event(self._ahead_stored)
         # After loads compute has not waited for (no `wait_for_loads`): they may read the CPU
-        # slots these stores write, as one stream would have ordered them.
-        stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool, self.cpu_pool,
-                             copies.gpu_to_cpu, self._store_timings)
-        self._landed = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
-                                   self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
-        self._last_loads = self._landed
-        compute.wait_event(stored)
+        # slots these stores write, as one stream would have ordered them. A direction with
+        # nothing to copy queues nothing: an empty batch of stores would make the forward wait
+        # for whatever the store stream still runs (the ahead stores of a step before).
+        stored = None
+        if copies.gpu_to_cpu:
+            stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool, self.cpu_pool,
+                                 copies.gpu_to_cpu, self._store_timings)
+        if copies.ahead_to_cpu:
+            self._ahead_stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool,
+                                             self.cpu_pool, copies.ahead_to_cpu, self._store_timings)
+        if copies.cpu_to_gpu:
+            self._landed = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
+                                       self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
+            self._last_loads = self._landed
+        if stored is not None:
+            compute.wait_event(stored)
 
     @staticmethod
     def _queue(stream: torch.cuda.Stream, compute: torch.cuda.Stream, after: torch.cuda.Event | None,
@@ -166,6 +186,11 @@ class KVCopier:
             finished.record()
         timings.append((started, finished))
         return finished
+
+    def ahead_stored(self) -> bool:
+        """Whether every store ahead of eviction queued so far has finished (an event query);
+        on the CPU the copies ran when queued."""
+        return self._ahead_stored is None or self._ahead_stored.query()
 
     def loads_landed(self) -> bool:
         """Whether every load queued so far has landed (one stream: the last one has). Asks

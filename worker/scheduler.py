@@ -98,6 +98,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         # Running requests admitted on prefix blocks whose load has not landed (`loads_landed`).
         self._awaiting_load: set[str] = set()
+        # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
+        # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
+        self.write_ahead_blocks = 0
         # Cumulative, in prompt tokens, first schedulings only (never a resume).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -196,6 +199,8 @@ class Scheduler:
             if chunk is not None:  # None: it waits for a load
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
+        if self.write_ahead_blocks:
+            self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
         return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks),
                         self.block_manager.take_copies())
 

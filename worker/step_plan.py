@@ -32,11 +32,18 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class KVCopies:
-    """Block copies between the KV tiers that must run before the step's forward, as
-    (src_slot, dst_slot) pairs per direction (the CPU tier; none yet)."""
+    """Block copies between the KV tiers (the CPU tier, worker/kv_copies.py), as
+    (src_slot, dst_slot) pairs per direction: stores that must finish before the step's
+    forward (its GPU slots are reused), loads that land during it.
+
+    `ahead_to_cpu`: stores of cached blocks the GPU keeps (write-back ahead of eviction),
+    which nothing waits for until a later step reuses one of their GPU slots; that step's
+    `wait_for_ahead` is then set, and its forward and loads wait for every ahead store."""
 
     gpu_to_cpu: tuple[tuple[int, int], ...] = ()
     cpu_to_gpu: tuple[tuple[int, int], ...] = ()
+    ahead_to_cpu: tuple[tuple[int, int], ...] = ()
+    wait_for_ahead: bool = False
 
 
 NO_KV_COPIES = KVCopies()

@@ -119,3 +119,50 @@ def test_a_cpu_copy_that_disagrees_with_its_block_breaks_the_invariants():
 def test_the_tier_needs_prefix_caching():
     with pytest.raises(ValueError, match="needs prefix caching"):
         BlockManager(4, 4, False, num_cpu_blocks=4)
+
+
+def test_cached_blocks_are_written_back_ahead_from_the_lru_head_into_free_cpu_slots():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=3)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])  # LRU head first: a3, a2, a1, a0
+    assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 2
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((3, 0), (2, 1)))
+    manager.check_invariants()
+    # One batch at a time: nothing more until the device says the first one finished.
+    assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 0
+    manager.tier.ahead_stored()
+    assert manager.write_back_ahead(max_blocks=5, max_scan=8) == 1  # a1 into the last free slot
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((1, 2),))
+    manager.tier.ahead_stored()
+    assert manager.write_back_ahead(max_blocks=5, max_scan=8) == 0  # no free CPU slot: a0 waits
+    # Evicting the blocks written back ahead needs no store; their CPU copies still serve hits.
+    assert manager.allocate("b", 8)
+    assert manager.slot_table("b") == [3, 2]
+    assert manager.take_copies() is NO_KV_COPIES
+    hits = manager.find_cached_prefix([h("a0"), h("a1"), h("a2"), h("a3")])
+    assert hits == [0, 1, 2, 3] and [manager.on_gpu(i) for i in hits] == [True, True, False, False]
+    manager.check_invariants()
+
+
+def test_a_step_that_reuses_a_slot_whose_ahead_store_may_still_run_waits_for_it():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=4)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
+    manager.write_back_ahead(max_blocks=1, max_scan=4)
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((3, 0),))
+    assert manager.allocate("b", 4)  # takes a3's slot while its store may be on its way
+    copies = manager.take_copies()
+    assert copies.wait_for_ahead and not copies.gpu_to_cpu
+    # Once waited for (or reported finished), a reuse waits no more.
+    assert manager.allocate("c", 4)  # evicts a2, stored now, normally
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 1),))
+
+
+def test_write_back_ahead_never_takes_a_cpu_only_copy_slot():
+    manager = BlockManager(2, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1"])
+    assert manager.allocate("b", 8)  # both evicted and written back: the tier is full
+    manager.take_copies()
+    manager.commit("b", [h("b0"), h("b1")])
+    manager.free("b")
+    assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 0
+    assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0, 1]
+    manager.check_invariants()

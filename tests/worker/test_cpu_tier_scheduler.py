@@ -14,9 +14,9 @@ TURN_1 = list(range(1, 21))  # 20 tokens: 5 blocks of 4
 FILLER = list(range(200, 263))  # 63 tokens: 16 blocks, the whole GPU pool
 
 
-def two_turns(num_cpu_blocks: int) -> TierHarness:
+def two_turns(num_cpu_blocks: int, write_ahead_blocks: int = 0) -> TierHarness:
     """A conversation whose first turn the filler pushes out of the GPU pool."""
-    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks)
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, write_ahead_blocks=write_ahead_blocks)
     harness.add("turn-1", TURN_1, max_tokens=4)
     harness.run()
     harness.add("filler", FILLER, max_tokens=1)
@@ -129,11 +129,11 @@ def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
     assert without.outputs == harness.outputs
 
 
-def random_workload(seed: int, num_cpu_blocks: int) -> TierHarness:
+def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0) -> TierHarness:
     """Conversations that share prefixes, in waves, on a pool that preempts often."""
     rng = random.Random(seed)
     harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, max_num_seqs=4,
-                          max_num_batched_tokens=16)
+                          max_num_batched_tokens=16, write_ahead_blocks=write_ahead_blocks)
     histories = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     for wave in range(6):
         # Each wave runs to its end, so the next one's histories do not depend on timing.
@@ -151,14 +151,47 @@ def random_workload(seed: int, num_cpu_blocks: int) -> TierHarness:
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("num_cpu_blocks", [2, 24])
-def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(seed, num_cpu_blocks):
-    with_tier = random_workload(seed, num_cpu_blocks)
+@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks", [(2, 0), (24, 0), (2, 2), (24, 3)])
+def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(seed, num_cpu_blocks,
+                                                                               write_ahead_blocks):
+    with_tier = random_workload(seed, num_cpu_blocks, write_ahead_blocks)
     without = random_workload(seed, 0)
     assert with_tier.outputs == without.outputs
     assert sum(with_tier.computed.values()) <= sum(without.computed.values())
     assert with_tier.scheduler.num_preemptions + without.scheduler.num_preemptions > 0
-    assert sum(len(plan.kv_copies.gpu_to_cpu) for plan in with_tier.plans) > 0
+    stores = [len(plan.kv_copies.gpu_to_cpu + plan.kv_copies.ahead_to_cpu) for plan in with_tier.plans]
+    assert sum(stores) > 0
+
+
+def history_then_chat(num_cpu_blocks: int, write_ahead_blocks: int = 0) -> TierHarness:
+    """Turn 1 pushed out by the filler, then a short chat decodes a while (the steps the
+    write-back ahead of eviction works in), then turn 2 comes."""
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, write_ahead_blocks=write_ahead_blocks)
+    harness.add("turn-1", TURN_1, max_tokens=4)
+    harness.run()
+    harness.add("filler", FILLER[:55], max_tokens=1)
+    harness.run()
+    harness.add("chat", [300, 301], max_tokens=8)
+    harness.run()
+    harness.add("turn-2", TURN_1 + harness.outputs["turn-1"] + list(range(30, 38)), max_tokens=4)
+    return harness
+
+
+def test_history_written_back_ahead_loads_without_a_store_in_its_way():
+    """The filler's blocks get CPU copies while the chat decodes, so the step that loads turn
+    1's history into their slots has no store to wait for; outputs stay the same."""
+    ahead = history_then_chat(num_cpu_blocks=64, write_ahead_blocks=4)
+    plan, _ = ahead.step()
+    assert len(plan.kv_copies.cpu_to_gpu) == 5 and plan.kv_copies.gpu_to_cpu == ()
+    ahead.run()
+    assert sum(len(p.kv_copies.ahead_to_cpu) for p in ahead.plans) > 0
+    behind = history_then_chat(num_cpu_blocks=64)
+    plan, _ = behind.step()
+    assert len(plan.kv_copies.cpu_to_gpu) == 5 and len(plan.kv_copies.gpu_to_cpu) > 0
+    behind.run()
+    without = history_then_chat(num_cpu_blocks=0)
+    without.run()
+    assert ahead.outputs == behind.outputs == without.outputs and ahead.cached["turn-2"] == 20
 
 
 def test_the_random_workload_loads_from_the_tier_and_saves_compute():

@@ -116,3 +116,28 @@ def test_a_load_into_a_slot_a_late_store_reads_waits_for_it_and_is_timed_alone()
     to_cpu, to_gpu = copier.seconds()
     # Each direction's events bracket its copies alone: neither the stall nor the wait counts.
     assert 0 < to_cpu < 0.02 and 0 < to_gpu < 0.02
+
+
+def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_slots():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    half = NUM_BLOCKS // 2
+    gpu[:half].fill_(1.0)  # cached blocks
+    with torch.cuda.stream(copier.store_stream):
+        torch.cuda._sleep(STALL_CYCLES)  # the ahead stores run late
+    copier.wait_for_loads()
+    copier.run(KVCopies(ahead_to_cpu=tuple((slot, half - 1 - slot) for slot in range(half))))
+    marker = torch.cuda.Event()
+    marker.record()  # this step's forward goes on without them
+    marker.synchronize()
+    assert not copier.ahead_stored()
+    # The next step reuses their slots: its forward and a load into them wait for the stores.
+    cpu[half:].fill_(4.0)
+    copier.wait_for_loads()
+    copier.run(KVCopies(cpu_to_gpu=tuple((half + slot, slot) for slot in range(half // 2)), wait_for_ahead=True))
+    gpu[half // 2:half].fill_(2.0)  # the forward writes the rest of them
+    copier.wait_for_loads()
+    torch.cuda.synchronize()
+    assert copier.ahead_stored()
+    assert bool((cpu[:half] == 1.0).all())
+    assert bool((gpu[:half // 2] == 4.0).all()) and bool((gpu[half // 2:half] == 2.0).all())

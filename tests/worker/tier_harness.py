@@ -8,6 +8,11 @@ forward of its own step, as on a copy stream that overlaps it: a chunk that read
 loaded by its own step, or a slot reused before its store ran, fails the step. The sampled
 token is a function of the context read back from the pool, so any wrong KV also changes
 the outputs.
+
+Stores ahead of eviction (`write_ahead_blocks`) run as late as the engine allows: at the end
+of the step after the one that planned them, after its forward, unless a step waits for them
+(`wait_for_ahead`) first. A slot reused without that wait hands the CPU copy the new block's
+KV, which a later load then brings back to the wrong request's positions.
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ VOCAB = 50
 
 class TierHarness:
     def __init__(self, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4,
-                 max_num_seqs: int = 8, max_num_batched_tokens: int = 64, max_model_len: int = 64) -> None:
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 64, max_model_len: int = 64,
+                 write_ahead_blocks: int = 0) -> None:
         self.block_size = block_size
         self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks)
         self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS])
+        self.scheduler.write_ahead_blocks = write_ahead_blocks
+        self.pending_ahead: tuple[tuple[int, int], ...] = ()  # planned a step ago, not run yet
         self.gpu: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, offset) -> (position, token)
         self.cpu: dict[tuple[int, int], tuple[int, int]] = {}
         self.num_added = 0
@@ -59,8 +67,12 @@ class TierHarness:
     def step(self) -> tuple[StepPlan, list[StepResult]]:
         # The loads of the step before landed at its end, as the engine learns from the device.
         self.scheduler.loads_landed()
+        if self.manager.tier is not None and not self.pending_ahead:
+            self.manager.tier.ahead_stored()
         plan = self.scheduler.schedule()
         self.plans.append(plan)
+        if plan.kv_copies.wait_for_ahead:
+            self._store_ahead()
         for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
         sampled = {}
@@ -80,6 +92,8 @@ class TierHarness:
                 sampled[request.request_id] = sum((i + 1) * t for i, t in enumerate(context)) * 31 % VOCAB + salt
         for cpu_slot, gpu_slot in plan.kv_copies.cpu_to_gpu:
             self._copy(self.cpu, self.gpu, cpu_slot, gpu_slot)
+        self._store_ahead()
+        self.pending_ahead = plan.kv_copies.ahead_to_cpu
         results = self.scheduler.update(plan, sampled)
         self.manager.check_invariants()
         for result in results:
@@ -87,6 +101,11 @@ class TierHarness:
             if result.num_cached_tokens >= 0:
                 self.cached[result.request.request_id] = result.num_cached_tokens
         return plan, results
+
+    def _store_ahead(self) -> None:
+        for gpu_slot, cpu_slot in self.pending_ahead:
+            self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
+        self.pending_ahead = ()
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
