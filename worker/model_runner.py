@@ -178,6 +178,12 @@ class ModelRunner:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
         if logits_rows is not None:
             return self._execute_rows(chunks, feed, logits_rows, num_tokens)
+        if (self.graphs is not None and len(chunks) > 1
+                and self.backend.eager_pays([c.start for c in chunks], [c.slot_table for c in chunks],
+                                            self.kv_block_bytes // self.block_size)):
+            layout = self.inputs.stage(chunks)  # a long shared prefix: cascade attention, eagerly
+            self._feed_rows(layout, feed)
+            return self._forward(layout)
         graphs = self.graphs
         if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
             bucket = graphs.bucket_for(len(chunks))
@@ -259,36 +265,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int = 513) -> None:
-        """Compile the eager path's kernel variants before the first request: Triton
-        specialises integer arguments on divisibility by 16, and the profiling step (8,192
-        tokens) compiled only one side, so a prompt of another length would compile kernels
-        inside its first token. One eager step of `num_tokens` (odd, past every prefill graph)
-        over the pool's first blocks, which no request holds yet; their slots get finite values
-        that every later context overwrites before reading."""
-        assert self.kv_cache is not None, "allocate the KV cache first"
-        num_tokens = min(num_tokens, self.inputs.capacity[0])
-        num_blocks = math.ceil(num_tokens / self.block_size)
-        if num_blocks > min(self.kv_cache.shape[0], self.max_blocks_per_seq):
-            return
-        self._forward(self.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
-        self._warm_up_cascade()
+        """Compile the eager path's kernel variants before the first request (worker/warm_up.py)."""
+        from spillway.worker.warm_up import warm_up_eager_kernels
 
-    def _warm_up_cascade(self) -> None:
-        """Compile cascade attention's kernels (worker/attention_triton.py) too: two one-token
-        sequences on CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what
-        the step above wrote: finite), each writing its token into a block of its own after
-        them. Skipped where the pool, a block table or a step (one sequence at most: then no
-        step ever shares a prefix) cannot hold that."""
-        from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
-
-        prefix_blocks = -(-CASCADE_MIN_TOKENS // self.block_size)
-        if (prefix_blocks + 2 > self.kv_cache.shape[0] or prefix_blocks + 1 > self.max_blocks_per_seq
-                or self.max_num_seqs < 2):
-            return
-        prefix = list(range(prefix_blocks))
-        start = prefix_blocks * self.block_size
-        self._forward(self.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
-                                         ChunkInput([0], start, [*prefix, prefix_blocks + 1])]))
+        warm_up_eager_kernels(self, num_tokens)
 
     def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the

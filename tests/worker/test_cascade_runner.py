@@ -48,3 +48,43 @@ def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():
     kernel_runner.max_num_seqs = 1  # one request at a time (batch-1 benchmarks): no step shares a prefix
     kernel_runner.warm_up(num_tokens=40)
     assert [metadata.shared_prefix_len for metadata in found] == [0]
+
+
+class _NoReplay:
+    """Stands for captured graphs that must not run: every step here fits them."""
+
+    max_bucket = 4  # the runner's max_num_seqs
+
+    def bucket_for(self, size: int) -> int:
+        return 4
+
+    def replay(self, bucket: int):
+        raise AssertionError("a step whose shared prefix pays for cascade ran a graph")
+
+
+def test_a_step_a_graph_could_run_goes_eager_when_its_shared_prefix_pays(monkeypatch):
+    import spillway.worker.attention_triton as attention_triton
+
+    torch_runner, kernel_runner, found = _runners(PREFIX_BLOCKS + 8)
+    prefix = list(range(PREFIX_BLOCKS))
+    decodes = [ChunkInput([7], CASCADE_MIN_TOKENS + 3, [*prefix, PREFIX_BLOCKS + i]) for i in range(3)]
+    token_bytes = kernel_runner.kv_block_bytes // BLOCK
+    saved = attention_triton.cascade_saves([c.start for c in decodes], [c.slot_table for c in decodes], BLOCK,
+                                           token_bytes)
+    assert saved == 2 * CASCADE_MIN_TOKENS * token_bytes  # two of the three reads of the prefix
+    monkeypatch.setattr(attention_triton, "CASCADE_EAGER_BYTES", saved)
+    kernel_runner.graphs = kernel_runner.prefill_graphs = _NoReplay()
+    got = kernel_runner.execute(decodes)
+    assert [metadata.shared_prefix_len for metadata in found] == [CASCADE_MIN_TOKENS]
+    assert (got - torch_runner.execute(decodes)).abs().max().item() < 1e-4
+    monkeypatch.setattr(attention_triton, "CASCADE_EAGER_BYTES", saved + 1)
+    apart = [ChunkInput([7], c.start, [PREFIX_BLOCKS + 4 + i, *c.slot_table[1:]]) for i, c in enumerate(decodes)]
+    assert attention_triton.cascade_saves([c.start for c in apart], [c.slot_table for c in apart], BLOCK,
+                                          token_bytes) == 0
+    for chunks in (decodes, apart):  # below the threshold, or nothing shared: the graphs
+        try:
+            kernel_runner.execute(chunks)
+        except AssertionError as error:
+            assert "ran a graph" in str(error)
+        else:
+            raise AssertionError("the step did not reach the graphs")

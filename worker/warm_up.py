@@ -1,0 +1,44 @@
+"""Start-up steps that compile the eager path's kernels before the first request (CUDA only).
+
+Triton compiles a kernel per specialisation: its constexprs, and its integer arguments'
+divisibility by 16. A variant first met by a request compiles inside that request's step
+(~1 s): the profiling step (8,192 tokens) compiled one side only, and cascade attention runs
+only when a step's sequences share a long prefix. These steps meet the rest first.
+"""
+
+from __future__ import annotations
+
+import math
+
+from spillway.worker.model_runner import ChunkInput, ModelRunner
+
+
+def warm_up_eager_kernels(runner: ModelRunner, num_tokens: int = 513) -> None:
+    """One eager step of `num_tokens` (odd, past every prefill graph) over the pool's first
+    blocks, which no request holds yet (their slots get finite values that every later
+    context overwrites before reading), then a cascade step (`warm_up_cascade`)."""
+    assert runner.kv_cache is not None, "allocate the KV cache first"
+    num_tokens = min(num_tokens, runner.inputs.capacity[0])
+    num_blocks = math.ceil(num_tokens / runner.block_size)
+    if num_blocks > min(runner.kv_cache.shape[0], runner.max_blocks_per_seq):
+        return
+    runner._forward(runner.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
+    warm_up_cascade(runner)
+
+
+def warm_up_cascade(runner: ModelRunner) -> None:
+    """Cascade attention's kernels (worker/attention_triton.py): two one-token sequences on
+    CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what the step above
+    wrote: finite), each writing its token into a block of its own after them. Skipped where
+    the pool, a block table or a step (one sequence at most: then no step ever shares a
+    prefix) cannot hold that."""
+    from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
+
+    prefix_blocks = -(-CASCADE_MIN_TOKENS // runner.block_size)
+    if (prefix_blocks + 2 > runner.kv_cache.shape[0] or prefix_blocks + 1 > runner.max_blocks_per_seq
+            or runner.max_num_seqs < 2):
+        return
+    prefix = list(range(prefix_blocks))
+    start = prefix_blocks * runner.block_size
+    runner._forward(runner.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
+                                         ChunkInput([0], start, [*prefix, prefix_blocks + 1])]))
