@@ -40,8 +40,11 @@ from spillway.worker.tp_group import RankGroup, check_tensor_parallel
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
 
-# Bytes of cached GPU blocks the CPU tier writes back ahead of their eviction, per step.
+# Bytes of cached GPU blocks the CPU tier writes back ahead of their eviction, per step, and
+# per batch while the engine is idle (a request arriving meanwhile finds its stores queued
+# behind at most ~2 ms of them).
 WRITE_AHEAD_BYTES = 64 * 2**20
+IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
 
 
 class Engine:
@@ -292,6 +295,24 @@ class Engine:
             stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
             spec_num_accepted_tokens=metrics.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
+
+    def idle_write_back(self) -> bool:
+        """With no request to run: give cached GPU blocks without a CPU copy one, a batch at a
+        time (the GPU LRU's head first, free CPU slots only), so that a later burst on CPU hits
+        loads into their slots without stores in its way. Whether to call again soon: a batch
+        is on its way, or was just started."""
+        tier, copier = self.block_manager.tier, self.executor.kv_copier
+        if tier is None:
+            return False
+        if tier.num_ahead_pending:
+            if not copier.ahead_stored():
+                return True
+            tier.ahead_stored()
+        batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes)
+        if not self.block_manager.write_back_ahead(batch, self.block_manager.num_gpu_blocks):
+            return False
+        self.executor.copy_kv(self.block_manager.take_copies())
+        return True
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -132,7 +132,11 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
         received = 0
-        timeout = IDLE_POLL_MS if not engine.has_work else LANDING_POLL_MS if engine.waits_for_loads else 0
+        if not engine.has_work:
+            # Idle: the CPU tier writes cached blocks back meanwhile, a batch per poll.
+            timeout = LANDING_POLL_MS if engine.idle_write_back() else IDLE_POLL_MS
+        else:
+            timeout = LANDING_POLL_MS if engine.waits_for_loads else 0
         for data in take_messages(poller, inp, timeout, lambda: engine.has_work):
             try:
                 msg = dec.decode(data)

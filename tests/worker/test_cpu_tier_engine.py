@@ -175,3 +175,23 @@ def test_a_load_waits_for_the_stores_only_when_they_share_a_slot():
     assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 1),)))  # refills the stored GPU slot
     assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((10, 2),)))  # reads the CPU slot being written
     assert not _overlap(KVCopies(cpu_to_gpu=((10, 2),)))
+
+
+def test_an_idle_engine_writes_its_cached_blocks_back_so_a_later_hit_loads_without_stores(model_dir):
+    engine = engine_for(model_dir, num_cpu_blocks=16)
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    expected = run(engine_for(model_dir, num_cpu_blocks=16), "turn-1", turn_1, GREEDY)[0]
+    assert run(engine, "turn-1", turn_1, GREEDY)[0] == expected
+    manager = engine.block_manager
+    assert manager.tier.num_used == 0  # nothing evicted yet
+    batches = 0
+    while engine.idle_write_back():
+        batches += 1
+    assert batches >= 1 and not engine.idle_write_back()
+    assert manager.tier.num_used == manager.num_cached_blocks == 2  # turn 1's two full blocks
+    stored = engine.executor.kv_copier.bytes_to_cpu
+    run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], GREEDY)  # evicts them: no store
+    assert engine.executor.kv_copier.bytes_to_cpu == stored
+    tokens, cached = run(engine, "again", turn_1, GREEDY)
+    assert (tokens, cached) == (expected, 16 * 1)  # block 2 holds the last token: recomputed
+    manager.check_invariants()
