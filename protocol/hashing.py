@@ -100,20 +100,20 @@ def block_hashes(
     if end <= start:
         return hashes
     # Every block's bytes packed at once, as `hash_block` packs one (this is the prompt's hot
-    # path: ~3x faster than packing block by block); bytes slices concatenate with the parent
-    # faster than memoryview slices.
+    # path: ~3x faster than packing block by block), then cut into blocks by struct in C (a
+    # fifth faster than slicing by offsets in Python); bytes concatenate with the parent faster
+    # than memoryview slices.
     if packed:
         raw = token_ids[start * step: end * step]
     else:
         raw = pack_token_ids(token_ids[start * block_size: end * block_size])
     digest = xxhash.xxh3_128_digest
     append = hashes.append
-    first = 0
+    blocks = struct.iter_unpack(f"{step}s", raw)
     if start == 0:  # the salt goes into block 0 only
-        prev = digest(b"".join((prev, raw[:step], salt)))
+        prev = digest(b"".join((prev, next(blocks)[0], salt)))
         append(BlockHash(prev))
-        first = step
-    for offset in range(first, len(raw), step):  # BlockHash is bytes at run time: no wrapper call
-        prev = digest(prev + raw[offset: offset + step])
+    for (block,) in blocks:  # BlockHash is bytes at run time: no wrapper call
+        prev = digest(prev + block)
         append(prev)
     return hashes
