@@ -62,9 +62,9 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_pat
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning")
 
 
-def start_gateway(tree: Path | None, folder: Path, args, arrivals: Path) -> tuple[subprocess.Popen, str]:
-    """`tree`: serve that tree's gateway and protocol packages instead of the installed ones;
-    the fake worker writes each request's arrival to `arrivals`."""
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """The environment of a child that imports `tree`'s gateway and protocol packages as
+    spillway's (None: the installed ones)."""
     env = dict(os.environ)
     if tree is not None:
         site = Path(tempfile.mkdtemp(prefix="bench-gateway-site-")) / "spillway"
@@ -72,6 +72,13 @@ def start_gateway(tree: Path | None, folder: Path, args, arrivals: Path) -> tupl
         for package in ("gateway", "protocol"):
             (site / package).symlink_to(tree.resolve() / package)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def start_gateway(tree: Path | None, folder: Path, args, arrivals: Path) -> tuple[subprocess.Popen, str]:
+    """`tree`: serve that tree's gateway and protocol packages instead of the installed ones;
+    the fake worker writes each request's arrival to `arrivals`."""
+    env = tree_env(tree)
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--folder", str(folder),
                               "--step-ms", str(args.step_ms), "--streams", str(args.streams),
