@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from spillway.gateway import openai as api
 from spillway.gateway import request_checks as checks
 from spillway.gateway.chat_messages import ChatRender, chat_render, template_messages
-from spillway.gateway.prompt_ids import Prompt, pack_in_vocab
+from spillway.gateway.prompt_ids import Prompt
 from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
@@ -232,8 +232,7 @@ class JobBuilder:
                 f"{requested} tokens ({len(token_ids)} in the prompt, {max_tokens or 1} for the completion). "
                 "Please reduce the length of the prompt or the completion.",
                 param=param, code="context_length_exceeded")
-        prompt.packed = pack_in_vocab(prompt, ready.vocab_size)  # after the length: a bounded pass
-        if prompt.packed is None:
+        if not prompt.pack_in_vocab(ready.vocab_size):  # after the length: a bounded pass
             raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
         if max_tokens is not None:
             return max_tokens

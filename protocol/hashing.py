@@ -62,10 +62,16 @@ def unpack_token_ids(token_ids: Sequence[int] | bytes) -> list[int]:
     """`Generate.prompt_token_ids` as a list, packed or not."""
     if not isinstance(token_ids, bytes):
         return list(token_ids)
-    packed = array(_UINT32, token_ids)
+    return token_id_array(token_ids).tolist()
+
+
+def token_id_array(packed: bytes) -> array:
+    """Ids `pack_token_ids` packed, as an array of native uint32: 4 bytes an id, where a list
+    holds an 8-byte pointer to a 28-byte int object for each."""
+    ids = array(_UINT32, packed)
     if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tolist()
+        ids.byteswap()
+    return ids
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:

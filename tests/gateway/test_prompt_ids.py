@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 
 import pytest
 
@@ -38,15 +39,23 @@ def refusal(prompt, **fields) -> tuple[str, str | None, str | None]:
 
 
 def test_a_token_id_prompt_is_packed_once_as_the_wire_carries_it():
-    ids = [0, 7, 300, 65, VOCAB - 1] * 40
+    ids = [0, 7, 300, 65, VOCAB - 1] * 30
     [prompt] = completion(ids).prompts
-    assert prompt.token_ids == ids and prompt.text is None
+    assert list(prompt.token_ids) == ids and prompt.text is None
     assert prompt.packed == pack_token_ids(ids)
+
+
+def test_a_checked_prompt_keeps_its_ids_in_4_bytes_each_not_as_the_decoded_list():
+    ids = list(range(1000, 1200))
+    [prompt] = completion(ids).prompts
+    assert isinstance(prompt.token_ids, array) and prompt.token_ids.itemsize == 4
+    assert prompt.token_ids.tolist() == ids
+    assert list(prompt.token_ids[-5:]) == ids[-5:]  # as the detokenizer takes its context
 
 
 def test_several_id_lists_are_each_packed():
     job = completion([[5, 6], [7, VOCAB - 1, 9]])
-    assert [p.token_ids for p in job.prompts] == [[5, 6], [7, VOCAB - 1, 9]]
+    assert [list(p.token_ids) for p in job.prompts] == [[5, 6], [7, VOCAB - 1, 9]]
     assert [p.packed for p in job.prompts] == [pack_token_ids([5, 6]), pack_token_ids([7, VOCAB - 1, 9])]
 
 
@@ -81,7 +90,7 @@ def test_empty_prompts_are_refused():
 ])
 def test_truncation_keeps_the_last_ids_packed_alike(ids, keep, kept):
     [prompt] = completion(ids, truncate_prompt_tokens=keep).prompts
-    assert prompt.token_ids == kept
+    assert list(prompt.token_ids) == kept
     assert prompt.packed == pack_token_ids(kept)
 
 
