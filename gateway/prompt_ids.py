@@ -70,5 +70,3 @@ def token_id_prompt(ids: list) -> Prompt:
             return Prompt(msgspec.convert(ids, list[int]))
         except msgspec.ValidationError:
             raise bad_request(PROMPT_SHAPES, param="prompt") from None
-
-
