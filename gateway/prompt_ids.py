@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
-import numpy
 
 from spillway.gateway.openai import bad_request
 from spillway.protocol.hashing import pack_token_ids, token_id_array
@@ -39,6 +38,8 @@ class Prompt:
         packed and as an array (see the module docstring). Packed ids are unsigned, so their
         numpy maximum is the whole range check (~4 us for 10k ids, where a scan of the list
         takes ~90 us)."""
+        import numpy  # here, not at the top: `spillway serve --help` and the like start without it (~0.1 s)
+
         packed = self.packed
         if packed is None:
             try:
