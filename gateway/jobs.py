@@ -16,21 +16,15 @@ from dataclasses import dataclass, field
 from spillway.gateway import openai as api
 from spillway.gateway import request_checks as checks
 from spillway.gateway.chat_messages import ChatRender, chat_render, template_messages
+from spillway.gateway.prompt_ids import Prompt
 from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.sampling_params import SamplingParams
 from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
 from spillway.protocol import model_files
-from spillway.protocol.hashing import ids_below
 from spillway.protocol.messages import Ready
 
 # Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 16_384
-
-
-@dataclass(slots=True)
-class Prompt:
-    token_ids: list[int]
-    text: str | None = None
 
 
 @dataclass(slots=True)
@@ -99,7 +93,7 @@ class JobBuilder:
         self._check_sequences(params.n)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         token_ids = await self.encode_chat(messages, render)
-        return self._job("chatcmpl", True, model, [Prompt(self._truncate(token_ids, request))], params, request)
+        return self._job("chatcmpl", True, model, [self._truncate(Prompt(token_ids), request)], params, request)
 
     async def completion_job(self, request: api.CompletionRequest) -> Job:
         model = self.check_model(request.model)
@@ -116,8 +110,8 @@ class JobBuilder:
         for text in texts:
             self.check_prompt_chars(len(text), "prompt")
         encoded = iter(await self.encode_all(texts, request.add_special_tokens))
-        prompts = [Prompt(self._truncate(next(encoded), request), prompt) if isinstance(prompt, str)
-                   else Prompt(self._truncate(list(prompt), request)) for prompt in given]
+        prompts = [self._truncate(Prompt(next(encoded), prompt) if isinstance(prompt, str) else prompt, request)
+                   for prompt in given]
         return self._job("cmpl", False, model, prompts, params, request)
 
     def _check_sequences(self, num_sequences: int) -> None:
@@ -125,13 +119,12 @@ class JobBuilder:
             raise api.bad_request(f"{num_sequences} sequences (prompts x n) exceed this server's limit of "
                                   f"{self.max_sequences}", param="n")
 
-    def _truncate(self, token_ids: list[int], request) -> list[int]:
+    def _truncate(self, prompt: Prompt, request) -> Prompt:
         """The last `truncate_prompt_tokens` of the prompt (-1: of the model's context length)."""
         keep = request.truncate_prompt_tokens
         if keep is None:
-            return token_ids
-        keep = self.ready.max_model_len if keep == -1 else keep
-        return token_ids[-keep:]
+            return prompt
+        return prompt.truncated(self.ready.max_model_len if keep == -1 else keep)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return (await self.encode_all([text], add_special_tokens))[0]
@@ -201,8 +194,7 @@ class JobBuilder:
             raise api.bad_request("thinking_budget needs a reasoning parser: start the server with "
                                   "--enable-reasoning (or --reasoning-parser / --reasoning-config)",
                                   param="thinking_budget")
-        max_tokens = [self._check_prompt(p.token_ids, params.max_tokens, "messages" if chat else "prompt")
-                      for p in prompts]
+        max_tokens = [self._check_prompt(p, params.max_tokens, "messages" if chat else "prompt") for p in prompts]
         if params.min_tokens > min(max_tokens):
             raise api.bad_request(f"min_tokens ({params.min_tokens}) exceeds the room left for the completion "
                                   f"({min(max_tokens)} tokens in this model's context)", param="min_tokens")
@@ -226,9 +218,10 @@ class JobBuilder:
             tokens_as_ids=bool(request.return_tokens_as_token_ids),
         )
 
-    def _check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """The prompt fits with room for output; returns the resolved max_tokens."""
-        ready = self.ready
+    def _check_prompt(self, prompt: Prompt, max_tokens: int | None, param: str) -> int:
+        """The prompt fits with room for output, its ids in the vocabulary (and packed, for the
+        wire); returns the resolved max_tokens."""
+        ready, token_ids = self.ready, prompt.token_ids
         limit = ready.max_model_len
         if not token_ids:
             raise api.bad_request("the prompt is empty", param=param)
@@ -239,7 +232,7 @@ class JobBuilder:
                 f"{requested} tokens ({len(token_ids)} in the prompt, {max_tokens or 1} for the completion). "
                 "Please reduce the length of the prompt or the completion.",
                 param=param, code="context_length_exceeded")
-        if not ids_below(token_ids, ready.vocab_size):  # after the length: a short scan
+        if not prompt.pack_in_vocab(ready.vocab_size):  # after the length: a bounded pass
             raise api.bad_request(f"prompt token ids must lie in [0, {ready.vocab_size})", param=param)
         if max_tokens is not None:
             return max_tokens

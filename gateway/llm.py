@@ -18,7 +18,8 @@ from spillway.gateway import openai as api
 from spillway.gateway.client import EngineUnavailable, WorkerLost
 from spillway.gateway import spec_args
 from spillway.gateway.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_config, refusals
-from spillway.gateway.jobs import Job, Prompt
+from spillway.gateway.jobs import Job
+from spillway.gateway.prompt_ids import Prompt
 from spillway.gateway.offline import EngineThread, run_generations
 from spillway.gateway.offline_inputs import check_prompt, normalize_params, normalize_prompts, require_tokenizer
 from spillway.gateway.outputs import RequestOutput, completion_output, prompt_logprobs_output

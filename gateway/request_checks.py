@@ -13,6 +13,7 @@ from functools import cache
 import msgspec
 
 from spillway.gateway.openai import ChatCompletionRequest, CompletionRequest, bad_request
+from spillway.gateway.prompt_ids import PROMPT_SHAPES, Prompt, token_id_prompt
 from spillway.gateway.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -161,19 +162,18 @@ def chat_logprobs(request: ChatCompletionRequest) -> int | None:
     return request.top_logprobs or 0
 
 
-def completion_prompts(prompt) -> list[str | list[int]]:
-    """A completions prompt is a string, a token-id list, or a list of either."""
+def completion_prompts(prompt) -> list[str | Prompt]:
+    """A completions prompt is a string, a token-id list, or a list of either; id lists come
+    back as Prompts (one of ids alone is packed already, see gateway/prompt_ids.py)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        try:  # msgspec checks a long id list in C, where a Python loop would hold the event loop
-            return [msgspec.convert(prompt, list[int])]
-        except msgspec.ValidationError:
-            raise bad_request("prompt must be a string, a list of token ids, or a list of either",
-                              param="prompt") from None
+        return [token_id_prompt(prompt)]
     kinds = set(map(type, prompt))  # one pass in C
-    if kinds == {str} or kinds == {list}:
+    if kinds == {str}:
         return list(prompt)
-    raise bad_request("prompt must be a string, a list of token ids, or a list of either", param="prompt")
+    if kinds == {list}:
+        return [Prompt(ids) for ids in prompt]
+    raise bad_request(PROMPT_SHAPES, param="prompt")

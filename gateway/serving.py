@@ -119,7 +119,8 @@ class Generation:
         generates = []
         hf_tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
         for prompt_index, prompt in enumerate(job.prompts):
-            packed = pack_token_ids(prompt.token_ids)  # the ids were checked: [0, vocab size)
+            # Packed where the ids were checked (JobBuilder); `LLM`'s prompts are packed here.
+            packed = prompt.packed if prompt.packed is not None else pack_token_ids(prompt.token_ids)
             hashes = self._block_hashes(packed, job.cache_salt)
             policy = (thinking_policy(self.markers, prompt.token_ids, params.thinking_budget)
                       if self.markers is not None else None)

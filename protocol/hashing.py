@@ -62,10 +62,16 @@ def unpack_token_ids(token_ids: Sequence[int] | bytes) -> list[int]:
     """`Generate.prompt_token_ids` as a list, packed or not."""
     if not isinstance(token_ids, bytes):
         return list(token_ids)
-    packed = array(_UINT32, token_ids)
+    return token_id_array(token_ids).tolist()
+
+
+def token_id_array(packed: bytes) -> array:
+    """Ids `pack_token_ids` packed, as an array of native uint32: 4 bytes an id, where a list
+    holds an 8-byte pointer to a 28-byte int object for each."""
+    ids = array(_UINT32, packed)
     if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tolist()
+        ids.byteswap()
+    return ids
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -100,20 +106,20 @@ def block_hashes(
     if end <= start:
         return hashes
     # Every block's bytes packed at once, as `hash_block` packs one (this is the prompt's hot
-    # path: ~3x faster than packing block by block); bytes slices concatenate with the parent
-    # faster than memoryview slices.
+    # path: ~3x faster than packing block by block), then cut into blocks by struct in C (a
+    # fifth faster than slicing by offsets in Python); bytes concatenate with the parent faster
+    # than memoryview slices.
     if packed:
         raw = token_ids[start * step: end * step]
     else:
         raw = pack_token_ids(token_ids[start * block_size: end * block_size])
     digest = xxhash.xxh3_128_digest
     append = hashes.append
-    first = 0
+    blocks = struct.iter_unpack(f"{step}s", raw)
     if start == 0:  # the salt goes into block 0 only
-        prev = digest(b"".join((prev, raw[:step], salt)))
+        prev = digest(b"".join((prev, next(blocks)[0], salt)))
         append(BlockHash(prev))
-        first = step
-    for offset in range(first, len(raw), step):  # BlockHash is bytes at run time: no wrapper call
-        prev = digest(prev + raw[offset: offset + step])
+    for (block,) in blocks:  # BlockHash is bytes at run time: no wrapper call
+        prev = digest(prev + block)
         append(prev)
     return hashes

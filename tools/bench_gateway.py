@@ -7,10 +7,14 @@ loses is the gateway's (or the client's: its CPU is reported too).
     python tools/bench_gateway.py --baseline DIR           # and a tree at DIR, alternating, same run
                                                            #   (mkdir DIR && git archive REV | tar -x -C DIR)
     python tools/bench_gateway.py --client-from DIR        # this tree's gateway, DIR's client against this one's
+    python tools/bench_gateway.py --streams 50 --prompt-len 10000 --output-len 4 --step-ms 2 --bursts 10
+                                                           # intake: a burst of long prompts, ten times
 
 Per run: delivered output tok/s, its ratio to the fake engine's rate (streams / step time:
-1.0 means the served path kept up), the gateway process's CPU (cores and microseconds per
-token), the client's CPU, and tokens per SSE event.
+1.0 means the served path kept up), the gateway process's CPU (cores, microseconds per token
+and per request), the client's CPU, tokens per SSE event, and per burst (medians over
+`--bursts`) the time from the first request's arrival at the fake worker to the last's and the
+slowest time to first token.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import importlib.util
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +42,7 @@ MODEL = "smollm2-135m"
 SERVED_NAME = "bench"
 
 
-def serve(port: int, folder: str, step_s: float, max_num_seqs: int) -> None:
+def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_path: str) -> None:
     """The child: the app of `spillway serve` on `port`, its worker the fake one."""
     sys.path.insert(0, str(ROOT / "tests" / "gateway"))
     import uvicorn
@@ -53,12 +58,13 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int) -> None:
     settings = ServerSettings(worker=config, served_model_names=[SERVED_NAME], max_pending=4 * max_num_seqs)
     if hasattr(settings, "freeze_startup_objects"):  # as `spillway serve` sets it (a baseline tree may lack it)
         settings.freeze_startup_objects = True
-    app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s))
+    app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s, arrivals_path=arrivals_path))
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning")
 
 
-def start_gateway(tree: Path | None, folder: Path, args) -> tuple[subprocess.Popen, str]:
-    """`tree`: serve that tree's gateway and protocol packages instead of the installed ones."""
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """The environment of a child that imports `tree`'s gateway and protocol packages as
+    spillway's (None: the installed ones)."""
     env = dict(os.environ)
     if tree is not None:
         site = Path(tempfile.mkdtemp(prefix="bench-gateway-site-")) / "spillway"
@@ -66,9 +72,17 @@ def start_gateway(tree: Path | None, folder: Path, args) -> tuple[subprocess.Pop
         for package in ("gateway", "protocol"):
             (site / package).symlink_to(tree.resolve() / package)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def start_gateway(tree: Path | None, folder: Path, args, arrivals: Path) -> tuple[subprocess.Popen, str]:
+    """`tree`: serve that tree's gateway and protocol packages instead of the installed ones;
+    the fake worker writes each request's arrival to `arrivals`."""
+    env = tree_env(tree)
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--folder", str(folder),
-                              "--step-ms", str(args.step_ms), "--streams", str(args.streams)], env=env)
+                              "--step-ms", str(args.step_ms), "--streams", str(args.streams),
+                              "--arrivals", str(arrivals)], env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
@@ -98,26 +112,50 @@ def client_from(tree: Path):
 def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all) -> dict:
     rng = random.Random(1)
     prompts = [[rng.randrange(256, 49152) for _ in range(args.prompt_len)] for _ in range(args.streams)]
-    child, url = start_gateway(tree, folder, args)
+    handle, name = tempfile.mkstemp(prefix="bench-gateway-arrivals-")
+    os.close(handle)
+    arrivals = Path(name)
+    child, url = start_gateway(tree, folder, args, arrivals)
     try:
         asyncio.run(client(url, prompts[:2], 4, SERVED_NAME))  # warm-up
-        gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
-        timings, wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME))
-        gateway_cpu, client_cpu = cpu_seconds(child.pid) - gateway_before, time.process_time() - client_before
+        gateway_cpu = client_cpu = wall = 0.0
+        timings, spreads, slowest_ttft = [], [], []
+        for _ in range(args.bursts):
+            seen = len(read_arrivals(arrivals))
+            gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
+            burst, burst_wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME))
+            gateway_cpu += cpu_seconds(child.pid) - gateway_before
+            client_cpu += time.process_time() - client_before
+            wall += burst_wall
+            timings += burst
+            arrived = read_arrivals(arrivals)[seen:]
+            spreads.append(max(arrived) - min(arrived))
+            slowest_ttft.append(max(t.ttft for t in burst))
     finally:
         child.terminate()
         child.wait(20)
+        arrivals.unlink()
     tokens = sum(t.completion_tokens for t in timings)
     events = [n for t in timings for n in t.event_tokens]
     engine_rate = args.streams / (args.step_ms / 1e3)
     result = {"label": label, "tok_s": tokens / wall, "of_engine": tokens / wall / engine_rate,
               "gateway_cores": gateway_cpu / wall, "gateway_us_per_token": gateway_cpu / tokens * 1e6,
-              "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall}
+              "gateway_us_per_request": gateway_cpu / len(timings) * 1e6,
+              "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall,
+              "arrival_spread_ms": statistics.median(spreads) * 1e3,
+              "slowest_ttft_ms": statistics.median(slowest_ttft) * 1e3}
     print(f"{label:>10}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
           f"{engine_rate:,.0f}), gateway {result['gateway_cores']:.2f} cores = "
-          f"{result['gateway_us_per_token']:.1f} us/token, client {result['client_cores']:.2f} cores, "
-          f"{result['tokens_per_event']:.2f} tokens/event, {wall:.1f} s", flush=True)
+          f"{result['gateway_us_per_token']:.1f} us/token = {result['gateway_us_per_request']:.0f} us/request, "
+          f"client {result['client_cores']:.2f} cores, {result['tokens_per_event']:.2f} tokens/event, "
+          f"{wall:.1f} s; per burst: arrivals over {result['arrival_spread_ms']:.1f} ms, "
+          f"slowest first token {result['slowest_ttft_ms']:.1f} ms", flush=True)
     return result
+
+
+def read_arrivals(path: Path) -> list[float]:
+    """The fake worker's arrival times so far (it flushes each line as it writes it)."""
+    return [float(line) for line in path.read_text().split()]
 
 
 def main() -> int:
@@ -130,18 +168,23 @@ def main() -> int:
     parser.add_argument("--client-from", type=Path, help="a source tree whose streaming client also drives this "
                         "tree's gateway, alternating with this tree's client")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")
+    parser.add_argument("--bursts", type=int, default=1, help="the streams sent at once this many times per run, "
+                        "one after another (short bursts are too brief for the CPU clock's 10 ms ticks)")
     parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
     parser.add_argument("--results", type=Path, help="append each run as a JSON line")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--arrivals", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bursts < 1:
+        parser.error("--bursts must be at least 1")
     if args.serve is not None:
-        serve(args.serve, args.folder, args.step_ms / 1e3, args.streams)
+        serve(args.serve, args.folder, args.step_ms / 1e3, args.streams, args.arrivals)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         folder = build_model_folder(MODEL, args.tokenizer_dir or default_tokenizer_dir(), Path(tmp))
-        print(f"{args.streams} streams x ({args.prompt_len}/{args.output_len}), fake engine step "
-              f"{args.step_ms} ms; machine: {os.cpu_count()} CPUs", flush=True)
+        print(f"{args.streams} streams x ({args.prompt_len}/{args.output_len}) x {args.bursts} bursts, fake engine "
+              f"step {args.step_ms} ms; machine: {os.cpu_count()} CPUs", flush=True)
         results = []
         for _ in range(args.repeats):
             if args.baseline is not None:

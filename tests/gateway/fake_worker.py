@@ -42,7 +42,8 @@ NUM_BLOCKS = 64
 
 
 def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
-                     eos_token_id: int, vocab_size: int, worker_key: bytes | None = None) -> None:
+                     eos_token_id: int, vocab_size: int, worker_key: bytes | None = None,
+                     arrivals_path: str | None = None) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
     ctx = zmq.Context()
     # The real worker's sockets, CURVE clients when given the link's secret.
@@ -60,6 +61,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     queries = hits = 0
     checked = False  # a CHECK_INVARIANTS waits for the next report
     seen_hashes: set[bytes] = set()
+    # Each Generate's arrival (time.monotonic(), a line each): when a burst's requests got through the gateway.
+    arrivals = open(arrivals_path, "a", buffering=1) if arrivals_path else None
     received: dict[str, float] = {}  # until the request's first step: its queue time
     step = 0
     last_stats = 0.0
@@ -83,6 +86,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                     seen_hashes.update(msg.block_hashes)
                     running[msg.request_id] = (msg, cached, 0)
                     received[msg.request_id] = time.monotonic()
+                    if arrivals is not None:
+                        arrivals.write(f"{received[msg.request_id]}\n")
                 case Abort(request_ids=ids):
                     for rid in ids:
                         if running.pop(rid, None) is not None:
@@ -145,8 +150,9 @@ class FakeWorkerProcess(WorkerProcess):
     """WorkerProcess's start, sockets and handshake, with this file's fake loop as the program."""
 
     def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
-                 eos_token_id: int = 2, vocab_size: int = 49152) -> None:
-        fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size})
+                 eos_token_id: int = 2, vocab_size: int = 49152, arrivals_path: str | None = None) -> None:
+        fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size,
+                           "arrivals_path": arrivals_path})
         super().__init__(config, command=[sys.executable, __file__, fake])
 
 

@@ -1,0 +1,31 @@
+"""tools/bench_gateway.py on a tiny shape: bursts against one gateway, CPU per request, and the
+arrivals the fake worker records."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_run_of_bursts_reports_cpu_per_request_and_the_arrivals_spread():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gateway.py"), "--streams", "3",
+                             "--prompt-len", "40", "--output-len", "2", "--step-ms", "2", "--bursts", "2",
+                             "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("3 streams x (40/2) x 2 bursts")
+    row = re.search(r"this tree: .* = (\d+) us/request, .* arrivals over ([\d.]+) ms, slowest first token "
+                    r"([\d.]+) ms", lines[1])
+    assert row is not None, lines[1]
+    spread, slowest = float(row[2]), float(row[3])
+    assert 0 <= spread < slowest  # the last request arrived before the slowest first token came back
+
+
+def test_zero_bursts_exit_2_naming_the_flag():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_gateway.py"), "--bursts", "0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--bursts must be at least 1" in result.stderr
