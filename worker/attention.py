@@ -64,11 +64,6 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,
     ) -> AttentionMetadata: ...
 
-    def eager_pays(self, starts: list[int], slot_tables: list[list[int]], kv_token_bytes: int) -> bool:
-        """Whether a step that a captured graph could run should run eagerly instead, for an
-        attention path the graphs lack (the Triton backend's shared-prefix cascade)."""
-        return False
-
     def metadata_for(self, layout: StepLayout) -> AttentionMetadata:
         """`build_metadata` for an eager step staged by worker/step_inputs.py; a backend that
         can read the staged device views takes them from `layout` instead of copying again."""

@@ -134,27 +134,6 @@ def shared_prefix_len(starts: list[int], host_block_tables, block_size: int,
     return shared * block_size if shared * block_size >= min_tokens else 0
 
 
-# A step a captured graph could run goes eager for the cascade path when the prefix re-reads
-# it saves come to this much KV: at ~4 TB/s, 0.5 ms of reads against the ~0.2-2 ms of host
-# launches an eager step adds (which asynchronous scheduling mostly hides). A convoy of 49
-# requests on a 10k-token Qwen3-8B prefix saves ~70 GB: 45 ms through the prefill graph.
-CASCADE_EAGER_BYTES = 2 * 2**30
-
-
-def cascade_saves(starts: list[int], slot_tables: list[list[int]], block_size: int, kv_token_bytes: int) -> int:
-    """Bytes of KV a step's sequences would re-read of the prefix they share (what cascade
-    attention reads once): 0 unless >= 2 sequences start past CASCADE_MIN_TOKENS shared
-    tokens. O(sequences) unless their first blocks agree."""
-    if len(slot_tables) < 2 or min(starts) < CASCADE_MIN_TOKENS:
-        return 0
-    first = slot_tables[0][0]
-    if any(table[0] != first for table in slot_tables):
-        return 0
-    limit = min(starts) // block_size
-    shared = shared_prefix_len(starts, np.array([table[:limit] for table in slot_tables]), block_size)
-    return (len(slot_tables) - 1) * shared * kv_token_bytes
-
-
 @dataclass(slots=True)
 class TritonAttentionMetadata(AttentionMetadata):
     """Exactly one of `decode` and `prefill` is set; `shared_prefix_len` > 0 (prefill set) runs
@@ -210,11 +189,6 @@ class TritonAttentionBackend(AttentionBackend):
             query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill,
             shared_prefix_len=shared,
         )
-
-    def eager_pays(self, starts: list[int], slot_tables: list[list[int]], kv_token_bytes: int) -> bool:
-        """A long prefix shared by many of the step's sequences: its eager cascade path reads
-        the prefix once where a graph's kernels read it per sequence (CASCADE_EAGER_BYTES)."""
-        return cascade_saves(starts, slot_tables, self.block_size, kv_token_bytes) >= CASCADE_EAGER_BYTES
 
     def metadata_for(self, layout: StepLayout) -> TritonAttentionMetadata:
         """The step's metadata over the views `layout` staged on the device in the step's one

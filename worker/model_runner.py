@@ -178,12 +178,6 @@ class ModelRunner:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
         if logits_rows is not None:
             return self._execute_rows(chunks, feed, logits_rows, num_tokens)
-        if (self.graphs is not None and len(chunks) > 1
-                and self.backend.eager_pays([c.start for c in chunks], [c.slot_table for c in chunks],
-                                            self.kv_block_bytes // self.block_size)):
-            layout = self.inputs.stage(chunks)  # a long shared prefix: cascade attention, eagerly
-            self._feed_rows(layout, feed)
-            return self._forward(layout)
         graphs = self.graphs
         if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
             bucket = graphs.bucket_for(len(chunks))
