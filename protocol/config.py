@@ -127,25 +127,25 @@ class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True):
 _LENGTH = struct.Struct(">I")
 
 
-def encode_launch(launch: WorkerLaunch) -> bytes:
+def encode_launch(launch: msgspec.Struct) -> bytes:
     """The length-prefixed frame: the pipe stays open after it, so the length says where it ends."""
     payload = msgspec.msgpack.encode(launch)
     return _LENGTH.pack(len(payload)) + payload
 
 
-def read_launch(fd: int) -> WorkerLaunch:
-    """The launch frame from `fd` (the worker's stdin), read unbuffered: the rest of the pipe
-    belongs to `exit_when_gateway_closes`."""
-    header = _read_exactly(fd, _LENGTH.size)
-    return msgspec.msgpack.decode(_read_exactly(fd, _LENGTH.unpack(header)[0]), type=WorkerLaunch)
+def read_launch(fd: int, type: type = WorkerLaunch, sender: str = "the gateway"):
+    """The launch frame of `type` from `fd` (a worker's or a rank's stdin), read unbuffered: the
+    rest of the pipe belongs to `exit_when_gateway_closes` (its EOF: `sender` is gone)."""
+    header = _read_exactly(fd, _LENGTH.size, sender)
+    return msgspec.msgpack.decode(_read_exactly(fd, _LENGTH.unpack(header)[0], sender), type=type)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
+def _read_exactly(fd: int, size: int, sender: str) -> bytes:
     data = b""
     while len(data) < size:
         chunk = os.read(fd, size - len(data))
         if not chunk:
-            raise EOFError("the gateway closed the launch pipe before the whole configuration arrived")
+            raise EOFError(f"{sender} closed the launch pipe before the whole launch arrived")
         data += chunk
     return data
 

@@ -22,7 +22,6 @@ import datetime
 import logging
 import os
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from spillway.protocol.config import WorkerConfig
+from spillway.protocol.config import WorkerConfig, encode_launch, read_launch
 from spillway.protocol.tensor_parallel import feature_problems, layout_problems
 from spillway.worker.executor import PackedStep
 
@@ -41,7 +40,6 @@ RANK_COMMAND = (sys.executable, "-m", "spillway.worker.tp_rank")
 STORE_HOST = "127.0.0.1"
 # A rank that is still loading when another asks for a collective: the group waits this long.
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
-_LENGTH = struct.Struct(">I")
 
 
 class RankLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,24 +82,9 @@ def join_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
                             world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
-def encode_frame(launch: RankLaunch) -> bytes:
-    payload = msgspec.msgpack.encode(launch)
-    return _LENGTH.pack(len(payload)) + payload
-
-
-def read_frame(fd: int) -> RankLaunch:
-    header = _read_exactly(fd, _LENGTH.size)
-    return msgspec.msgpack.decode(_read_exactly(fd, _LENGTH.unpack(header)[0]), type=RankLaunch)
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise EOFError("rank 0 closed the launch pipe before the whole launch arrived")
-        data += chunk
-    return data
+def read_rank_launch(fd: int) -> RankLaunch:
+    """A rank's launch from its stdin (the same framing as the worker's own)."""
+    return read_launch(fd, RankLaunch, "rank 0")
 
 
 class StepChannel:
@@ -159,7 +142,7 @@ class RankGroup:
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, self.world_size):
             process = subprocess.Popen(RANK_COMMAND, stdin=subprocess.PIPE)
-            process.stdin.write(encode_frame(RankLaunch(config=config, rank=rank, world_size=self.world_size,
+            process.stdin.write(encode_launch(RankLaunch(config=config, rank=rank, world_size=self.world_size,
                                                         store_port=store.port)))
             process.stdin.flush()  # and kept open: its EOF tells the rank that rank 0 is gone
             self.processes.append(process)

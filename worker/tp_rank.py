@@ -21,8 +21,8 @@ from spillway.kernels.utils import use_programmatic_launch
 from spillway.worker.config import resolve_device_settings
 from spillway.worker.executor_start import build_executor, finish_start, pool_blocks
 from spillway.worker.models import loader
-from spillway.worker.tp_group import STORE_HOST, GROUP_TIMEOUT, RankLaunch, StepChannel, join_group, rank_device, \
-    read_frame
+from spillway.worker.tp_group import (GROUP_TIMEOUT, STORE_HOST, RankLaunch, StepChannel, join_group,
+                                      rank_device, read_rank_launch)
 
 logger = logging.getLogger("spillway.worker")
 
@@ -62,7 +62,7 @@ def run_rank(launch: RankLaunch) -> None:
 
 
 def main() -> int:
-    launch = read_frame(sys.stdin.fileno())
+    launch = read_rank_launch(sys.stdin.fileno())
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(name)s[rank {launch.rank}] %(levelname)s %(message)s")
     exit_when_rank_zero_closes(sys.stdin.fileno())
