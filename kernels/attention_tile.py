@@ -1,5 +1,5 @@
-"""What the paged attention kernels share: loading a tile of keys and values through the block
-table, and one online-softmax step over it.
+"""What the paged attention kernels share: loading a program's query rows, loading a tile of
+keys and values through the block table, and one online-softmax step over it.
 
 A tile is BLOCK_N consecutive token positions starting at a multiple of BLOCK_N:
 
@@ -19,7 +19,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spillway.kernels.fp8 import value_offset
+from spillway.kernels.fp8 import query_for_cache, value_offset
+
+
+@triton.jit
+def load_query_rows(q_ptr, cache_ptr, query_start, first_token, query_len, kv_head, stride_q_t, stride_q_h,
+                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A program's rows of queries: row r is token `first_token + r // GROUP` of the
+    `query_len` packed from row `query_start` of q, under query head `kv_head * GROUP + r %
+    GROUP`. Returns (q [BLOCK_M, HEAD_DIM] as the cache reads it, token, head, row_valid,
+    q_rows (int64 rows of q), dims)."""
+    rows = tl.arange(0, BLOCK_M)
+    token = first_token + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (query_start + token).to(tl.int64)
+    q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    return query_for_cache(q, cache_ptr), token, head, row_valid, q_rows, dims
 
 
 @triton.jit

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, tile_piece
-from spillway.kernels.fp8 import cache_values, query_for_cache
+from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, load_query_rows, tile_piece
+from spillway.kernels.fp8 import cache_values
 from spillway.kernels.utils import (
     check,
     check_cache,
@@ -76,16 +76,10 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - query_len
 
-    rows = tl.arange(0, BLOCK_M)
-    token = first_token + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (token < query_len)
+    q, token, head, row_valid, q_rows, dims = load_query_rows(
+        q_ptr, cache_ptr, query_start, first_token, query_len, kv_head, stride_q_t, stride_q_h,
+        GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
     query_pos = prefix_len + token
-    dims = tl.arange(0, HEAD_DIM)
-    q_rows = (query_start + token).to(tl.int64)
-    q = tl.load(q_ptr + (q_rows * stride_q_t + head * stride_q_h)[:, None] + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
-    q = query_for_cache(q, cache_ptr)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
