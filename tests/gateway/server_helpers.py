@@ -136,6 +136,20 @@ def server_in_thread(app):
         sock.close()
 
 
+def kill_mid_stream(url: str, path: str, body: dict, pid_to_kill) -> tuple[list[str], float]:
+    """Stream `body` to `path`; after three events SIGKILL the pid `pid_to_kill()` gives. The
+    stream's remaining non-empty lines, and the seconds it took to end after the kill."""
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as response:
+        lines = response.iter_lines()
+        received = 0
+        while received < 3:
+            received += next(lines).startswith("data: {")
+        os.kill(pid_to_kill(), signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line]
+        return rest, time.monotonic() - killed
+
+
 def scrape(url: str) -> dict[str, float]:
     """/metrics as {'name{label="value",...}': value}, model_name label left out."""
     text = httpx.get(url + "/metrics", timeout=10).text

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import real_server
+from server_helpers import kill_mid_stream, real_server
 from spillway.protocol import model_files
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
@@ -61,16 +61,7 @@ def test_a_killed_rank_takes_its_group_down_and_the_gateway_restarts_it(server):
     worker = server.worker_pid()
     rank = rank_pid(worker)
     body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
-                      timeout=60) as response:
-        lines = response.iter_lines()
-        received = 0
-        while received < 3:
-            received += next(lines).startswith("data: {")
-        os.kill(rank, signal.SIGKILL)
-        killed = time.monotonic()
-        rest = [line for line in lines if line]
-        stream_ended = time.monotonic() - killed
+    rest, stream_ended = kill_mid_stream(server.url, "/v1/completions", body, lambda: rank)
 
     assert stream_ended < 5.0
     assert rest[-1] == "data: [DONE]"

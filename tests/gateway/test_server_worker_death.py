@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_helpers import MODEL, real_server
+from server_helpers import MODEL, kill_mid_stream, real_server
 
 pytestmark = pytest.mark.slow  # starts `spillway serve` with the real default model
 
@@ -32,16 +30,8 @@ def test_killed_worker_fails_in_flight_requests_and_is_replaced(server):
     waiting = threading.Thread(target=lambda: whole.update(
         response=httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=120)))
     waiting.start()
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "stream": True},
-                      timeout=120) as response:
-        lines = response.iter_lines()
-        received = 0
-        while received < 3:
-            received += next(lines).startswith("data: {")
-        os.kill(old_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        rest = [line for line in lines if line]
-        stream_ended = time.monotonic() - killed
+    rest, stream_ended = kill_mid_stream(server.url, "/v1/chat/completions", LONG, lambda: old_pid)
+    killed = time.monotonic() - stream_ended
     waiting.join(30)
     whole_ended = time.monotonic() - killed
 
