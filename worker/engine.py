@@ -309,7 +309,9 @@ class Engine:
                 return True
             tier.ahead_stored()
         batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes)
-        if not self.block_manager.write_back_ahead(batch, self.block_manager.num_gpu_blocks):
+        # The next evicted 16 batches (2 GiB) at most: what a burst takes first, found within a
+        # bounded walk of the LRU (a pool of a small model holds millions of blocks).
+        if not self.block_manager.write_back_ahead(batch, 16 * batch):
             return False
         self.executor.copy_kv(self.block_manager.take_copies())
         return True
