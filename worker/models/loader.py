@@ -23,8 +23,8 @@ WeightPart = Callable[[str, list[int]], "tuple[slice, ...] | None"]
 def iter_weights(files: ModelFiles, part: WeightPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, CPU tensor) from the folder's safetensors files.
 
-    `part`: read only that part of each tensor (a tensor-parallel rank's slice), through
-    safetensors' lazy slices: a view of the memory-mapped file, never the whole tensor.
+    `part`: only that part of each tensor (a tensor-parallel rank's slice) is copied out of the
+    memory-mapped file, through safetensors' lazy slices; never the whole tensor.
     """
     if files.load_format == "dummy":
         raise ValueError(f"model {files.name!r} has load_format='dummy': it has no weights")
