@@ -13,7 +13,8 @@ checkpoint tensor is read as this rank's part only (safetensors' lazy slices), t
     norms                        all of it
 
 The result equals loading the whole model and then `shard_model`, bit for bit. Random
-weights (load_format "dummy") still take that road: they must be the same model whatever N.
+weights (load_format "dummy") are still generated whole, then cut (executor.load_model): they
+must be the same model whatever N.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import torch
 from torch import nn
 
 from spillway.worker.models import loader, model_class_for
-from spillway.worker.models.spec import DecoderSpec
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 _ALL = (slice(None),)
