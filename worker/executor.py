@@ -28,6 +28,7 @@ from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, def
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
+from spillway.worker.models.shard_loading import load_shard
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
@@ -66,16 +67,20 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
                seed: int, input_major_weights: bool = True, shard: tuple[int, int] | None = None) -> nn.Module:
     """The model with its weights (random ones for the dummy format), laid out for `device`.
 
-    `shard`: `(rank, world_size)` of the default process group: every rank loads the whole
-    model (dummy weights from the same seed, so the same model whatever the size), then keeps
-    its shard, before the linear layers are re-laid for the device (both find the shards)."""
-    model = model_class_for(hf_config).build(hf_config, device=device, dtype=dtype)
-    if files.load_format == "dummy":
-        loader.init_dummy_weights(model, seed=seed)
+    `shard`: `(rank, world_size)` of the default process group. A checkpoint's shard is built
+    at its own shapes and reads only its slices (shard_loading.py); dummy weights are generated
+    whole from the seed, so that they are the same model whatever the size, then cut. Either
+    way before the linear layers are re-laid for the device (both find the shards)."""
+    if shard is not None and files.load_format != "dummy":
+        model = load_shard(hf_config, files, *shard, device=device, dtype=dtype)
     else:
-        model.load_weights(loader.iter_weights(files))
-    if shard is not None:
-        shard_model(model, *shard)
+        model = model_class_for(hf_config).build(hf_config, device=device, dtype=dtype)
+        if files.load_format == "dummy":
+            loader.init_dummy_weights(model, seed=seed)
+        else:
+            model.load_weights(loader.iter_weights(files))
+        if shard is not None:
+            shard_model(model, *shard)
     if device.type == "cpu":
         packed = pack_linear_layers(model)
         logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")

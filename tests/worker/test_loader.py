@@ -20,7 +20,10 @@ from spillway.protocol.model_files import (
     load_tokenizer,
     resolve_model,
 )
+from spillway.worker.models import build_model
 from spillway.worker.models.loader import init_dummy_weights, iter_weights
+from spillway.worker.models.shard_loading import load_shard
+from spillway.worker.models.tensor_parallel import shard_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,6 +128,24 @@ def test_converted_weights_equal_transformers_own_gguf_loading(default_files):
     assert torch.equal(converted[q_proj], reference[q_proj])
     for name, tensor in converted.items():
         assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_rank_loads_its_shard_of_the_converted_gguf(default_files):
+    """SmolLM2-135M (9 heads, 3 KV heads) over 3 ranks: rank 1 reads its slices of the converted
+    GGUF, and holds exactly what loading the whole model, then `shard_model`, leaves it."""
+    config = load_config(default_files)
+    whole = build_model(config, device=torch.device("cpu"), dtype=torch.float32)
+    whole.load_weights(iter_weights(default_files))
+    shard_model(whole, rank=1, world_size=3)
+    expected = dict(whole.named_parameters())
+
+    shard = dict(load_shard(config, default_files, 1, 3, device=torch.device("cpu"), dtype=torch.float32)
+                 .named_parameters())
+    assert shard.keys() == expected.keys()
+    assert shard["model.layers.0.self_attn.qkv_proj.weight"].shape == ((3 + 1 + 1) * 64, 576)
+    for name, param in shard.items():
+        assert torch.equal(param, expected[name]), name
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from spillway.worker.models import build_model
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.step_plan import KVCopies
 from spillway.worker.tp_group import StepChannel
-from tiny_models import save_tiny_qwen3
+from tiny_models import save_tiny_llama_with_biases, save_tiny_qwen3
 
 CPU = torch.device("cpu")
 # Prompts of several lengths, one past the step budget (so later steps mix its prefill chunk
@@ -48,9 +48,18 @@ def generate(model: str, tensor_parallel_size: int, **settings) -> list[list[int
         llm.shutdown()
 
 
-def test_two_ranks_generate_what_one_process_does(tiny_qwen3):
-    alone = generate(tiny_qwen3, 1)
-    assert generate(tiny_qwen3, 2) == alone
+@pytest.fixture(scope="module")
+def tiny_llama_with_biases(tmp_path_factory) -> str:
+    return save_tiny_llama_with_biases(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# Each rank loads its slices of the checkpoint (worker/models/shard_loading.py): KV heads split
+# (Qwen3), or one replicated with every bias, a tied lm_head and a padded vocabulary (Llama).
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama_with_biases"])
+def test_two_ranks_generate_what_one_process_does(request, checkpoint):
+    model = request.getfixturevalue(checkpoint)
+    alone = generate(model, 1)
+    assert generate(model, 2) == alone
     assert all(len(tokens) == 12 for tokens in alone) and len({tuple(t) for t in alone}) == len(PROMPTS)
 
 

@@ -8,19 +8,35 @@ TINY_VOCAB = 384
 
 
 def save_tiny_qwen3(path, *, vocab_size: int = TINY_VOCAB, seed: int = 0, hidden_size: int = 64,
-                    num_layers: int = 2, num_heads: int = 4) -> str:
-    """A small random Qwen3 (EOS 1, head_dim 16, half as many KV heads as query heads) saved in
-    `path`, with large weights so its greedy outputs do not loop on one token; returns the folder."""
+                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None) -> str:
+    """A small random Qwen3 (EOS 1, head_dim 16, by default half as many KV heads as query
+    heads) saved in `path`, with large weights so its greedy outputs do not loop on one token;
+    returns the folder."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_heads // 2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=1)
-    model = Qwen3ForCausalLM(config)
+                         num_key_value_heads=num_kv_heads or num_heads // 2, head_dim=16,
+                         max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1)
+    return _save_random(Qwen3ForCausalLM(config), path)
+
+
+def save_tiny_llama_with_biases(path, *, vocab_size: int = 301, seed: int = 0) -> str:
+    """A small random Llama with every bias (q/k/v, o_proj, the MLP's), one KV head for 4 query
+    heads, a tied lm_head and an odd vocabulary, saved in `path` over several safetensors files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         attention_bias=True, mlp_bias=True, tie_word_embeddings=True, eos_token_id=1)
+    return _save_random(LlamaForCausalLM(config), path, max_shard_size="100KB")
+
+
+def _save_random(model, path, **save_options) -> str:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.3)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **save_options)
     return str(path)

@@ -14,7 +14,7 @@ Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -124,18 +124,22 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def build(
-        cls, config, *, device: torch.device, dtype: torch.dtype, ops: DecoderOps | None = None
+        cls, config, *, device: torch.device, dtype: torch.dtype, ops: DecoderOps | None = None,
+        reshape: Callable[[LlamaForCausalLM], object] | None = None,
     ) -> LlamaForCausalLM:
         """The model on `device` in `dtype`, its weights uninitialised (the loader fills them).
 
         Built on the meta device and then given storage, so no time goes into random init.
-        `ops` defaults to the Triton kernels on CUDA and plain torch elsewhere.
+        `ops` defaults to the Triton kernels on CUDA and plain torch elsewhere. `reshape` runs
+        on the meta model before it gets storage: tensor parallelism cuts it to one rank's shard
+        there (worker/models/shard_loading.py), so the whole model never exists on the device.
         """
         device = torch.device(device)
         with torch.device("meta"):
             model = cls(config, ops or ops_for(device))
-        model = model.to(dtype=dtype).to_empty(device=device)
-        model.tie_weights()  # to_empty gives each module its own storage
+        if reshape is not None:
+            reshape(model)
+        _give_storage(model.to(dtype=dtype), device)
         model.rotary.to(device)
         return model.eval()
 
@@ -157,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         return self.spec.sliding_window
 
     def tie_weights(self) -> None:
-        """Share the embedding with lm_head when the config says so (again after `to_empty`)."""
+        """Share the embedding with lm_head when the config says so."""
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -185,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
         return out.copy_(self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a Hugging Face state dict (or safetensors stream) into the parameters.
+        """Copy a Hugging Face state dict (or safetensors stream) into the parameters. On a
+        tensor-parallel shard, the stream holds the rank's slices (shard_loading.py).
 
         Raises ValueError naming every missing and unexpected weight, or a shape mismatch.
         """
@@ -228,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
         }
         targets = {}
         for name, param in self.named_parameters(remove_duplicate=False):
+            # A tensor-parallel shard wraps some layers (tensor_parallel.py) around their `linear`.
+            name = name.replace(".linear.", ".")
             module_path, projection, kind = ([""] * 3 + name.rsplit(".", 2))[-3:]
             if projection not in _FUSED_SHARDS:
                 targets[name] = (param, 0, param.shape[0])
@@ -237,3 +244,15 @@ class LlamaForCausalLM(nn.Module):
                 targets[f"{module_path}.{shard_name}.{kind}"] = (param, offset, rows)
                 offset += rows
         return targets
+
+
+def _give_storage(model: nn.Module, device: torch.device) -> None:
+    """Replace each meta parameter with uninitialised storage on `device`, one per distinct
+    parameter, so that tied weights stay one tensor (`to_empty` would give each its own)."""
+    storage: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in storage:
+                storage[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                  requires_grad=param.requires_grad)
+            setattr(module, name, storage[id(param)])

@@ -4,7 +4,7 @@ its safetensors files, random weights for load_format "dummy", and its EOS token
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 # The worker's one door to model files: resolution and configs are torch-free, shared with the gateway.
@@ -16,8 +16,16 @@ if TYPE_CHECKING:
 __all__ = ["ModelFiles", "eos_token_ids", "init_dummy_weights", "iter_weights", "load_config", "resolve_model"]
 
 
-def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, CPU tensor) from the folder's safetensors files."""
+# (name, shape) → the index of the part of the tensor to read, or None to skip the tensor.
+WeightPart = Callable[[str, list[int]], "tuple[slice, ...] | None"]
+
+
+def iter_weights(files: ModelFiles, part: WeightPart | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, CPU tensor) from the folder's safetensors files.
+
+    `part`: only that part of each tensor (a tensor-parallel rank's slice) is copied out of the
+    memory-mapped file, through safetensors' lazy slices; never the whole tensor.
+    """
     if files.load_format == "dummy":
         raise ValueError(f"model {files.name!r} has load_format='dummy': it has no weights")
     from safetensors import safe_open
@@ -25,7 +33,13 @@ def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
     for weights_file in safetensors_files(files.path):
         with safe_open(weights_file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if part is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                lazy = f.get_slice(name)
+                index = part(name, lazy.get_shape())
+                if index is not None:
+                    yield name, lazy[index]
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

@@ -16,9 +16,11 @@ divide N, each is replicated to the N / num_kv_heads ranks whose query heads rea
 vocabulary is padded with zero rows up to a multiple of N, and the padding cut from the logits.
 
 The attention layers then see their rank's head counts, and so does `model.num_kv_heads`: a
-rank's KV pool holds its heads only. `shard_model` runs after the weights are loaded and
-before the CPU path packs the linear layers for oneDNN (cpu_linear.py) or the GPU path re-lays
-them input-major (gpu_linear.py): both find the shards, plain `nn.Linear`s, inside the wrappers.
+rank's KV pool holds its heads only. `shard_model` cuts a checkpoint's model on the meta
+device, before it has storage (shard_loading.py reads the slices into it), and a dummy model
+after its weights are generated; either way before the CPU path packs the linear layers for
+oneDNN (cpu_linear.py) or the GPU path re-lays them input-major (gpu_linear.py): both find the
+shards, plain `nn.Linear`s, inside the wrappers.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class ShardLayout:
 
 def shard_model(model: LlamaForCausalLM, rank: int, world_size: int,
                 group: dist.ProcessGroup | None = None) -> ShardLayout:
-    """Cut the loaded `model` in place down to rank `rank`'s shard; returns its layout.
+    """Cut `model` (loaded, or on the meta device) in place down to rank `rank`'s shard; returns its layout.
 
     Every rank of `group` (the default group when None) must shard the same model and then
     run the same steps: the forward pass calls collectives. `model.spec` then holds the rank's

@@ -1,0 +1,108 @@
+"""A tensor-parallel rank's shard of a checkpoint, built and loaded without the whole model.
+
+`shard_model` (tensor_parallel.py) cuts a loaded model; here it cuts the model while it is
+still on the meta device, so each parameter gets storage at its shard's shape, and each
+checkpoint tensor is read as this rank's part only (safetensors' lazy slices), then copied:
+
+    checkpoint tensor            rank r reads
+    q_proj, k_proj, v_proj       the rows of its query heads / of its KV heads (a replicated
+                                   head's rows on every rank whose query heads read it)
+    gate_proj, up_proj           its rows of the intermediate size
+    o_proj, down_proj            the matching input columns; the bias on rank 0 only
+    embed_tokens, lm_head        its vocabulary rows, zero rows past the vocabulary
+    norms                        all of it
+
+The result equals loading the whole model and then `shard_model`, bit for bit. Random
+weights (load_format "dummy") are still generated whole, then cut (executor.load_model): they
+must be the same model whatever N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from spillway.worker.models import loader, model_class_for
+from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
+
+_ALL = (slice(None),)
+_VOCAB_TABLES = ("embed_tokens", "lm_head")
+
+
+def load_shard(hf_config, files: loader.ModelFiles, rank: int, world_size: int, *, device: torch.device,
+               dtype: torch.dtype) -> nn.Module:
+    """Rank `rank` of `world_size`'s shard of the checkpoint in `files`, on `device` in `dtype`.
+
+    Raises ValueError where the sizes do not split over the ranks (before reading anything),
+    or, as `load_weights` does, where the checkpoint does not match the config.
+    """
+    model_class = model_class_for(hf_config)
+    with torch.device("meta"):
+        whole = model_class(hf_config)  # no storage: only its checkpoint shapes are read
+    parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim,
+                       {name: tuple(tensor.shape) for name, tensor in whole.checkpoint_weights()})
+    model = model_class.build(hf_config, device=device, dtype=dtype,
+                              reshape=partial(shard_model, rank=rank, world_size=world_size))
+    weights = loader.iter_weights(files, parts.index)
+    model.load_weights((name, parts.pad_vocab(name, tensor)) for name, tensor in weights)
+    return model
+
+
+@dataclass(frozen=True, slots=True)
+class ShardParts:
+    """Which part of each checkpoint tensor a rank reads; `shapes`: the whole model's
+    checkpoint tensors, which the checkpoint's must match before anything is cut."""
+
+    layout: ShardLayout
+    head_dim: int
+    shapes: dict[str, tuple[int, ...]]
+
+    def index(self, name: str, shape: list[int]) -> tuple[slice, ...] | None:
+        """The index of the part of checkpoint tensor `name` that the rank keeps, None for a
+        row-parallel bias off rank 0 (rank 0 adds it once, before the sum)."""
+        expected = self.shapes.get(name)
+        if expected is not None and tuple(shape) != expected:
+            raise ValueError(f"weight {name} has shape {tuple(shape)}, expected {expected}")
+        layout, size = self.layout, self.layout.intermediate_size
+        heads = _rows(layout.first_head * self.head_dim, layout.num_heads * self.head_dim)
+        projection, kind = _projection_and_kind(name)
+        match projection:
+            case "q_proj":
+                return (heads,)
+            case "k_proj" | "v_proj":
+                return (_rows(layout.first_kv_head * self.head_dim, layout.num_kv_heads * self.head_dim),)
+            case "gate_proj" | "up_proj":
+                return (_rows(layout.rank * size, size),)
+            case "o_proj" | "down_proj" if kind == "bias":
+                return _ALL if layout.rank == 0 else None
+            case "o_proj":
+                return (slice(None), heads)
+            case "down_proj":
+                return (slice(None), _rows(layout.rank * size, size))
+            case "embed_tokens" | "lm_head":
+                start = min(layout.first_vocab_row, shape[0])  # the last ranks may hold only padding
+                return (slice(start, min(start + layout.vocab_rows, shape[0])),)
+            case _:
+                return _ALL
+
+    def pad_vocab(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A vocabulary slice padded with zero rows to the shard's `vocab_rows` (on the CPU,
+        slice-sized); any other tensor as it is."""
+        rows = self.layout.vocab_rows
+        if _projection_and_kind(name)[0] not in _VOCAB_TABLES or tensor.shape[0] == rows:
+            return tensor
+        padded = tensor.new_zeros(rows, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        return padded
+
+
+def _projection_and_kind(name: str) -> tuple[str, str]:
+    """`("q_proj", "weight")` for "model.layers.0.self_attn.q_proj.weight"."""
+    return tuple(([""] + name.rsplit(".", 2))[-2:])
+
+
+def _rows(start: int, length: int) -> slice:
+    return slice(start, start + length)
