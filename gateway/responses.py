@@ -84,6 +84,7 @@ def _prompt_logprobs(sample: Sample, shape: Shape) -> answers.PromptLogprobs | m
 
 
 async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[bytes]:
+    """The chat stream's SSE events, those of one batch of updates joined (see `_stream`)."""
     job, shape = gen.job, Shape.of(gen.job, strings)
     want_logprobs = job.params.logprobs is not None
 
@@ -94,33 +95,38 @@ async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[b
                                                prompt_token_ids=prompt_token_ids))
 
     prompt_ids = list(job.prompts[0].token_ids) if shape.token_ids else None
-    for sample in gen.samples:
-        yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")),
-                    prompt_ids if sample.index == 0 else None)
+    yield b"".join(chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")),
+                         prompt_ids if sample.index == 0 else None) for sample in gen.samples)
     async for updates in gen.updates():
+        events = []
         for update in updates:
             logprobs = chat_logprobs(update.logprobs, shape.strings) if want_logprobs and update.logprobs else None
             token_ids = _ids(shape, update.token_ids)
             if update.reasoning_text:
                 thought = update.reasoning_text
-                yield chunk(answers.ChatChunkChoice(update.sample.index,
-                                                    answers.ChatDelta(reasoning_content=thought, reasoning=thought),
-                                                    logprobs, token_ids=token_ids))
+                events.append(chunk(answers.ChatChunkChoice(update.sample.index,
+                                                            answers.ChatDelta(reasoning_content=thought,
+                                                                              reasoning=thought),
+                                                            logprobs, token_ids=token_ids)))
                 logprobs, token_ids = None, msgspec.UNSET  # sent with the reasoning
                 if update.text:
-                    yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text)))
+                    events.append(chunk(answers.ChatChunkChoice(update.sample.index,
+                                                                answers.ChatDelta(content=update.text))))
             elif update.text or logprobs is not None or update.token_ids and shape.token_ids:
-                yield chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text),
-                                                    logprobs, token_ids=token_ids))
+                events.append(chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text),
+                                                            logprobs, token_ids=token_ids)))
             if update.finished:
                 sample = update.sample
-                yield chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(), None, sample.finish_reason,
-                                                    sample.stop_reason))
-    if job.include_usage:
-        yield chunk(None)
+                events.append(chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(), None,
+                                                            sample.finish_reason, sample.stop_reason)))
+        if gen.finished and job.include_usage:
+            events.append(chunk(None))
+        if events:
+            yield b"".join(events)
 
 
 async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[bytes]:
+    """The completion stream's SSE events, those of one batch of updates joined (see `_stream`)."""
     job, shape = gen.job, Shape.of(gen.job, strings)
     want_logprobs = job.params.logprobs is not None
     offsets = [0] * len(gen.samples)
@@ -133,6 +139,7 @@ async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIter
                                       notice=shape.notice))
 
     async for updates in gen.updates():
+        events = []
         for update in updates:
             sample = update.sample
             index = sample.index
@@ -145,11 +152,14 @@ async def completion_events(gen: Generation, strings: TokenStrings) -> AsyncIter
                 if not started[index]:  # the prompt's token ids come with a choice's first chunk
                     choice.prompt_token_ids = _ids(shape, job.prompts[sample.prompt_index].token_ids)
                     started[index] = True
-                yield chunk(choice)
+                events.append(chunk(choice))
             if update.finished:
-                yield chunk(answers.CompletionChoice(index, "", None, sample.finish_reason, sample.stop_reason))
-    if job.include_usage:
-        yield chunk(None)
+                events.append(chunk(answers.CompletionChoice(index, "", None, sample.finish_reason,
+                                                             sample.stop_reason)))
+        if gen.finished and job.include_usage:
+            events.append(chunk(None))
+        if events:
+            yield b"".join(events)
 
 
 async def whole_response(gen: Generation, strings: TokenStrings):
@@ -216,11 +226,18 @@ class GenerationResponse:
         await response({"type": "http"}, _no_receive, send)
 
     async def _stream(self, send) -> None:
+        """One write per batch of updates, not per event: each write is a system call and, at a
+        few tokens per request, most of a stream's cost. The last batch carries the stream's
+        end ([DONE] and the chunked body's terminator) with it."""
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         events = chat_events if self.generation.job.chat else completion_events
+        end = DONE
         try:
-            async for event in events(self.generation, self.strings):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+            async for batch in events(self.generation, self.strings):
+                if self.generation.finished:
+                    end = batch + DONE
+                else:
+                    await send({"type": "http.response.body", "body": batch, "more_body": True})
         except api.ApiError as exc:
             await send({"type": "http.response.body", "body": sse(exc.body()), "more_body": True})
         except WorkerLost as exc:
@@ -230,7 +247,7 @@ class GenerationResponse:
             logger.exception("streaming %s failed", self.generation.job.request_id)
             error = api.ApiError(500, f"internal error: {exc}", type="server_error")
             await send({"type": "http.response.body", "body": sse(error.body()), "more_body": True})
-        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
 
 async def _wait_for_disconnect(receive) -> None:

@@ -149,6 +149,11 @@ class Generation:
         self._unfinished = len(self.samples)
         self._stream = self.client.submit(generates, num_samples=params.n)
 
+    @property
+    def finished(self) -> bool:
+        """Every choice has finished (once started): no update is left to come."""
+        return self._stream is not None and not self._unfinished
+
     def close(self) -> None:
         """Abort what is still running; safe to call at any point, and more than once."""
         if self._stream is not None:

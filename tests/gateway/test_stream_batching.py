@@ -71,6 +71,12 @@ def event(raw: bytes) -> dict:
     return json.loads(raw[6:-2])
 
 
+def split(batch: bytes) -> list[bytes]:
+    """The SSE events of one write, each with its blank line."""
+    assert batch.endswith(b"\n\n")
+    return [raw + b"\n\n" for raw in batch[:-2].split(b"\n\n")]
+
+
 def text_and_tokens(raw: bytes) -> tuple[str, int]:
     body = event(raw)
     return body["choices"][0]["text"], body["usage"]["completion_tokens"]
@@ -88,7 +94,10 @@ def test_a_stream_behind_gets_every_waiting_step_in_one_event(tokenizer, token_i
         stream.put(delta(rid, token_ids[5], FinishReason.LENGTH))
         return [first] + [e async for e in events]
 
-    events = asyncio.run(run())
+    batches = asyncio.run(run())
+    # One write per batch: the last carries the finish and the usage with its text.
+    assert [len(split(batch)) for batch in batches] == [1, 3]
+    events = [raw for batch in batches for raw in split(batch)]
     assert text_and_tokens(events[0]) == ("Hello world, how", 4)
     assert text_and_tokens(events[1]) == (" are you", 6)
     finish = event(events[2])
@@ -119,11 +128,14 @@ def test_with_stop_strings_the_tokens_after_the_stop_are_not_counted(tokenizer, 
         generation, client, rid = start(tokenizer, 6, stop=[","])
         for token_id in token_ids[:4]:  # "," is the third token; the fourth came with it
             client.stream.put(delta(rid, token_id))
-        events = [e async for e in completion_events(generation, TokenStrings(tokenizer))]
+        batches = [e async for e in completion_events(generation, TokenStrings(tokenizer))]
         assert client.aborted == [rid]  # the gateway stopped it in the worker
-        return events
+        return batches
 
-    events = asyncio.run(run())
+    batches = asyncio.run(run())
+    assert len(batches) == 1  # one batch of deltas: one write
+    events = split(batches[0])
+    assert len(events) == 3
     assert text_and_tokens(events[0]) == ("Hello world", 3)
     assert event(events[1])["choices"][0]["finish_reason"] == "stop"
     assert event(events[2])["usage"]["completion_tokens"] == 3
