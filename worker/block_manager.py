@@ -130,22 +130,9 @@ class BlockManager:
         return self.tier.take_copies() if self.tier else NO_KV_COPIES
 
     def write_back_ahead(self, max_blocks: int, max_scan: int) -> int:
-        """Plan CPU copies of up to `max_blocks` cached GPU blocks without one, from the GPU
-        LRU's head (the next evicted), looking at most `max_scan` blocks deep; into free CPU
-        slots only, and only once the ahead stores taken before have finished (one batch on
-        the copy stream at a time). Returns how many (worker/cpu_tier.py)."""
-        tier = self.tier
-        if tier is None or tier.num_ahead_pending or not tier.num_free:
-            return 0
-        planned = 0
-        for depth, block in enumerate(self._lru):
-            if planned == max_blocks or depth == max_scan:
-                break
-            if block.cpu_slot is None:
-                if not tier.store_ahead(block, block.gpu_slot):
-                    break
-                planned += 1
-        return planned
+        """CPU copies for up to `max_blocks` cached GPU blocks from the LRU head, looking at
+        most `max_scan` deep (`CpuTier.write_back_ahead`); how many were planned."""
+        return self.tier.write_back_ahead(self._lru, max_blocks, max_scan) if self.tier else 0
 
     def free_gpu_slots(self) -> list[int]:
         """The allocatable GPU slots in the order they are taken: free slots, then the slots

@@ -27,7 +27,7 @@ whose ahead store may still run (`evicted`) makes its forward and its loads wait
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_lru import Block
@@ -110,6 +110,23 @@ class CpuTier:
         self._ahead_ids.append(block.block_id)
         self.num_stored += 1
         return True
+
+    def write_back_ahead(self, gpu_lru: Iterable[Block], max_blocks: int, max_scan: int) -> int:
+        """Plan CPU copies of up to `max_blocks` cached GPU blocks without one, in `gpu_lru`'s
+        order (the next evicted first), looking at most `max_scan` deep; into free CPU slots
+        only, and only once the ahead stores taken before have finished (one batch on the copy
+        stream at a time). Returns how many."""
+        if self._ahead_pending or not self._free_slots:
+            return 0
+        planned = 0
+        for depth, block in enumerate(gpu_lru):
+            if planned == max_blocks or depth == max_scan:
+                break
+            if block.cpu_slot is None:
+                if not self.store_ahead(block, block.gpu_slot):
+                    break
+                planned += 1
+        return planned
 
     def evicted(self, block: Block) -> None:
         """The block's GPU slot goes to another block this step: if its ahead store may still

@@ -101,7 +101,9 @@ class Engine:
         if num_cpu_blocks:
             # ~1 ms of copy a step at ~55 GB/s: the store stream is free again long before the
             # next step's stores, which the forward waits for, are queued behind it.
-            self.scheduler.write_ahead_blocks = max(1, WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes)
+            # At most 64 blocks: the scheduler walks 4x that into the LRU every step.
+            blocks = WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes
+            self.scheduler.write_ahead_blocks = min(64, max(1, blocks))
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
