@@ -139,12 +139,11 @@ def stored_bytes_come_back(copier, num_blocks: int) -> bool:
 
     original = copier.gpu_pool[:num_blocks].clone()
     slots = tuple((slot, slot) for slot in range(num_blocks))
-    copier.wait_for_loads()
     copier.run(KVCopies(gpu_to_cpu=slots))
     torch.cuda.synchronize()
     copier.gpu_pool[:num_blocks].zero_()
     copier.run(KVCopies(cpu_to_gpu=slots))
-    copier.wait_for_loads()
+    copier.landed_through(wait=True)
     return torch.equal(copier.gpu_pool[:num_blocks], original)
 
 
@@ -162,7 +161,7 @@ def run_both(args, rows: Rows) -> None:
 
     def copier_step() -> None:
         copier.run(copies)
-        copier.wait_for_loads()
+        torch.cuda.current_stream().wait_stream(copier.load_stream)  # the timing covers the loads
 
     ours = median(timed_seconds(copier_step) for _ in range(5))
     equal = torch.equal(cpu[:n].cuda(), gpu[:n]) and torch.equal(gpu[n:], cpu[n:].cuda())

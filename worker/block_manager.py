@@ -112,13 +112,13 @@ class BlockManager:
         """Whether the block's KV is in a GPU slot (a lookup hit on it needs no load)."""
         return self.blocks[block_id].gpu_slot is not None
 
-    def waits_for_load(self, request_id: str) -> bool:
-        """Whether one of the request's blocks is still to arrive from the CPU tier (planned in
-        the copies not taken yet, or on its way: `CpuTier.is_loading`)."""
+    def awaited_load_batch(self, request_id: str) -> int:
+        """The last load batch bringing one of the request's blocks from the CPU tier (planned
+        in the copies not taken yet, or on its way: `CpuTier.load_batch`); 0 when none is."""
         table = self._tables.get(request_id)
         if self.tier is None or table is None or not self.tier.num_loading:
-            return False
-        return any(map(self.tier.is_loading, table.blocks))
+            return 0
+        return max(map(self.tier.load_batch, table.blocks))
 
     def count_on_gpu(self, block_ids: Sequence[int]) -> int:
         """How many of the blocks have their KV in a GPU slot (a hit on the rest plans a load)."""
@@ -300,9 +300,9 @@ class BlockManager:
             return self._free_slots.popleft()
         block = self._lru.popleft()
         slot, block.gpu_slot = block.gpu_slot, None
-        if block.cpu_slot is not None:
-            self.tier.evicted(block)  # written back ahead: the slot's reuse may wait for that store
-        elif not (self.tier and self.tier.store(block, slot)):
+        if self.tier is not None:
+            self.tier.evicted(block)  # an ahead store or a load may still use the slot: its reuse waits
+        if block.cpu_slot is None and not (self.tier and self.tier.store(block, slot)):
             self._drop_cpu_only(block)
         return slot
 

@@ -46,9 +46,14 @@ class CpuTier:
         # block id -> block, head evicted next; holds exactly the unpinned CPU copies.
         self._lru: OrderedDict[int, Block] = OrderedDict()
         self._pinned: dict[int, Block] = {}  # by block id: CPU copies this step's copies touch
-        # Block ids whose load is in this step's copies, or in copies taken whose loads have
-        # not landed yet (`landed` clears those): their requests compute once it has.
-        self._loading: set[int] = set()
+        # Block id -> the load batch (`KVCopies.load_batch`) bringing it in, for the blocks
+        # whose load is in this step's copies (the next batch) or in copies taken whose loads
+        # have not landed yet (`landed` drops those): their requests compute once it has.
+        self._loading: dict[int, int] = {}
+        self._num_load_batches = 0  # load batches taken so far
+        self._batch_ids: deque[tuple[int, list[int]]] = deque()  # taken batches not landed, in order
+        self._batch_planned: list[int] = []  # this step's loading block ids
+        self._wait_for_loads = False
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._ahead: list[tuple[int, int]] = []  # this step's write-back ahead of eviction
@@ -130,9 +135,12 @@ class CpuTier:
 
     def evicted(self, block: Block) -> None:
         """The block's GPU slot goes to another block this step: if its ahead store may still
-        be reading that slot, the step waits for the ahead stores."""
+        be reading that slot, the step waits for the ahead stores; if its load may still be
+        writing it (its request went before the load landed), for the loads."""
         if block.block_id in self._ahead_pending:
             self._wait_for_ahead = True
+        if block.block_id in self._loading:
+            self._wait_for_loads = True
 
     def ahead_stored(self) -> None:
         """Every ahead store taken so far has finished on the device."""
@@ -147,7 +155,8 @@ class CpuTier:
         """Plan the copy of the (pinned) block's CPU copy into its new GPU slot."""
         assert block.block_id in self._pinned and block.cpu_slot is not None
         self._loads.append((block.cpu_slot, gpu_slot))
-        self._loading.add(block.block_id)
+        self._loading[block.block_id] = self._num_load_batches + 1
+        self._batch_planned.append(block.block_id)
         self.num_loaded += 1
 
     @property
@@ -155,24 +164,38 @@ class CpuTier:
         """Blocks whose load is planned or on its way."""
         return len(self._loading)
 
-    def is_loading(self, block: Block) -> bool:
-        """Whether the block's KV is still to arrive: planned in this step's copies, or taken
-        with copies whose loads have not landed (`landed`)."""
-        return block.block_id in self._loading
+    def load_batch(self, block: Block) -> int:
+        """The load batch the block's KV arrives with, 0 when it is not loading: planned in
+        this step's copies (the next batch), or taken with copies whose loads have not landed
+        (`landed`)."""
+        return self._loading.get(block.block_id, 0)
 
-    def landed(self) -> None:
-        """Every load of the copies taken so far has landed on the GPU."""
-        self._loading.clear()
+    def landed(self, through: int | None = None) -> None:
+        """The load batches up to `through` (every batch taken so far when None) have landed
+        on the GPU (one stream: they land in order)."""
+        if through is None:
+            through = self._num_load_batches
+        while self._batch_ids and self._batch_ids[0][0] <= through:
+            batch, block_ids = self._batch_ids.popleft()
+            for block_id in block_ids:
+                if self._loading.get(block_id) == batch:  # not loaded again since
+                    del self._loading[block_id]
 
     def take_copies(self) -> KVCopies:
         """This step's copies, in plan order per direction; unpins their CPU copies."""
         for block in self._pinned.values():
             self._lru[block.block_id] = block
         self._pinned.clear()
-        if not (self._stores or self._loads or self._ahead or self._wait_for_ahead):
+        if not (self._stores or self._loads or self._ahead or self._wait_for_ahead or self._wait_for_loads):
             return NO_KV_COPIES
+        batch = 0
+        if self._loads:
+            batch = self._num_load_batches = self._num_load_batches + 1
+            self._batch_ids.append((batch, self._batch_planned))
+            self._batch_planned = []
         copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads),
-                          ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead)
+                          ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead,
+                          load_batch=batch, wait_for_loads=self._wait_for_loads)
         if self._wait_for_ahead:
             self._ahead_pending.clear()  # this step waits for all of them
         self._ahead_pending.update(self._ahead_ids)
@@ -180,7 +203,7 @@ class CpuTier:
         self._loads.clear()
         self._ahead.clear()
         self._ahead_ids.clear()
-        self._wait_for_ahead = False
+        self._wait_for_ahead = self._wait_for_loads = False
         return copies
 
     def forget(self, block: Block) -> None:

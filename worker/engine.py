@@ -43,7 +43,7 @@ from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 # Bytes of cached GPU blocks the CPU tier writes back ahead of their eviction, per step, and
 # per batch while the engine is idle (a request arriving meanwhile finds its stores queued
 # behind at most ~2 ms of them).
-WRITE_AHEAD_BYTES = 64 * 2**20
+WRITE_AHEAD_BYTES = 128 * 2**20
 IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
 
 
@@ -99,8 +99,9 @@ class Engine:
             vocab_size=self.vocab_size,
         )
         if num_cpu_blocks:
-            # ~1 ms of copy a step at ~55 GB/s: the store stream is free again long before the
-            # next step's stores, which the forward waits for, are queued behind it.
+            # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
+            # step's stores, which the forward waits for, are queued behind it (a batch is
+            # planned only once the one before has finished).
             # At most 64 blocks: the scheduler walks 4x that into the LRU every step.
             blocks = WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes
             self.scheduler.write_ahead_blocks = min(64, max(1, blocks))
@@ -190,8 +191,8 @@ class Engine:
         previous = self._in_flight
         deltas: list[RequestDelta] = []
         tier, copier = self.block_manager.tier, self.executor.kv_copier
-        if tier is not None and tier.num_loading and copier.loads_landed():
-            self.scheduler.loads_landed()
+        if tier is not None and tier.num_loading:
+            self.scheduler.loads_landed(copier.landed_through())
         if tier is not None and tier.num_ahead_pending and copier.ahead_stored():
             tier.ahead_stored()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
@@ -319,6 +320,10 @@ class Engine:
         return True
 
     def reset_prefix_cache(self) -> bool:
+        tier = self.block_manager.tier
+        if tier is not None and tier.num_loading and not self.scheduler.has_unfinished:
+            # Loads of requests gone may still write the GPU slots the reset frees.
+            self.scheduler.loads_landed(self.executor.kv_copier.landed_through(wait=True))
         return self.block_manager.reset_prefix_cache()
 
     def close(self) -> None:

@@ -184,7 +184,6 @@ class Executor:
         if self.kv_copier is None:
             # Only the CPU tier plans copies; a plan with some cannot be run without it.
             raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
-        self.kv_copier.wait_for_loads()
         self.kv_copier.run(copies)
 
     def capture_graphs(self) -> None:
@@ -206,8 +205,6 @@ class Executor:
             self.step_sender(step, fed_tokens if step.feed_rows else None)
         if step.kv_copies != NO_KV_COPIES:
             self.copy_kv(step.kv_copies)
-        elif self.kv_copier is not None:
-            self.kv_copier.wait_for_loads()
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         if step.logits_rows:
             return self.runner.execute(step.chunks, feed, step.logits_rows)

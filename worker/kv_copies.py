@@ -6,21 +6,26 @@ one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on two 
 of their own, stores on one and loads on the other, so that the two directions' copy engines
 work at once; events order them:
 
-    store stream:   wait for compute ─ stores (GPU->CPU) ─● stored
-    load stream:    wait for compute ─ (wait stored) ─ loads (CPU->GPU) ─● landed
-    compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ wait landed ─ step N+1
+    store stream:   wait for compute ─ (wait loads queued) ─ stores (GPU->CPU) ─● stored
+    load stream:    wait for compute ─ (wait stored) ─ loads (CPU->GPU) ─● landed (batch n)
+    compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ step N+1 ...
 
 - Both copy streams first wait for everything compute has queued, so a store reads a block
   after its KV was written and a load never overwrites a slot an earlier step still reads.
 - This step's forward waits for the stores only: the GPU slots they read may be rewritten by
   it (the block manager reuses an evicted block's slot at once).
-- The loads overlap this step's forward: no request of this step reads a block loaded by it
-  (the scheduler starts such a request a step later), and the next step waits for them.
+- No forward waits for loads. A request computes on loaded blocks from the first step
+  planned after the host saw their batch land (`landed_through`, an event query per batch:
+  anything queued after that runs after the copies), so a request waits for its own loads
+  only, never for loads planned after them. The one hazard left is a GPU slot whose load may
+  still run being reused (its request went first, and its block was evicted): that step sets
+  `wait_for_loads`, and its forward waits for every load queued.
 - A load into a GPU slot that a store of the same step reads waits for the stores (the
   block manager may give an evicted block's slot to a block loaded in the same step); when
   the step's load destinations and store sources are disjoint, both directions run at once.
   A CPU slot is never both a store's destination and a load's source in one step
-  (worker/cpu_tier.py), so no other wait is needed between the two streams.
+  (worker/cpu_tier.py); a store waits for the loads queued before it, which may read the CPU
+  slot it writes (a CPU copy evicted once its load was taken).
 
 Stores ahead of eviction (`KVCopies.ahead_to_cpu`, worker/cpu_tier.py) queue on the store
 stream after the step's stores, behind an event of their own that compute does not wait for;
@@ -37,6 +42,7 @@ import logging
 import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -120,8 +126,10 @@ class KVCopier:
         on_cuda = gpu_pool.device.type == "cuda"
         self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
-        self._landed: torch.cuda.Event | None = None  # the last step's loads, until compute waits for them
-        self._last_loads: torch.cuda.Event | None = None  # the same, kept for `loads_landed`
+        self._last_loads: torch.cuda.Event | None = None  # after every load queued so far
+        # (load batch, event after its loads) of the batches not known to have landed, in order
+        self._load_events: deque[tuple[int, torch.cuda.Event]] = deque()
+        self._landed_through = 0  # the last load batch known to have landed
         self._ahead_stored: torch.cuda.Event | None = None  # after the last stores ahead of eviction
         # (started, finished) events per direction of the steps whose times are not read yet
         self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -133,8 +141,7 @@ class KVCopier:
 
     def run(self, copies: KVCopies) -> None:
         """Start the step's copies: stores on the store stream, loads on the load stream (after
-        the stores when a load fills a GPU slot a store reads). Call before the step's forward,
-        after `wait_for_loads`."""
+        the stores when a load fills a GPU slot a store reads). Call before the step's forward."""
         self.seconds()  # fold the finished timings: the lists stay short without stats reads
         self.bytes_to_cpu += (len(copies.gpu_to_cpu) + len(copies.ahead_to_cpu)) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
@@ -145,6 +152,7 @@ class KVCopier:
             copy_blocks(self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu)
             self._seconds_to_cpu += stored - started
             self._seconds_to_gpu += time.perf_counter() - stored
+            self._landed_through = max(self._landed_through, copies.load_batch)
             return
         compute = torch.cuda.current_stream(self.gpu_pool.device)
         if copies.wait_for_ahead and self._ahead_stored is not None:
@@ -152,21 +160,23 @@ class KVCopier:
             # and a load may fill it.
             compute.wait_event(self._ahead_stored)
             self.load_stream.wait_event(self._ahead_stored)
-        # After loads compute has not waited for (no `wait_for_loads`): they may read the CPU
-        # slots these stores write, as one stream would have ordered them. A direction with
-        # nothing to copy queues nothing: an empty batch of stores would make the forward wait
-        # for whatever the store stream still runs (the ahead stores of a step before).
+        if copies.wait_for_loads and self._last_loads is not None:
+            compute.wait_event(self._last_loads)  # it reuses the GPU slot of a block still landing
+        # After the loads queued before: they may read the CPU slots these stores write, as one
+        # stream would have ordered them. A direction with nothing to copy queues nothing: an
+        # empty batch of stores would make the forward wait for whatever the store stream still
+        # runs (the ahead stores of a step before).
         stored = None
         if copies.gpu_to_cpu:
-            stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool, self.cpu_pool,
+            stored = self._queue(self.store_stream, compute, self._last_loads, self.gpu_pool, self.cpu_pool,
                                  copies.gpu_to_cpu, self._store_timings)
         if copies.ahead_to_cpu:
-            self._ahead_stored = self._queue(self.store_stream, compute, self._landed, self.gpu_pool,
+            self._ahead_stored = self._queue(self.store_stream, compute, self._last_loads, self.gpu_pool,
                                              self.cpu_pool, copies.ahead_to_cpu, self._store_timings)
         if copies.cpu_to_gpu:
-            self._landed = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
-                                       self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
-            self._last_loads = self._landed
+            self._last_loads = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
+                                           self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
+            self._load_events.append((copies.load_batch, self._last_loads))
         if stored is not None:
             compute.wait_event(stored)
 
@@ -192,17 +202,18 @@ class KVCopier:
         on the CPU the copies ran when queued."""
         return self._ahead_stored is None or self._ahead_stored.query()
 
-    def loads_landed(self) -> bool:
-        """Whether every load queued so far has landed (one stream: the last one has). Asks
-        the device without waiting; on the CPU the copies ran when queued."""
-        return self._last_loads is None or self._last_loads.query()
-
-    def wait_for_loads(self) -> None:
-        """Make compute wait for the loads of the steps before (call before every forward
-        that follows `run`'s step, with or without copies of its own)."""
-        if self._landed is not None:
-            torch.cuda.current_stream(self.gpu_pool.device).wait_event(self._landed)
-            self._landed = None
+    def landed_through(self, wait: bool = False) -> int:
+        """The last load batch (`KVCopies.load_batch`) that has landed: batches land in
+        order, on one stream. Asks the device without waiting (`wait`: waits for every load
+        queued); on the CPU the copies ran when queued."""
+        events = self._load_events
+        while events and (wait or events[0][1].query()):
+            batch, event = events.popleft()
+            event.synchronize()
+            self._landed_through = max(self._landed_through, batch)
+        if not events:
+            self._last_loads = None  # nothing in flight: stores need not wait for loads
+        return self._landed_through
 
     def time_copies(self, num_blocks: int, scattered: bool = False) -> tuple[float, float]:
         """Seconds to store GPU slots 0..num_blocks-1 into the same CPU slots, then to load them
@@ -215,10 +226,8 @@ class KVCopier:
         pairs = tuple(zip(slots, slots))
         self._synchronize()
         before = self.seconds()
-        self.wait_for_loads()
         self.run(KVCopies(gpu_to_cpu=pairs))
         self.run(KVCopies(cpu_to_gpu=pairs))
-        self.wait_for_loads()
         self._synchronize()
         after = self.seconds()
         return after[0] - before[0], after[1] - before[1]

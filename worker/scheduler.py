@@ -17,9 +17,11 @@ where needed) and recomputes only the rest.
 
 With a CPU tier, a request whose prefix hits need a load (planned this step, its own or
 another's: one load per block, shared; or on its way from an earlier step) is admitted without
-a chunk and computes from the first step after the load has landed (`loads_landed`, which the
-engine calls when the device says so); the requests behind it are not held up, and the host
-never waits for a load: it goes on taking requests in meanwhile.
+a chunk and computes from the first step after the load batch it waits for (its blocks' last)
+has landed (`loads_landed`, which the engine calls when the device says so: batches land in
+order, each on its own). The requests behind it are not held up, a request whose blocks landed
+does not wait for loads planned after them, and the host never waits for a load: it goes on
+taking requests in meanwhile.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class Scheduler(StepCommits):
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []  # sorted by _queue_key: the newest is last
         self._requests: dict[str, Request] = {}
-        # Running requests admitted on prefix blocks whose load has not landed (`loads_landed`).
-        self._awaiting_load: set[str] = set()
+        # Running requests admitted on prefix blocks whose load has not landed, with the load
+        # batch they wait for (`loads_landed`).
+        self._awaiting_load: dict[str, int] = {}
         # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
         # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
         self.write_ahead_blocks = 0
@@ -219,12 +222,16 @@ class Scheduler(StepCommits):
                 budget -= room
         return budget
 
-    def loads_landed(self) -> None:
-        """Every load of the CPU tier's copies taken so far is on the GPU: the requests that
-        waited for one compute from this step on."""
-        self._awaiting_load.clear()
+    def loads_landed(self, through: int | None = None) -> None:
+        """The CPU tier's load batches up to `through` (all taken so far when None) are on the
+        GPU: the requests that waited for them compute from this step on."""
         if self.block_manager.tier is not None:
-            self.block_manager.tier.landed()
+            self.block_manager.tier.landed(through)
+        if through is None:
+            self._awaiting_load.clear()
+        else:
+            self._awaiting_load = {request_id: batch for request_id, batch in self._awaiting_load.items()
+                                   if batch > through}
 
     def _has_free_seq_slot(self) -> bool:
         return len(self.running) < self.max_num_seqs
@@ -241,7 +248,7 @@ class Scheduler(StepCommits):
         return True
 
     def _preempt(self, request: Request) -> None:
-        self._awaiting_load.discard(request.request_id)
+        self._awaiting_load.pop(request.request_id, None)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -273,8 +280,9 @@ class Scheduler(StepCommits):
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         insort(self.running, request, key=_queue_key)
-        if manager.waits_for_load(request.request_id):
-            self._awaiting_load.add(request.request_id)
+        awaited = manager.awaited_load_batch(request.request_id)
+        if awaited:
+            self._awaiting_load[request.request_id] = awaited
             return True, None
         return True, self._chunk(request, num_tokens)
 
@@ -294,7 +302,7 @@ class Scheduler(StepCommits):
         return ScheduledChunk(request, start, num_tokens, slot_table, sample)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
-        self._awaiting_load.discard(request.request_id)
+        self._awaiting_load.pop(request.request_id, None)
         request.status = status
         self.block_manager.free(request.request_id)
         del self._requests[request.request_id]

@@ -38,12 +38,19 @@ class KVCopies:
 
     `ahead_to_cpu`: stores of cached blocks the GPU keeps (write-back ahead of eviction),
     which nothing waits for until a later step reuses one of their GPU slots; that step's
-    `wait_for_ahead` is then set, and its forward and loads wait for every ahead store."""
+    `wait_for_ahead` is then set, and its forward and loads wait for every ahead store.
+
+    `load_batch`: the number of this step's loads (1, 2, ... in the order steps take them; 0
+    without loads): what the device reports as landed, and what a request admitted on them
+    waits for. No forward waits for loads, except one of a step that reuses the GPU slot of
+    a block whose load may still run (`wait_for_loads`: it waits for every load queued)."""
 
     gpu_to_cpu: tuple[tuple[int, int], ...] = ()
     cpu_to_gpu: tuple[tuple[int, int], ...] = ()
     ahead_to_cpu: tuple[tuple[int, int], ...] = ()
     wait_for_ahead: bool = False
+    load_batch: int = 0
+    wait_for_loads: bool = False
 
 
 NO_KV_COPIES = KVCopies()

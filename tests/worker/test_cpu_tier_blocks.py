@@ -43,21 +43,60 @@ def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
     hashes = [h("a0"), h("a1"), h("a2"), h("a3")]
     assert manager.allocate("c", 16, manager.find_cached_prefix(hashes))
     assert manager.slot_table("c") == [0, 1, 3, 2]
-    assert manager.waits_for_load("c")
+    assert manager.awaited_load_batch("c") == 1  # the loads this step's copies take
     # A second request finds the blocks on the GPU already, and waits for the same loads.
     hits = manager.find_cached_prefix(hashes)
     assert all(map(manager.on_gpu, hits))
     assert manager.allocate("d", 16, hits)
-    assert manager.waits_for_load("d")
+    assert manager.awaited_load_batch("d") == 1
     manager.check_invariants()
     # a2 was stored to CPU slot 1, a3 to CPU slot 0: one load each.
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)))
-    assert manager.waits_for_load("c") and manager.waits_for_load("d")  # on their way
-    manager.tier.landed()
-    assert not manager.waits_for_load("c") and not manager.waits_for_load("d")
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)), load_batch=1)
+    assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 1  # on their way
+    manager.tier.landed(0)
+    assert manager.awaited_load_batch("c") == 1
+    manager.tier.landed(1)
+    assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 0
     manager.free("c")
     manager.free("d")
     manager.check_invariants()
+
+
+def loaded_in_two_batches() -> BlockManager:
+    """Blocks a2, a3 on the CPU only; c takes a3's load in batch 1, d a2's in batch 2."""
+    manager = BlockManager(4, 4, True, num_cpu_blocks=4)
+    cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
+    manager.allocate("b", 8)
+    manager.take_copies()
+    manager.free("b")
+    assert manager.allocate("c", 4, manager.find_cached_prefix([h("a3")])) is True
+    assert manager.take_copies().load_batch == 1
+    assert manager.allocate("d", 4, manager.find_cached_prefix([h("a2")])) is True
+    assert manager.take_copies().load_batch == 2
+    return manager
+
+
+def test_each_load_batch_lands_on_its_own_and_frees_only_its_requests():
+    manager = loaded_in_two_batches()
+    assert (manager.awaited_load_batch("c"), manager.awaited_load_batch("d")) == (1, 2)
+    manager.tier.landed(1)  # batch 2 still on its way
+    assert (manager.awaited_load_batch("c"), manager.awaited_load_batch("d")) == (0, 2)
+    manager.tier.landed()
+    assert manager.awaited_load_batch("d") == 0 and manager.tier.num_loading == 0
+
+
+def test_a_step_reusing_the_slot_of_a_block_still_loading_waits_for_the_loads():
+    manager = loaded_in_two_batches()
+    manager.free("c")  # gone before its load landed: a3 is cached, its GPU slot evictable
+    manager.free("d")
+    assert manager.allocate("e", 16)  # every slot: a3's and a2's, their loads still running
+    copies = manager.take_copies()
+    assert copies.wait_for_loads and copies.load_batch == 0
+    manager.check_invariants()
+    manager.tier.landed()
+    manager.free("e")
+    assert manager.allocate("f", 16)  # the same slots again, nothing loading now
+    assert not manager.take_copies().wait_for_loads
 
 
 def test_a_full_cpu_tier_evicts_its_least_recently_stored_copy_and_drops_what_does_not_fit():
@@ -89,7 +128,7 @@ def test_cpu_hits_are_pinned_from_lookup_until_their_load_is_planned():
     # Each load takes a GPU slot by evicting a b block, whose write-back would need a CPU slot:
     # the only ones hold the pinned hits, so the b blocks are dropped instead.
     assert manager.allocate("c", 8, hits)
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)))
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)), load_batch=1)
     assert manager.find_cached_prefix([h("b0")]) == []
     assert manager.num_cached_blocks == 2
     manager.check_invariants()

@@ -58,7 +58,7 @@ def test_requests_on_blocks_still_landing_wait_without_holding_up_others_or_the_
     run; once the engine says the loads landed, all of them compute in one step."""
     harness = two_turns(num_cpu_blocks=32)
     steps = []
-    harness.scheduler.loads_landed = lambda: None  # the device has not finished the loads yet
+    harness.hold_loads = True  # the device has not finished the loads yet
     plan, _ = harness.step()
     assert plan.chunks == [] and len(plan.kv_copies.cpu_to_gpu) == 5
     history = TURN_1 + harness.outputs["turn-1"]
@@ -70,7 +70,7 @@ def test_requests_on_blocks_still_landing_wait_without_holding_up_others_or_the_
     assert steps == [["other"], ["other"], ["other"]]
     assert not plan.kv_copies.cpu_to_gpu  # the second request shares the load on its way
     assert harness.scheduler.num_awaiting_load == 2
-    del harness.scheduler.loads_landed  # back to the real one: the loads have landed
+    harness.hold_loads = False  # the loads have landed
     plan, _ = harness.step()
     assert sorted(chunk.request.request_id for chunk in plan.chunks) == ["same-prefix", "turn-2"]
     assert harness.scheduler.num_awaiting_load == 0
@@ -129,11 +129,12 @@ def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
     assert without.outputs == harness.outputs
 
 
-def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0) -> TierHarness:
+def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0, land_delay: int = 0) -> TierHarness:
     """Conversations that share prefixes, in waves, on a pool that preempts often."""
     rng = random.Random(seed)
     harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, max_num_seqs=4,
-                          max_num_batched_tokens=16, write_ahead_blocks=write_ahead_blocks)
+                          max_num_batched_tokens=16, write_ahead_blocks=write_ahead_blocks,
+                          land_delay=land_delay, seed=seed)
     histories = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     for wave in range(6):
         # Each wave runs to its end, so the next one's histories do not depend on timing.
@@ -151,10 +152,12 @@ def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0)
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks", [(2, 0), (24, 0), (2, 2), (24, 3)])
+@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks, land_delay",
+                         [(2, 0, 0), (24, 0, 0), (2, 2, 0), (24, 3, 0), (24, 0, 3), (4, 2, 2), (24, 3, 4)])
 def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(seed, num_cpu_blocks,
-                                                                               write_ahead_blocks):
-    with_tier = random_workload(seed, num_cpu_blocks, write_ahead_blocks)
+                                                                               write_ahead_blocks, land_delay):
+    """`land_delay`: each step's loads land 0..land_delay steps late, on their own."""
+    with_tier = random_workload(seed, num_cpu_blocks, write_ahead_blocks, land_delay)
     without = random_workload(seed, 0)
     assert with_tier.outputs == without.outputs
     assert sum(with_tier.computed.values()) <= sum(without.computed.values())
@@ -198,3 +201,29 @@ def test_the_random_workload_loads_from_the_tier_and_saves_compute():
     harnesses = [(random_workload(seed, 24), random_workload(seed, 0)) for seed in range(8)]
     assert sum(with_tier.scheduler.cached_tokens_cpu for with_tier, _ in harnesses) > 0
     assert sum(sum(w.computed.values()) for w, _ in harnesses) < sum(sum(n.computed.values()) for _, n in harnesses)
+
+
+def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
+    """Two conversations' histories load in two steps' batches; the first batch lands while
+    the second is still on its way: the first request computes alone, the second after."""
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=32)
+    harness.add("a-1", TURN_1[:8], max_tokens=1)
+    harness.add("b-1", list(range(50, 58)), max_tokens=1)
+    harness.run()
+    harness.add("filler", FILLER, max_tokens=1)
+    harness.run()
+    harness.hold_loads = True
+    harness.add("a-2", TURN_1[:8] + [70, 71], max_tokens=2)
+    plan, _ = harness.step()
+    harness.add("b-2", list(range(50, 58)) + [80, 81], max_tokens=2)
+    plan_b, _ = harness.step()
+    assert plan.kv_copies.load_batch == 1 and plan_b.kv_copies.load_batch == 2
+    assert harness.scheduler.num_awaiting_load == 2
+    harness._apply_loads(1)  # batch 1 landed; the engine hears of it
+    harness.scheduler.loads_landed(1)
+    plan, _ = harness.step()
+    assert [chunk.request.request_id for chunk in plan.chunks] == ["a-2"]
+    assert harness.scheduler.num_awaiting_load == 1
+    harness.hold_loads = False
+    harness.run()
+    assert harness.cached["a-2"] == harness.cached["b-2"] == 8

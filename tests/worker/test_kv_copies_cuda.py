@@ -43,7 +43,6 @@ def test_a_store_reads_what_compute_wrote_before_it_and_not_what_compute_writes_
     gpu[:half].fill_(1.0)  # written by the steps before
     # Scattered pairs (no two consecutive), so each block is its own transfer.
     pairs = tuple((slot, half - 1 - slot) for slot in range(half))
-    copier.wait_for_loads()
     copier.run(KVCopies(gpu_to_cpu=pairs))
     gpu[:half].fill_(2.0)  # this step's forward reuses the stored slots at once
     torch.cuda.synchronize()
@@ -51,16 +50,39 @@ def test_a_store_reads_what_compute_wrote_before_it_and_not_what_compute_writes_
     assert bool((gpu[:half] == 2.0).all())
 
 
-def test_the_next_forward_reads_the_loads_of_the_step_before():
+def test_each_load_batch_is_reported_once_landed_and_no_forward_waits_for_loads():
     gpu, cpu = pools()
     copier = KVCopier(gpu, cpu)
     cpu.fill_(3.0)
-    pairs = tuple((slot, NUM_BLOCKS - 1 - slot) for slot in range(NUM_BLOCKS))
-    copier.wait_for_loads()
-    copier.run(KVCopies(cpu_to_gpu=pairs))
-    copier.wait_for_loads()  # the next step, without copies of its own
-    total = gpu.float().sum()  # read on the compute stream
-    assert total.item() == 3.0 * gpu.numel()
+    half = NUM_BLOCKS // 2
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(half)), load_batch=1))
+    with torch.cuda.stream(copier.load_stream):
+        torch.cuda._sleep(STALL_CYCLES)  # batch 2 is late
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(half, NUM_BLOCKS)), load_batch=2))
+    forward = torch.cuda.Event()
+    forward.record()  # the next step's forward does not wait for the loads
+    forward.synchronize()
+    assert not copier.load_stream.query()
+    while copier.landed_through() < 1:
+        pass
+    assert copier.landed_through() == 1  # batch 2 still on its way
+    total = gpu[:half].float().sum()  # a forward planned after batch 1 was seen to land
+    assert total.item() == 3.0 * gpu[:half].numel()
+    assert copier.landed_through(wait=True) == 2
+    assert bool((gpu[half:] == 3.0).all())
+
+
+def test_a_step_reusing_a_slot_still_loading_waits_for_the_loads():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    cpu.fill_(3.0)
+    with torch.cuda.stream(copier.load_stream):
+        torch.cuda._sleep(STALL_CYCLES)
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(NUM_BLOCKS)), load_batch=1))
+    copier.run(KVCopies(wait_for_loads=True))  # its request went: the slots go elsewhere
+    gpu.fill_(9.0)  # the forward that reuses them
+    torch.cuda.synchronize()
+    assert bool((gpu == 9.0).all())
 
 
 def test_stores_run_before_loads_that_refill_their_slots():
@@ -68,8 +90,8 @@ def test_stores_run_before_loads_that_refill_their_slots():
     copier = KVCopier(gpu, cpu)
     gpu[4].fill_(5.0)
     cpu[0].fill_(6.0)
-    copier.run(KVCopies(gpu_to_cpu=((4, 3),), cpu_to_gpu=((0, 4),)))
-    copier.wait_for_loads()
+    copier.run(KVCopies(gpu_to_cpu=((4, 3),), cpu_to_gpu=((0, 4),), load_batch=1))
+    assert copier.landed_through(wait=True) == 1
     assert gpu[4].float().mean().item() == 6.0
     assert cpu[3].float().mean().item() == 5.0
     torch.cuda.synchronize()
@@ -92,7 +114,6 @@ def test_stores_and_loads_of_disjoint_slots_run_at_once_and_both_land():
     copier.load_stream.synchronize()
     assert not copier.store_stream.query()  # the loads did not wait for the late stores
     assert bool((gpu[half:] == 8.0).all())
-    copier.wait_for_loads()
     torch.cuda.synchronize()
     assert bool((cpu[:half] == 7.0).all())
     assert bool((gpu[:half] == 7.0).all())
@@ -109,7 +130,6 @@ def test_a_load_into_a_slot_a_late_store_reads_waits_for_it_and_is_timed_alone()
     with torch.cuda.stream(copier.store_stream):
         torch.cuda._sleep(STALL_CYCLES)
     copier.run(KVCopies(gpu_to_cpu=((4, 3),), cpu_to_gpu=((0, 4),)))
-    copier.wait_for_loads()
     torch.cuda.synchronize()
     assert cpu[3].float().mean().item() == 5.0  # the store read the old bytes
     assert gpu[4].float().mean().item() == 6.0
@@ -125,7 +145,6 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
     gpu[:half].fill_(1.0)  # cached blocks
     with torch.cuda.stream(copier.store_stream):
         torch.cuda._sleep(STALL_CYCLES)  # the ahead stores run late
-    copier.wait_for_loads()
     copier.run(KVCopies(ahead_to_cpu=tuple((slot, half - 1 - slot) for slot in range(half))))
     marker = torch.cuda.Event()
     marker.record()  # this step's forward goes on without them
@@ -133,10 +152,8 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
     assert not copier.ahead_stored()
     # The next step reuses their slots: its forward and a load into them wait for the stores.
     cpu[half:].fill_(4.0)
-    copier.wait_for_loads()
     copier.run(KVCopies(cpu_to_gpu=tuple((half + slot, slot) for slot in range(half // 2)), wait_for_ahead=True))
     gpu[half // 2:half].fill_(2.0)  # the forward writes the rest of them
-    copier.wait_for_loads()
     torch.cuda.synchronize()
     assert copier.ahead_stored()
     assert bool((cpu[:half] == 1.0).all())

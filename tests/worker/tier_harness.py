@@ -3,19 +3,24 @@ two simulated KV pools that keep the timing of the CUDA path.
 
 Each step: the plan's stores run (GPU slot -> CPU slot), then every chunk reads its context
 from the GPU pool (each position must hold exactly its own (position, token)) and writes its
-tokens, then the plan's loads land (CPU slot -> GPU slot). A load therefore lands after the
-forward of its own step, as on a copy stream that overlaps it: a chunk that read a block
-loaded by its own step, or a slot reused before its store ran, fails the step. The sampled
-token is a function of the context read back from the pool, so any wrong KV also changes
-the outputs.
+tokens. The plan's loads (CPU slot -> GPU slot) land later: at the start of the next step
+(`land_delay` 0), or each batch a random 0..`land_delay` steps later, in order, with the
+scheduler told then (`loads_landed`), as the engine learns it from the device. What waits for
+loads in the engine waits here too: the stores of a later step (they may write a CPU slot a
+load reads) and a step with `wait_for_loads` (it reuses a GPU slot a load may still write)
+land every load queued before them first. A chunk that read a block before its load landed,
+or a slot reused before its store ran, fails the step. The sampled token is a function of the
+context read back from the pool, so any wrong KV also changes the outputs.
 
 Stores ahead of eviction (`write_ahead_blocks`) run as late as the engine allows: at the end
 of the step after the one that planned them, after its forward, unless a step waits for them
-(`wait_for_ahead`) first. A slot reused without that wait hands the CPU copy the new block's
+(`wait_for_ahead`) or queues stores behind them (one store stream) first. A slot reused without that wait hands the CPU copy the new block's
 KV, which a later load then brings back to the wrong request's positions.
 """
 
 from __future__ import annotations
+
+import random
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
 from spillway.protocol.messages import Generate, SamplingParams
@@ -31,7 +36,7 @@ VOCAB = 50
 class TierHarness:
     def __init__(self, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 64, max_model_len: int = 64,
-                 write_ahead_blocks: int = 0) -> None:
+                 write_ahead_blocks: int = 0, land_delay: int = 0, seed: int = 0) -> None:
         self.block_size = block_size
         self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks)
         self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs,
@@ -39,6 +44,14 @@ class TierHarness:
                                    block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS])
         self.scheduler.write_ahead_blocks = write_ahead_blocks
         self.pending_ahead: tuple[tuple[int, int], ...] = ()  # planned a step ago, not run yet
+        self.ahead_after_batch = 0  # the last load batch queued before them
+        self.land_delay = land_delay
+        self.rng = random.Random(seed)
+        self.hold_loads = False  # the device has not finished any load yet: nothing is reported
+        # Loads queued and not landed: (batch, pairs, the step index from which it may land).
+        self.in_flight: list[tuple[int, tuple[tuple[int, int], ...], int]] = []
+        self.applied_through = 0  # loads applied to the GPU pool, not all reported yet
+        self.num_steps = 0
         self.gpu: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, offset) -> (position, token)
         self.cpu: dict[tuple[int, int], tuple[int, int]] = {}
         self.num_added = 0
@@ -64,15 +77,35 @@ class TierHarness:
             else:
                 dst[(dst_slot, offset)] = value
 
+    def _apply_loads(self, through: int) -> None:
+        """The loads of batches up to `through` write the GPU pool (in order)."""
+        while self.in_flight and self.in_flight[0][0] <= through:
+            batch, pairs, _ = self.in_flight.pop(0)
+            for cpu_slot, gpu_slot in pairs:
+                self._copy(self.cpu, self.gpu, cpu_slot, gpu_slot)
+            self.applied_through = batch
+
+    def _report_landed(self) -> None:
+        """Batches whose time has come land; the scheduler hears of every batch applied."""
+        if self.hold_loads:
+            return
+        while self.in_flight and self.in_flight[0][2] <= self.num_steps:
+            self._apply_loads(self.in_flight[0][0])
+        self.scheduler.loads_landed(self.applied_through)
+
     def step(self) -> tuple[StepPlan, list[StepResult]]:
-        # The loads of the step before landed at its end, as the engine learns from the device.
-        self.scheduler.loads_landed()
+        self.num_steps += 1
+        self._report_landed()
         if self.manager.tier is not None and not self.pending_ahead:
             self.manager.tier.ahead_stored()
         plan = self.scheduler.schedule()
         self.plans.append(plan)
-        if plan.kv_copies.wait_for_ahead:
-            self._store_ahead()
+        copies = plan.kv_copies
+        queued_before = self.in_flight[-1][0] if self.in_flight else self.applied_through
+        if copies.wait_for_loads or copies.gpu_to_cpu or copies.ahead_to_cpu:
+            self._apply_loads(queued_before)
+        if copies.wait_for_ahead or copies.gpu_to_cpu:
+            self._store_ahead()  # waited for; or the step's stores queue behind them on one stream
         for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
         sampled = {}
@@ -90,10 +123,11 @@ class TierHarness:
                 context = [self.gpu[(chunk.slot_table[pos // bs], pos % bs)][1] for pos in range(end)]
                 salt = request.params.seed or 0
                 sampled[request.request_id] = sum((i + 1) * t for i, t in enumerate(context)) * 31 % VOCAB + salt
-        for cpu_slot, gpu_slot in plan.kv_copies.cpu_to_gpu:
-            self._copy(self.cpu, self.gpu, cpu_slot, gpu_slot)
+        if copies.cpu_to_gpu:
+            delay = self.rng.randint(0, self.land_delay)
+            self.in_flight.append((copies.load_batch, copies.cpu_to_gpu, self.num_steps + 1 + delay))
         self._store_ahead()
-        self.pending_ahead = plan.kv_copies.ahead_to_cpu
+        self.pending_ahead, self.ahead_after_batch = copies.ahead_to_cpu, queued_before
         results = self.scheduler.update(plan, sampled)
         self.manager.check_invariants()
         for result in results:
@@ -103,6 +137,8 @@ class TierHarness:
         return plan, results
 
     def _store_ahead(self) -> None:
+        if self.pending_ahead:
+            self._apply_loads(self.ahead_after_batch)  # they were queued behind those loads
         for gpu_slot, cpu_slot in self.pending_ahead:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
         self.pending_ahead = ()
