@@ -46,6 +46,9 @@ class CpuTier:
         # block id -> block, head evicted next; holds exactly the unpinned CPU copies.
         self._lru: OrderedDict[int, Block] = OrderedDict()
         self._pinned: dict[int, Block] = {}  # by block id: CPU copies this step's copies touch
+        # By block id: CPU copies a load taken with an earlier step's copies may still read,
+        # out of the LRU until it lands, so that no store overwrites them meanwhile.
+        self._held: dict[int, Block] = {}
         # Block id -> the load batch (`KVCopies.load_batch`) bringing it in, for the blocks
         # whose load is in this step's copies (the next batch) or in copies taken whose loads
         # have not landed yet (`landed` drops those): their requests compute once it has.
@@ -148,7 +151,7 @@ class CpuTier:
 
     def pin(self, block: Block) -> None:
         """Keep the block's CPU copy until this step's copies are taken (a lookup hit it)."""
-        if self._lru.pop(block.block_id, None) is not None:
+        if self._lru.pop(block.block_id, None) is not None or block.block_id in self._held:
             self._pinned[block.block_id] = block
 
     def load(self, block: Block, gpu_slot: int) -> None:
@@ -178,13 +181,21 @@ class CpuTier:
         while self._batch_ids and self._batch_ids[0][0] <= through:
             batch, block_ids = self._batch_ids.popleft()
             for block_id in block_ids:
-                if self._loading.get(block_id) == batch:  # not loaded again since
-                    del self._loading[block_id]
+                if self._loading.get(block_id) != batch:
+                    continue  # loaded again since: held until that load lands
+                del self._loading[block_id]
+                block = self._held.pop(block_id, None)
+                if block is not None and block_id not in self._pinned:
+                    self._lru[block_id] = block
 
     def take_copies(self) -> KVCopies:
         """This step's copies, in plan order per direction; unpins their CPU copies."""
         for block in self._pinned.values():
-            self._lru[block.block_id] = block
+            if block.block_id in self._loading:  # a load reads it: held until that lands
+                self._held[block.block_id] = block
+            else:
+                self._held.pop(block.block_id, None)
+                self._lru[block.block_id] = block
         self._pinned.clear()
         if not (self._stores or self._loads or self._ahead or self._wait_for_ahead or self._wait_for_loads):
             return NO_KV_COPIES
@@ -210,6 +221,7 @@ class CpuTier:
         """Drop the block's CPU copy (the caller deals with the block)."""
         self._lru.pop(block.block_id, None)
         self._pinned.pop(block.block_id, None)
+        self._held.pop(block.block_id, None)
         self._release_slot(block)
 
     def _take_slot(self) -> int | None:
@@ -239,10 +251,14 @@ class CpuTier:
         check(len(owners) + len(free) == self.num_blocks, "CPU slots lost")
         check(set(self.slot_hashes) == set(owners), "CPU slot contents disagree with their owners")
         check(not set(self._lru) & set(self._pinned), "a CPU copy is both pinned and in the CPU LRU")
+        check(not set(self._lru) & set(self._held), "a CPU copy is both held for a load and in the CPU LRU")
+        check(set(self._held) <= set(self._loading), "a CPU copy is held for a load that landed")
         for slot, block in owners.items():
             name = f"block {block.block_id} (CPU slot {slot})"
             check(block.block_hash is not None, f"{name}: a CPU copy without a hash")
             check(self.slot_hashes[slot] == block.block_hash, f"{name}: its CPU copy holds another block's KV")
-            listed = self._lru.get(block.block_id) or self._pinned.get(block.block_id)
-            check(listed is block, f"{name}: neither in the CPU LRU nor pinned")
-        check(len(self._lru) + len(self._pinned) == len(owners), "the CPU LRU lists a block without a CPU copy")
+            listed = (self._lru.get(block.block_id) or self._pinned.get(block.block_id)
+                      or self._held.get(block.block_id))
+            check(listed is block, f"{name}: neither in the CPU LRU nor pinned nor held for a load")
+        listed = set(self._lru) | set(self._pinned) | set(self._held)
+        check(len(listed) == len(owners), "the CPU LRU lists a block without a CPU copy")

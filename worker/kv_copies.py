@@ -6,7 +6,7 @@ one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on two 
 of their own, stores on one and loads on the other, so that the two directions' copy engines
 work at once; events order them:
 
-    store stream:   wait for compute ─ (wait loads queued) ─ stores (GPU->CPU) ─● stored
+    store stream:   wait for compute ─ stores (GPU->CPU) ─● stored
     load stream:    wait for compute ─ (wait stored) ─ loads (CPU->GPU) ─● landed (batch n)
     compute stream: ... step N-1 ... ─ wait stored ─ step N's forward ─ step N+1 ...
 
@@ -23,9 +23,9 @@ work at once; events order them:
 - A load into a GPU slot that a store of the same step reads waits for the stores (the
   block manager may give an evicted block's slot to a block loaded in the same step); when
   the step's load destinations and store sources are disjoint, both directions run at once.
-  A CPU slot is never both a store's destination and a load's source in one step
-  (worker/cpu_tier.py); a store waits for the loads queued before it, which may read the CPU
-  slot it writes (a CPU copy evicted once its load was taken).
+  A CPU slot is never a store's destination while a load may read it: the tier holds a
+  loaded block's CPU copy out of its LRU until the load lands (worker/cpu_tier.py), so no
+  other wait is needed between the two streams.
 
 Stores ahead of eviction (`KVCopies.ahead_to_cpu`, worker/cpu_tier.py) queue on the store
 stream after the step's stores, behind an event of their own that compute does not wait for;
@@ -162,16 +162,17 @@ class KVCopier:
             self.load_stream.wait_event(self._ahead_stored)
         if copies.wait_for_loads and self._last_loads is not None:
             compute.wait_event(self._last_loads)  # it reuses the GPU slot of a block still landing
-        # After the loads queued before: they may read the CPU slots these stores write, as one
-        # stream would have ordered them. A direction with nothing to copy queues nothing: an
-        # empty batch of stores would make the forward wait for whatever the store stream still
-        # runs (the ahead stores of a step before).
+        # Stores never wait for loads: the CPU slot a load reads is held out of the CPU LRU until
+        # it lands (worker/cpu_tier.py), and a block still loading has its CPU copy, so it is
+        # never stored. A direction with nothing to copy queues nothing: an empty batch of
+        # stores would make the forward wait for whatever the store stream still runs (the
+        # ahead stores of a step before).
         stored = None
         if copies.gpu_to_cpu:
-            stored = self._queue(self.store_stream, compute, self._last_loads, self.gpu_pool, self.cpu_pool,
+            stored = self._queue(self.store_stream, compute, None, self.gpu_pool, self.cpu_pool,
                                  copies.gpu_to_cpu, self._store_timings)
         if copies.ahead_to_cpu:
-            self._ahead_stored = self._queue(self.store_stream, compute, self._last_loads, self.gpu_pool,
+            self._ahead_stored = self._queue(self.store_stream, compute, None, self.gpu_pool,
                                              self.cpu_pool, copies.ahead_to_cpu, self._store_timings)
         if copies.cpu_to_gpu:
             self._last_loads = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
@@ -212,7 +213,7 @@ class KVCopier:
             event.synchronize()
             self._landed_through = max(self._landed_through, batch)
         if not events:
-            self._last_loads = None  # nothing in flight: stores need not wait for loads
+            self._last_loads = None  # nothing in flight: a reused slot need not wait
         return self._landed_through
 
     def time_copies(self, num_blocks: int, scattered: bool = False) -> tuple[float, float]:

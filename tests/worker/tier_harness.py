@@ -5,10 +5,10 @@ Each step: the plan's stores run (GPU slot -> CPU slot), then every chunk reads 
 from the GPU pool (each position must hold exactly its own (position, token)) and writes its
 tokens. The plan's loads (CPU slot -> GPU slot) land later: at the start of the next step
 (`land_delay` 0), or each batch a random 0..`land_delay` steps later, in order, with the
-scheduler told then (`loads_landed`), as the engine learns it from the device. What waits for
-loads in the engine waits here too: the stores of a later step (they may write a CPU slot a
-load reads) and a step with `wait_for_loads` (it reuses a GPU slot a load may still write)
-land every load queued before them first. A chunk that read a block before its load landed,
+scheduler told then (`loads_landed`), as the engine learns it from the device. Only a step
+with `wait_for_loads` (it reuses a GPU slot a load may still write) lands every load queued
+before it first; stores never wait for loads, so a store into a CPU slot that a load still
+reads hands that load the wrong KV. A chunk that read a block before its load landed,
 or a slot reused before its store ran, fails the step. The sampled token is a function of the
 context read back from the pool, so any wrong KV also changes the outputs.
 
@@ -44,7 +44,6 @@ class TierHarness:
                                    block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS])
         self.scheduler.write_ahead_blocks = write_ahead_blocks
         self.pending_ahead: tuple[tuple[int, int], ...] = ()  # planned a step ago, not run yet
-        self.ahead_after_batch = 0  # the last load batch queued before them
         self.land_delay = land_delay
         self.rng = random.Random(seed)
         self.hold_loads = False  # the device has not finished any load yet: nothing is reported
@@ -101,9 +100,8 @@ class TierHarness:
         plan = self.scheduler.schedule()
         self.plans.append(plan)
         copies = plan.kv_copies
-        queued_before = self.in_flight[-1][0] if self.in_flight else self.applied_through
-        if copies.wait_for_loads or copies.gpu_to_cpu or copies.ahead_to_cpu:
-            self._apply_loads(queued_before)
+        if copies.wait_for_loads:
+            self._apply_loads(self.in_flight[-1][0] if self.in_flight else 0)
         if copies.wait_for_ahead or copies.gpu_to_cpu:
             self._store_ahead()  # waited for; or the step's stores queue behind them on one stream
         for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
@@ -127,7 +125,7 @@ class TierHarness:
             delay = self.rng.randint(0, self.land_delay)
             self.in_flight.append((copies.load_batch, copies.cpu_to_gpu, self.num_steps + 1 + delay))
         self._store_ahead()
-        self.pending_ahead, self.ahead_after_batch = copies.ahead_to_cpu, queued_before
+        self.pending_ahead = copies.ahead_to_cpu
         results = self.scheduler.update(plan, sampled)
         self.manager.check_invariants()
         for result in results:
@@ -137,8 +135,6 @@ class TierHarness:
         return plan, results
 
     def _store_ahead(self) -> None:
-        if self.pending_ahead:
-            self._apply_loads(self.ahead_after_batch)  # they were queued behind those loads
         for gpu_slot, cpu_slot in self.pending_ahead:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
         self.pending_ahead = ()
