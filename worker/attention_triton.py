@@ -34,10 +34,10 @@ Metadata comes in two forms; `forward` accepts either.
    without a host copy of device tables, never. `metadata_for(layout)` passes the views
    worker/step_inputs.py staged: the runner's way.
 
-2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph (and
-   `PrefillMetadata` for prefill steps, below). The runner owns
-   persistent buffers, fills them in place before each replay, and passes the same object
-   (or one holding the same tensors) at capture and replay:
+2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph (`PrefillMetadata`
+   is its counterpart for prefill steps). The runner owns persistent buffers, fills them in
+   place before each replay, and passes the same object (or one holding the same tensors) at
+   capture and replay:
 
        block_tables  int32 [B, max_blocks]   row b: sequence b's block ids; padding rows: 0s
        context_lens  int32 [B]               tokens in the cache after this step's write,

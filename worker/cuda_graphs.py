@@ -47,9 +47,9 @@ most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 req
     buckets 16, 32, 64, 96, 128, 192, 256, up to max_num_batched_tokens
 
 All graphs are captured into one memory pool (decode, prefill, cascade, then verify; each kind
-largest first) and write their logits into one shared buffer, allocated at its full size before the
-first capture: only one graph replays at a time, and its logits are consumed (sampled) before
-the next replay.
+largest first) and write their logits into one shared buffer, allocated at its full size
+before the first capture: only one graph replays at a time, and its logits are consumed
+(sampled) before the next replay.
 """
 
 from __future__ import annotations
