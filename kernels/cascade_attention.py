@@ -16,9 +16,16 @@ after it, so it sees the whole prefix: no causal mask there. Two launches:
 
 P is `prefix_len` rounded down to whole tiles of BLOCK_N keys, so the prefix pass reads only
 whole, unmasked tiles and the suffix starts on a tile; the few keys between P and
-`prefix_len` are read per sequence. The splits are sized on the host (`prefix_len` is a host
-int), every one of them holds keys: the merge needs no counts. Scores are in log2 units, as
-in the other attention kernels; a float8 cache is read as they read it (kernels/fp8.py).
+`prefix_len` are read per sequence. Scores are in log2 units, as in the other attention
+kernels; a float8 cache is read as they read it (kernels/fp8.py).
+
+`prefix_len` is read from device memory (an int32 [1]) and both grids are sized from static
+shapes (q's rows, the sequences, `num_splits`), so one launch stays valid in a CUDA graph for
+any prefix, 0 included. The split length L is found in-kernel: P / num_splits rounded up to
+whole tiles, and at least MIN_SPLIT keys, so a short prefix in a graph sized for a long one
+fills its first few splits; the splits past P hold no keys. Their programs exit at once and
+the suffix pass merges only the ceil(P / L) splits that hold keys; prefix-pass programs whose
+rows all lie past the step's last (`query_start_loc[B]`: a graph's padding) exit too.
 """
 
 from __future__ import annotations
@@ -30,55 +37,68 @@ import triton.language as tl
 from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, load_query_rows, tile_piece
 from spillway.kernels.fp8 import cache_values
 from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arguments, prefill_tile_sizes
-from spillway.kernels.utils import check, for_device, multiprocessor_count, wait_for_inputs
+from spillway.kernels.utils import check, check_tensor, for_device, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_parts"])
+@triton.jit
+def _prefix_splits(prefix_len_ptr, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    """(P, L, the splits holding keys): the prefix in whole tiles, the split length (module
+    docstring) and ceil(P / L), from the prefix length in memory."""
+    prefix_end = tl.load(prefix_len_ptr) // BLOCK_N * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(prefix_end, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+    return prefix_end, split_len, tl.cdiv(prefix_end, split_len)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefix_kernel(
-    q_ptr, cache_ptr, table_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    num_rows, prefix_end, split_len, num_parts,
+    q_ptr, cache_ptr, table_ptr, query_start_loc_ptr, prefix_len_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    num_seqs, num_splits,
     stride_q_t, stride_q_h, stride_c_block, stride_c_kv, stride_c_token, stride_c_head, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_HEADS: tl.constexpr, PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    first_row = tl.program_id(0) * BLOCK_Q
+    prefix_end, split_len, _ = _prefix_splits(prefix_len_ptr, num_splits, BLOCK_N, MIN_SPLIT_LEN)
+    start = split * split_len
+    num_rows = tl.load(query_start_loc_ptr + num_seqs)
+    if start >= prefix_end or first_row >= num_rows:  # a split with no keys, rows past the step's
+        return
     q, token, head, row_valid, q_rows, dims = load_query_rows(
-        q_ptr, cache_ptr, 0, tl.program_id(0) * BLOCK_Q, num_rows, kv_head, stride_q_t, stride_q_h,
-        GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
+        q_ptr, cache_ptr, 0, first_row, num_rows, kv_head, stride_q_t, stride_q_h, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     key_base, value_base = kv_head_bases(cache_ptr, layer_offset, kv_head, stride_c_kv, stride_c_token,
                                          stride_c_head, BLOCK_SIZE)
-    start = split * split_len
     end = tl.minimum(start + split_len, prefix_end)
     for tile in range(start, end, BLOCK_N):  # whole tiles: prefix_end and split_len are multiples of BLOCK_N
         k, v = load_kv_tile(key_base, value_base, table_ptr, tile, end, dims, stride_c_block, stride_c_token,
                             q.dtype, False, BLOCK_SIZE, BLOCK_N, PIECE)
         acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, end, token, qk_scale,
                                             False, DOT_PRECISION)
-    # Partials are [rows, NUM_HEADS, num_parts] (+ HEAD_DIM for acc), contiguous.
-    parts = (q_rows * NUM_HEADS + head) * num_parts + split
+    # Partials are [rows, NUM_HEADS, num_splits] (+ HEAD_DIM for acc), contiguous.
+    parts = (q_rows * NUM_HEADS + head) * num_splits + split
     tl.store(part_max_ptr + parts, row_max, mask=row_valid)
     tl.store(part_sum_ptr + parts, row_sum, mask=row_valid)
     tl.store(part_acc_ptr + parts[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["prefix_end", "num_parts", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _suffix_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr, prefix_end, num_parts,
+    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, prefix_len_ptr, out_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr, num_splits,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head, stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_HEADS: tl.constexpr, PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_tile = tl.program_id(0)
@@ -90,6 +110,7 @@ def _suffix_kernel(
     if first_token >= query_len:
         return
     cached_len = tl.load(seq_lens_ptr + seq) - query_len
+    prefix_end, _, num_parts = _prefix_splits(prefix_len_ptr, num_splits, BLOCK_N, MIN_SPLIT_LEN)
 
     q, token, head, row_valid, q_rows, dims = load_query_rows(
         q_ptr, cache_ptr, query_start, first_token, query_len, kv_head, stride_q_t, stride_q_h,
@@ -116,7 +137,7 @@ def _suffix_kernel(
         acc, row_sum, row_max = attend_tile(q, k, v, acc, row_sum, row_max, tile, kv_end, query_pos, qk_scale,
                                             True, DOT_PRECISION)
 
-    part_rows = (q_rows * NUM_HEADS + head) * num_parts
+    part_rows = (q_rows * NUM_HEADS + head) * num_splits
     for part in range(num_parts):  # the prefix splits' partials: one more online-softmax step each
         split_max = tl.load(part_max_ptr + part_rows + part, mask=row_valid, other=float("-inf"))
         split_sum = tl.load(part_sum_ptr + part_rows + part, mask=row_valid, other=0.0)
@@ -139,7 +160,9 @@ def cascade_num_splits(num_rows: int, num_kv_heads: int, group: int, head_dim: i
                        num_sms: int) -> int:
     """Key splits of the prefix: enough (row tile, KV head, split) programs to fill the
     multiprocessors about twice, each split at least MIN_SPLIT keys, at most 16. Every split
-    adds a partial per row and head to write and read back, so no more than that."""
+    adds a partial per row and head to write and read back, so no more than that. A CUDA
+    graph passes the longest prefix it may meet (its block tables' reach) and `num_rows` its
+    bucket's: fixed by its shapes."""
     block_q = prefill_tile_sizes(group, head_dim)[0]
     programs = max(1, -(-num_rows // block_q) * num_kv_heads)
     return max(1, min(-(-2 * num_sms // programs), prefix_len // MIN_SPLIT, 16))
@@ -154,27 +177,22 @@ def cascade_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
-    prefix_len: int,
-    num_splits: int | None = None,
+    prefix_len: torch.Tensor,
+    num_splits: int,
 ) -> torch.Tensor:
     """`paged_prefill_attention` (same arguments, same result) for a batch whose sequences share
-    their first `prefix_len` positions' blocks, each sequence's new tokens all at or after it
+    their first `prefix_len[0]` positions' blocks, each sequence's new tokens all at or after it
     (module docstring; the caller vouches for both: nothing is read back from the device).
-    `num_splits`: the prefix's key splits; None: `cascade_num_splits`. Every row of q is
-    attended to the prefix, rows past `query_start_loc[B]` are left unspecified."""
+    `prefix_len`: int32 [1] on the device, 0 allowed; `num_splits`: the prefix's key splits
+    (`cascade_num_splits` picks them), which size the grid. Rows past `query_start_loc[B]`
+    are left unspecified."""
     check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len)
-    table_len = block_tables.shape[1] * kv_cache.shape[3]
-    check(isinstance(prefix_len, int) and 0 <= prefix_len <= table_len,
-          f"prefix_len must be an int in 0..{table_len} (the block tables' reach), got {prefix_len}")
-    check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
-          f"num_splits must be None or an int >= 1, got {num_splits}")
+    check_tensor("prefix_len", prefix_len, ndim=1, dtypes=(torch.int32,), device=kv_cache.device)
+    check(prefix_len.shape[0] == 1, f"prefix_len has {prefix_len.shape[0]} entries, expected 1")
+    check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
-    if num_splits is None:
-        group = q.shape[1] // kv_cache.shape[4]
-        num_splits = cascade_num_splits(q.shape[0], kv_cache.shape[4], group, kv_cache.shape[5], prefix_len,
-                                        multiprocessor_count(kv_cache.device))
     return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
                    num_splits, out)
 
@@ -187,32 +205,26 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
     group = num_heads // num_kv_heads
     device = kv_cache.device
     block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, prefix_rows)
-    prefix_end = prefix_len // block_n * block_n
-    tiles = prefix_end // block_n
-    split_len = -(-tiles // num_splits) * block_n if tiles else 0
-    num_parts = -(-prefix_end // split_len) if tiles else 0
-    part_rows = num_tokens * num_heads * num_parts
-    parts = (out,) * 3  # unused without a prefix
-    if num_parts:
-        parts = (torch.empty(part_rows, dtype=torch.float32, device=device),
-                 torch.empty(part_rows, dtype=torch.float32, device=device),
-                 torch.empty(part_rows * head_dim, dtype=torch.float32, device=device))
+    part_rows = num_tokens * num_heads * num_splits
+    parts = (torch.empty(part_rows, dtype=torch.float32, device=device),
+             torch.empty(part_rows, dtype=torch.float32, device=device),
+             torch.empty(part_rows * head_dim, dtype=torch.float32, device=device))
     cache_strides = (kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4))
     shapes = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
                   PIECE=tile_piece(block_size, block_n), NUM_HEADS=num_heads,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_SPLIT_LEN=MIN_SPLIT,
                   num_warps=num_warps, num_stages=num_stages)
-    if num_parts:
-        grid = (triton.cdiv(num_tokens, block_q), num_kv_heads, num_parts)
-        for_device(_prefix_kernel, device)[grid](
-            q, kv_cache, block_tables, *parts, num_tokens, prefix_end, split_len, num_parts,
-            q.stride(0), q.stride(1), *cache_strides, layer * kv_cache.stride(1), scale * _LOG2E,
-            BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
-        )
+    num_seqs = block_tables.shape[0]
+    grid = (triton.cdiv(num_tokens, block_q), num_kv_heads, num_splits)
+    for_device(_prefix_kernel, device)[grid](
+        q, kv_cache, block_tables, query_start_loc, prefix_len, *parts, num_seqs, num_splits,
+        q.stride(0), q.stride(1), *cache_strides, layer * kv_cache.stride(1), scale * _LOG2E,
+        BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
+    )
     block_q, block_m, _ = prefill_tile_sizes(group, head_dim, rows)
-    grid = (triton.cdiv(max_query_len, block_q), block_tables.shape[0], num_kv_heads)
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     for_device(_suffix_kernel, device)[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, *parts, prefix_end, num_parts,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
         layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
     )

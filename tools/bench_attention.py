@@ -12,9 +12,10 @@ setting beside the others in the same run and against the read bandwidth measure
 
 `--convoy SEQSxNEW@PREFIX` (default 50x4@10000): SEQS sequences of NEW new tokens each, after
 PREFIX tokens in the same blocks and 0-15 cached tokens of their own, bf16 cache, one layer:
-cascade attention (its default split count, then 1, 2, 4, 8, 16) against the prefill kernel
-as an eager step runs it (1 split), with the KV bytes each reads and the host time of finding
-the shared prefix.
+cascade attention (the split count an eager step picks, the one a prefill graph's cascade
+twin picks for the step's token bucket, then 1, 2, 4, 8, 16) against the prefill kernel as an
+eager step runs it (1 split), with the KV bytes each reads and the host time of finding the
+shared prefix.
 
 A shape is BATCHxCONTEXT or BATCHxLOW-HIGH (contexts drawn uniformly, seed 0); Qwen3-8B heads
 (32 query, 8 KV heads of 128), blocks of 16 tokens in shuffled order. Bytes counted are the

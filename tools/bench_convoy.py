@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spillway.kernels.cascade_attention import cascade_attention
+from spillway.kernels.cascade_attention import cascade_attention, cascade_num_splits
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention
-from spillway.worker.attention_triton import shared_prefix_len
+from spillway.kernels.utils import multiprocessor_count
+from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS
+from spillway.worker.shared_prefix import shared_prefix_len
 
 QWEN3_8B_HEADS = (32, 8, 128)  # query heads, KV heads, head_dim
 
@@ -61,16 +63,30 @@ def convoy_inputs(seqs: int, new: int, prefix_len: int, *, heads: tuple[int, int
                   tables.to(device), starts, prefix_len, new)
 
 
-def convoy_launches(convoy: Convoy, split_counts=(None, 1, 2, 4, 8, 16)) -> dict[str, callable]:
+# A prefill graph sizes cascade attention's prefix splits for the longest prefix its block
+# tables reach: max_model_len, 40,960 positions for Qwen3-8B.
+GRAPH_REACH = 40960
+
+
+def convoy_launches(convoy: Convoy, split_counts=(1, 2, 4, 8, 16)) -> dict[str, callable]:
     """Labelled calls, each returning the step's attention: the prefill kernel as an eager step
-    runs it (1 split) first, then cascade attention with each of `split_counts` (None: its
-    default)."""
+    runs it (1 split) first, then cascade attention with the split count an eager step picks
+    ("default"), the one a prefill graph of the step's token bucket picks ("graph", fixed by
+    its shapes and GRAPH_REACH), and each of `split_counts`."""
     c = convoy
     arguments = (c.q, c.kv_cache, 0, c.query_start_loc, c.seq_lens, c.block_tables, c.q.shape[2] ** -0.5, c.new)
     launches = {"prefill kernel": lambda: paged_prefill_attention(*arguments)}
-    for splits in split_counts:
-        label = f"cascade, {'default' if splits is None else splits} splits"
-        launches[label] = lambda splits=splits: cascade_attention(*arguments, c.prefix_len, splits)
+    num_kv_heads, rows = c.kv_cache.shape[4], c.q.shape[0]
+    heads = (num_kv_heads, c.q.shape[1] // num_kv_heads, c.q.shape[2])
+    num_sms = multiprocessor_count(c.q.device)
+    bucket = min((size for size in PREFILL_TOKEN_BUCKETS if size >= rows), default=rows)
+    counts = {"default": cascade_num_splits(rows, *heads, c.prefix_len, num_sms),
+              "graph": cascade_num_splits(bucket, *heads, GRAPH_REACH, num_sms)}
+    counts.update({str(splits): splits for splits in split_counts})
+    prefix_len = torch.tensor([c.prefix_len], dtype=torch.int32, device=c.q.device)
+    for name, splits in counts.items():
+        label = f"cascade, {splits} splits" if name == str(splits) else f"cascade, {name}: {splits} splits"
+        launches[label] = lambda splits=splits: cascade_attention(*arguments, prefix_len, splits)
     return launches
 
 
@@ -99,7 +115,7 @@ def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
     convoy = convoy_inputs(seqs, new, prefix_len)
     print(f"{machine()}; {seqs} sequences x {new} new tokens on a shared prefix of {prefix_len} tokens, "
           f"Qwen3-8B heads, bf16 cache, one layer; finding the prefix: {detection_us(convoy):.1f} us on the host")
-    print(f"{'path':>22} {'us':>9} {'KV MB read':>11} {'max rel err':>11} {'speed vs prefill':>16}")
+    print(f"{'path':>27} {'us':>9} {'KV MB read':>11} {'max rel err':>11} {'speed vs prefill':>16}")
     baseline_out = baseline_us = None
     for label, launch in convoy_launches(convoy).items():
         out = launch()
@@ -108,4 +124,4 @@ def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
         us = 1e3 * bench_ms(launch)
         baseline_us = baseline_us or us
         megabytes = kv_bytes(convoy, label.startswith("cascade")) / 1e6
-        print(f"{label:>22} {us:9.1f} {megabytes:11.1f} {error:11.2e} {baseline_us / us:15.2f}x")
+        print(f"{label:>27} {us:9.1f} {megabytes:11.1f} {error:11.2e} {baseline_us / us:15.2f}x")

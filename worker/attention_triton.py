@@ -10,8 +10,9 @@ is the same without the store, for a layer whose k/v an earlier kernel already w
         -> paged_decode_attention   (decode Q = 1; speculative verification Q = k + 1)
     anything else (prefill, extend, mixed prefill + decode)
         -> paged_prefill_attention  (ragged; decodes are sequences with query_len 1)
-    an eager step of >= 2 sequences whose first CASCADE_MIN_TOKENS or more cached tokens sit
-    in the same blocks (`shared_prefix_len`), whatever their query lengths
+    a step of >= 2 sequences whose first CASCADE_MIN_TOKENS or more cached tokens sit in the
+    same blocks (worker/shared_prefix.py), whatever their query lengths, eager or through a
+    prefill graph's cascade variant
         -> cascade_attention        (the shared prefix's keys read once for all rows)
 
 The decode kernel is compiled per Q and per split count (its grid's third axis, chosen from
@@ -24,17 +25,19 @@ kernel, whose variants the start-up warm-up compiles.
 Metadata comes in two forms; `forward` accepts either.
 
 1. `build_metadata(query_lens, starts, block_tables, slot_mapping, *, context_lens=None,
-   query_start_loc=None, host_block_tables=None)` -> `TritonAttentionMetadata` for eager
-   steps. block_tables int32 (int64 is cast), slot_mapping int64 with -1 for padded rows.
-   Pass the int32 device tensors `context_lens` [B] (= starts + query_lens) and
-   `query_start_loc` [B + 1] when they are already staged; otherwise they are built here with
-   one small host-to-device copy. The shared prefix is found on `host_block_tables` (block
-   tables on the CPU serve as their own); without a host copy of device tables, never.
-   `metadata_for(layout)` passes the views worker/step_inputs.py staged: the runner's way.
+   query_start_loc=None, host_block_tables=None, shared_prefix=None)` ->
+   `TritonAttentionMetadata` for eager steps. block_tables int32 (int64 is cast), slot_mapping
+   int64 with -1 for padded rows. Pass the int32 device tensors `context_lens` [B] (= starts +
+   query_lens), `query_start_loc` [B + 1] and `shared_prefix` [1] when they are already
+   staged; otherwise they are built here with one small host-to-device copy each. The shared
+   prefix is found on `host_block_tables` (block tables on the CPU serve as their own);
+   without a host copy of device tables, never. `metadata_for(layout)` passes the views
+   worker/step_inputs.py staged: the runner's way.
 
-2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph. The runner owns
-   persistent buffers, fills them in place before each replay, and passes the same object
-   (or one holding the same tensors) at capture and replay:
+2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph (`PrefillMetadata`
+   is its counterpart for prefill steps). The runner owns persistent buffers, fills them in
+   place before each replay, and passes the same object (or one holding the same tensors) at
+   capture and replay:
 
        block_tables  int32 [B, max_blocks]   row b: sequence b's block ids; padding rows: 0s
        context_lens  int32 [B]               tokens in the cache after this step's write,
@@ -58,11 +61,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spillway.kernels.cascade_attention import cascade_attention
+from spillway.kernels.cascade_attention import cascade_attention, cascade_num_splits
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
+from spillway.kernels.utils import multiprocessor_count
 from spillway.worker.attention import AttentionBackend, AttentionMetadata
+from spillway.worker.shared_prefix import shared_prefix_len
 from spillway.worker.step_inputs import StepLayout
 
 
@@ -79,12 +84,14 @@ class DecodeMetadata:
 
 @dataclass(slots=True)
 class PrefillMetadata:
-    """A ragged step's tensors for `paged_prefill_attention`.
+    """A ragged step's tensors for `paged_prefill_attention`, or with `shared_prefix` set for
+    `cascade_attention`.
 
     Passed to `forward`/`attend` on its own (with `slot_mapping` set), it is the tensors-only
     form of a prefill step captured in a CUDA graph: q/k/v have `max_query_len` rows, the
     padding sequences have no new tokens (equal `query_start_loc` entries) and a context of 0,
-    padding rows have slot -1. Rows past the last sequence's come back unspecified.
+    padding rows have slot -1. Rows past the last sequence's come back unspecified. A cascade
+    graph is valid for any staged prefix length, 0 included (kernels/cascade_attention.py).
     """
 
     query_start_loc: torch.Tensor  # int32 [B + 1]
@@ -93,45 +100,26 @@ class PrefillMetadata:
     max_query_len: int
     slot_mapping: torch.Tensor | None = None  # int64 or int32 [rows], -1 for a padded row
     num_splits: int = 1  # static: key splits (kernels/paged_attention_prefill.py)
+    shared_prefix: torch.Tensor | None = None  # int32 [1]: the prefix every sequence shares; None: no cascade
+    cascade_splits: int = 1  # static: the shared prefix's key splits (kernels/cascade_attention.py)
 
 
 def graph_prefill_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            slot_mapping: torch.Tensor, num_rows: int, *, num_heads: int, num_kv_heads: int,
-                           head_dim: int) -> PrefillMetadata:
+                           head_dim: int, shared_prefix: torch.Tensor | None = None,
+                           max_prefix_len: int = 0) -> PrefillMetadata:
     """The tensors-only metadata of a prefill step captured in a graph of `num_rows` rows, its
     key splits chosen from the static shapes: a few new tokens after a long cached prefix are
-    spread over the multiprocessors instead of walking the context on a handful."""
-    device = block_tables.device
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    num_splits = prefill_num_splits(num_rows, block_tables.shape[0], num_kv_heads, num_heads // num_kv_heads,
-                                    head_dim, num_sms)
-    return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits)
-
-
-# A shared prefix shorter than this runs the plain kernels. Below 1,024 tokens one sequence's
-# reread of it is at most 4 MiB a layer with Qwen3-8B's KV heads (8 x 128 in bf16, 4 KiB a
-# token), under a microsecond of an H200's bandwidth, about what the cascade path adds (a
-# second launch, each row's split partials written and read back); a GPU measurement tunes it.
-CASCADE_MIN_TOKENS = 1024
-
-
-def shared_prefix_len(starts: list[int], host_block_tables, block_size: int,
-                      min_tokens: int = CASCADE_MIN_TOKENS) -> int:
-    """Tokens at the head of every sequence that sit in the same blocks and were cached before
-    this step: whole blocks, up to the first table column where a row differs from row 0 and
-    at most the smallest start. 0 for one sequence or under `min_tokens`. `host_block_tables`
-    [B, width] (a numpy array or CPU tensor) is compared column-wise: no device read."""
-    if len(starts) < 2:
-        return 0
-    limit = min(starts) // block_size
-    if limit * block_size < min_tokens:
-        return 0
-    leading = np.asarray(host_block_tables[: len(starts), :limit])
-    if (leading[1:, 0] != leading[0, 0]).any():  # the usual batch of unrelated sequences: O(B)
-        return 0
-    differs = (leading[1:] != leading[0]).any(axis=0)
-    shared = int(differs.argmax()) if differs.any() else limit
-    return shared * block_size if shared * block_size >= min_tokens else 0
+    spread over the multiprocessors instead of walking the context on a handful. With
+    `shared_prefix` (the staged int32 [1] length of a prefix every sequence shares, at most
+    `max_prefix_len`), its attention is cascade attention, the prefix's splits sized for
+    `max_prefix_len` (shorter prefixes leave the last splits empty)."""
+    num_sms = multiprocessor_count(block_tables.device)
+    group = num_heads // num_kv_heads
+    num_splits = prefill_num_splits(num_rows, block_tables.shape[0], num_kv_heads, group, head_dim, num_sms)
+    cascade_splits = cascade_num_splits(num_rows, num_kv_heads, group, head_dim, max_prefix_len, num_sms)
+    return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits,
+                           shared_prefix, cascade_splits)
 
 
 @dataclass(slots=True)
@@ -161,10 +149,12 @@ class TritonAttentionBackend(AttentionBackend):
         context_lens: torch.Tensor | None = None,
         query_start_loc: torch.Tensor | None = None,
         host_block_tables: np.ndarray | torch.Tensor | None = None,
+        shared_prefix: torch.Tensor | None = None,
     ) -> TritonAttentionMetadata:
         """`context_lens` int32 [B] (starts + query_lens) and `query_start_loc` int32 [B + 1],
         when the runner already has them on the device, save building and copying them here;
-        `host_block_tables`, a host copy of block_tables, lets a shared prefix be found."""
+        `host_block_tables`, a host copy of block_tables, lets a shared prefix be found, and
+        `shared_prefix`, int32 [1] on the device, holds its length when it was staged."""
         assert query_lens and all(n > 0 for n in query_lens), "every sequence needs at least one new token"
         device = slot_mapping.device
         row_starts = [0, *itertools.accumulate(query_lens)]
@@ -185,6 +175,9 @@ class TritonAttentionBackend(AttentionBackend):
                 packed = torch.tensor(row_starts + seq_lens, dtype=torch.int32).to(device, non_blocking=True)
                 query_start_loc, context_lens = packed[: num_seqs + 1], packed[num_seqs + 1 :]
             prefill = PrefillMetadata(query_start_loc, context_lens, tables, max(query_lens))
+            if shared:
+                prefill.shared_prefix = (shared_prefix if shared_prefix is not None else
+                                         torch.tensor([shared], dtype=torch.int32).to(device, non_blocking=True))
         return TritonAttentionMetadata(
             query_lens, starts, row_starts, block_tables, slot_mapping, decode=decode, prefill=prefill,
             shared_prefix_len=shared,
@@ -195,7 +188,7 @@ class TritonAttentionBackend(AttentionBackend):
         host-to-device copy: nothing is built or copied again."""
         return self.build_metadata(layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping,
                                    context_lens=layout.context_lens, query_start_loc=layout.query_start_loc,
-                                   host_block_tables=layout.host_block_tables)
+                                   host_block_tables=layout.host_block_tables, shared_prefix=layout.shared_prefix)
 
     def forward(
         self,
@@ -217,27 +210,31 @@ class TritonAttentionBackend(AttentionBackend):
         read every key and value from the cache, never from k/v."""
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         if isinstance(metadata, DecodeMetadata):
-            decode, prefill = metadata, None
-        elif isinstance(metadata, PrefillMetadata):
-            return paged_prefill_attention(
-                q, kv_cache, layer_idx, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                scale, metadata.max_query_len, metadata.num_splits,
-            )
-        else:
-            assert isinstance(metadata, TritonAttentionMetadata)
-            decode, prefill = metadata.decode, metadata.prefill
-        if decode is not None:
-            return self._decode(layer_idx, q, kv_cache, decode, scale)
-        arguments = (q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
-                     scale, prefill.max_query_len)
-        if metadata.shared_prefix_len:
-            out = cascade_attention(*arguments, metadata.shared_prefix_len)
-        else:
-            out = paged_prefill_attention(*arguments)
+            return self._decode(layer_idx, q, kv_cache, metadata, scale)
+        if isinstance(metadata, PrefillMetadata):
+            return self._ragged(layer_idx, q, kv_cache, metadata, scale, metadata.cascade_splits)
+        assert isinstance(metadata, TritonAttentionMetadata)
+        if metadata.decode is not None:
+            return self._decode(layer_idx, q, kv_cache, metadata.decode, scale)
+        cascade_splits = 1
+        if metadata.shared_prefix_len:  # an eager step: its splits fit its rows and its prefix
+            num_kv_heads = kv_cache.shape[4]
+            cascade_splits = cascade_num_splits(q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2],
+                                                metadata.shared_prefix_len, multiprocessor_count(kv_cache.device))
+        out = self._ragged(layer_idx, q, kv_cache, metadata.prefill, scale, cascade_splits)
         num_rows = metadata.query_start_loc[-1]
         if q.shape[0] > num_rows:
             out[num_rows:].zero_()
         return out
+
+    @staticmethod
+    def _ragged(layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillMetadata, scale: float,
+                cascade_splits: int) -> torch.Tensor:
+        arguments = (q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
+                     scale, prefill.max_query_len)
+        if prefill.shared_prefix is not None:
+            return cascade_attention(*arguments, prefill.shared_prefix, cascade_splits)
+        return paged_prefill_attention(*arguments, prefill.num_splits)
 
     @staticmethod
     def _decode(

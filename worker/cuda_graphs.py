@@ -22,6 +22,16 @@ that no real row reads (every op but attention is row-wise).
 
     buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, up to max_num_batched_tokens
 
+Cascade graphs, the prefill graphs' twins: the same buckets, layout and step, with cascade
+attention (kernels/cascade_attention.py) in place of the prefill kernel. A step whose
+sequences share a cached prefix (`StepLayout.shared_prefix_len` > 0, found on the host
+tables as they are staged) replays its bucket's cascade graph, which reads that length from
+the staged inputs and the prefix's keys once for all rows; any other step, the plain prefill
+graph. Twins rather than one graph that skips its cascade pass on a prefix of 0: the cascade
+suffix pass walks each sequence's own keys unsplit, where the prefill kernel splits a long
+context over the multiprocessors, so the plain graph stays the better one without a shared
+prefix. Captured only where steps can share such a prefix (worker/shared_prefix.py).
+
 Verify graphs, with speculative decoding only: a step that returns the logits of chosen rows
 (`ModelRunner.execute(..., logits_rows=...)`: each verified chunk's 1 + d rows, prompt-logprob
 rows) takes the prefill graphs' layout, buckets (up to 256 tokens) and metadata, and returns
@@ -36,10 +46,10 @@ most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 req
 
     buckets 16, 32, 64, 96, 128, 192, 256, up to max_num_batched_tokens
 
-All graphs are captured into one memory pool (decode, prefill, then verify; each kind largest
-first) and write their logits into one shared buffer, allocated at its full size before the
-first capture: only one graph replays at a time, and its logits are consumed (sampled) before
-the next replay.
+All graphs are captured into one memory pool (decode, prefill, cascade, then verify; each kind
+largest first) and write their logits into one shared buffer, allocated at its full size
+before the first capture: only one graph replays at a time, and its logits are consumed
+(sampled) before the next replay.
 """
 
 from __future__ import annotations
@@ -95,14 +105,17 @@ class GraphBuckets:
     prefill: list[int]
     verify: list[int]  # empty without speculative decoding
     max_num_seqs: int
+    cascade: list[int]  # the prefill buckets, or empty where no step shares a prefix
 
     @classmethod
-    def plan(cls, max_batch_size: int, max_num_seqs: int, max_num_tokens: int, *, verify: bool) -> GraphBuckets:
-        """Decode buckets up to `max_batch_size`, token buckets up to `max_num_tokens`, and
-        with `verify` the verify buckets (token buckets up to `MAX_VERIFY_GRAPH_TOKENS`)."""
+    def plan(cls, max_batch_size: int, max_num_seqs: int, max_num_tokens: int, *, verify: bool,
+             cascade: bool = False) -> GraphBuckets:
+        """Decode buckets up to `max_batch_size`, token buckets up to `max_num_tokens`, with
+        `verify` the verify buckets (token buckets up to `MAX_VERIFY_GRAPH_TOKENS`), and with
+        `cascade` the token buckets again, for the cascade graphs."""
         prefill = prefill_buckets(max_num_tokens)
         verify_buckets = [size for size in prefill if size <= MAX_VERIFY_GRAPH_TOKENS] if verify else []
-        return cls(decode_buckets(max_batch_size), prefill, verify_buckets, max_num_seqs)
+        return cls(decode_buckets(max_batch_size), prefill, verify_buckets, max_num_seqs, prefill if cascade else [])
 
     @property
     def logits_rows(self) -> int:
@@ -178,6 +191,13 @@ def prefill_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]
     return _token_step(runner, layout, bucket, layout.last_rows)
 
 
+def cascade_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+    """`prefill_step` with cascade attention over the prefix length staged with the inputs; its
+    prefix splits are sized for the longest prefix a block table reaches."""
+    layout = runner.inputs.prefill_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
+    return _token_step(runner, layout, bucket, layout.last_rows, cascade=True)
+
+
 def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
     """A function running `runner`'s verify step of `bucket` tokens on the static input views:
     the logits of the `bucket` rows its `logits_rows` view names."""
@@ -185,13 +205,16 @@ def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
     return _token_step(runner, layout, bucket, layout.logits_rows)
 
 
-def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor) -> Callable[[], torch.Tensor]:
+def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
+                cascade: bool = False) -> Callable[[], torch.Tensor]:
     from spillway.worker.attention_triton import graph_prefill_metadata
 
     model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
     metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
                                       layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
-                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                                      shared_prefix=layout.shared_prefix if cascade else None,
+                                      max_prefix_len=runner.max_blocks_per_seq * runner.block_size)
     logits = runner.logits_rows(rows.shape[0])
 
     def step() -> torch.Tensor:
@@ -202,9 +225,9 @@ def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor) ->
 
 
 def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
-                        ) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None]:
-    """`runner`'s decode, prefill and verify graphs (None for a kind without buckets), captured
-    in that order into one memory pool."""
+                        ) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None, StepGraphs | None]:
+    """`runner`'s decode, prefill, cascade and verify graphs (None for a kind without buckets),
+    captured in that order into one memory pool."""
     pool = torch.cuda.graph_pool_handle()
     inputs, device = runner.inputs, runner.device
     decode = StepGraphs(buckets.decode, device)
@@ -219,4 +242,5 @@ def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
         return graphs
 
     return (decode, token_graphs("prefill", buckets.prefill, prefill_step, inputs.pad_prefill),
+            token_graphs("cascade", buckets.cascade, cascade_step, inputs.pad_prefill),
             token_graphs("verify", buckets.verify, verify_step, inputs.pad_verify))

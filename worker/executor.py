@@ -9,7 +9,7 @@ Start-up, in this order on CUDA (the pool is what is left once the model and one
 
     load_model ──► Executor(model) ──► kv_pool_blocks: profile one max_num_batched_tokens step
                ──► allocate_kv_cache(num_blocks) ──► capture_graphs (decode and prefill buckets,
-                   and verify buckets with speculative decoding)
+                   the prefill buckets' cascade twins, and verify buckets with speculative decoding)
                ──► warm_up (the eager path's kernel variants)
 """
 

@@ -6,7 +6,8 @@ A step, on any device:
                CUDA), then one host→device copy
            ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
                (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
-               a prefill/mixed step of at most 512 tokens: the graph of its token bucket;
+               a prefill/mixed step of at most 512 tokens: the graph of its token bucket,
+               its cascade twin where the step's sequences share a cached prefix;
                a step asking for `logits_rows` (verification, prompt logprobs) of at most
                256 tokens, with speculative decoding on: the verify graph of its token bucket;
                anything else (larger steps, enforce_eager, CPU): run the model eagerly
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from spillway.worker.attention import AttentionBackend, TorchAttentionBackend
+from spillway.worker.shared_prefix import may_share_a_prefix
 from spillway.worker.step_inputs import StepInputs, StepLayout
 
 
@@ -139,6 +141,7 @@ class ModelRunner:
         )
         self.graphs = None  # decode StepGraphs (by batch size) once captured
         self.prefill_graphs = None  # prefill StepGraphs (by token count) once captured
+        self.cascade_graphs = None  # their cascade twins (same buckets), where steps may share a prefix
         self.verify_graphs = None  # verify StepGraphs (by token count), with speculative decoding
         self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
         self.kv_cache: torch.Tensor | None = None
@@ -189,7 +192,8 @@ class ModelRunner:
         if bucket is not None:
             layout = self.inputs.stage_prefill(chunks, bucket, self._prefill_graph_seqs(bucket))
             self._feed_rows(layout, feed)
-            return self.prefill_graphs.replay(bucket)[: len(chunks)]
+            graphs = self.cascade_graphs if layout.shared_prefix_len and self.cascade_graphs else self.prefill_graphs
+            return graphs.replay(bucket)[: len(chunks)]
         layout = self.inputs.stage(chunks)
         self._feed_rows(layout, feed)
         return self._forward(layout)
@@ -266,21 +270,22 @@ class ModelRunner:
 
     def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
-        prefill step for every token bucket the step budget allows, then with `verify`
-        (speculative decoding) the verify step for every verify bucket, into one memory pool."""
+        prefill step (and its cascade twin) for every token bucket the step budget allows, then
+        with `verify` the verify step for every verify bucket, into one memory pool."""
         from spillway.worker.cuda_graphs import capture_step_graphs
 
         assert self.kv_cache is not None, "allocate the KV cache first"
         buckets = self.graph_buckets(max_batch_size, verify)
         self.logits_rows(buckets.logits_rows)  # at its full size before any graph holds a view of it
-        self.graphs, self.prefill_graphs, self.verify_graphs = capture_step_graphs(self, buckets)
+        self.graphs, self.prefill_graphs, self.cascade_graphs, self.verify_graphs = capture_step_graphs(self, buckets)
 
     def graph_buckets(self, max_batch_size: int, verify: bool):
         """The `GraphBuckets` that `capture_graphs(max_batch_size, verify)` captures."""
         from spillway.worker.cuda_graphs import GraphBuckets
 
+        cascade = may_share_a_prefix(self.max_num_seqs, self.max_blocks_per_seq * self.block_size)
         return GraphBuckets.plan(min(max_batch_size, self.max_num_seqs), self.max_num_seqs, self.inputs.capacity[0],
-                                 verify=verify)
+                                 verify=verify, cascade=cascade)
 
     def logits_rows(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the graphs' shared float32 logits buffer.

@@ -4,10 +4,12 @@ Every input of a step is int32 and packed from offset 0 of one host buffer (pinn
 which reaches the device in a single copy; the tensors the model reads are views of the
 device side:
 
-    | input_ids [R] | positions [R] | slot_mapping [R] | last_rows [S] |
-    | context_lens [S] | query_start_loc [S + 1] | logits_rows [L] | block_tables [S, width] |
+    | input_ids [R] | positions [R] | slot_mapping [R] | last_rows [S] | context_lens [S] |
+    | query_start_loc [S + 1] | shared_prefix [1] | logits_rows [L] | block_tables [S, width] |
 
-each field starting at a multiple of 16 bytes (`FIELD_ALIGN`).
+each field starting at a multiple of 16 bytes (`FIELD_ALIGN`). `shared_prefix` holds the
+length of the prefix every sequence shares (worker/shared_prefix.py, found on the host tables
+as they are written; 0 for none, and for a decode step), which cascade attention reads.
 
 R rows (the step's tokens), S sequences, L rows whose logits the step returns when it asks for
 more than each sequence's last (draft tokens to verify, prompt logprobs; L = 0 otherwise). A
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spillway.worker.shared_prefix import shared_prefix_len
+
 
 @dataclass(slots=True)
 class StepLayout:
@@ -44,9 +48,11 @@ class StepLayout:
     last_rows: torch.Tensor  # [seqs]: each sequence's last row
     context_lens: torch.Tensor  # [seqs]: cached + new tokens, 0 for a padded sequence
     query_start_loc: torch.Tensor  # [seqs + 1]
+    shared_prefix: torch.Tensor  # [1]: `shared_prefix_len` below, for the kernels
     logits_rows: torch.Tensor  # [L]: the rows whose logits the step returns; empty: last_rows
     block_tables: torch.Tensor  # [seqs, width]
     host_block_tables: np.ndarray | None = None  # the same in the host buffer, until the next step is staged
+    shared_prefix_len: int = 0  # tokens every sequence shares (worker/shared_prefix.py)
 
 
 # Every field starts 16 bytes into alignment and an unpadded step's block tables are a whole
@@ -63,7 +69,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _field_sizes(num_rows: int, num_seqs: int, num_logits_rows: int) -> tuple[int, ...]:
-    return num_rows, num_rows, num_rows, num_seqs, num_seqs, num_seqs + 1, num_logits_rows
+    return num_rows, num_rows, num_rows, num_seqs, num_seqs, num_seqs + 1, 1, num_logits_rows
 
 
 def _offsets(num_rows: int, num_seqs: int, num_logits_rows: int = 0) -> tuple[int, ...]:
@@ -204,7 +210,7 @@ class StepInputs:
         block_size = self.block_size
         starts = [chunk.start for chunk in chunks]
         ends = [start + n for start, n in zip(starts, query_lens)]
-        input_ids, positions, slots, last_rows, context_lens, query_start_loc, row_index, tables = (
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, shared_prefix, row_index, tables = (
             self._host_fields(num_rows, num_seqs, width, num_logits_rows))
         real_rows, real_seqs = sum(query_lens), len(chunks)
         if logits_rows and not 0 <= min(logits_rows) <= max(logits_rows) < real_rows:
@@ -236,9 +242,12 @@ class StepInputs:
         input_ids[real_rows:] = 0
         positions[real_rows:] = 0
         slots[real_rows:] = -1
+        shared_prefix[0] = shared_prefix_len(starts, tables, block_size)
 
         self._copy(num_rows, num_seqs, width, num_logits_rows)
-        return self._layout(query_lens, starts, num_rows, num_seqs, width, num_logits_rows)
+        layout = self._layout(query_lens, starts, num_rows, num_seqs, width, num_logits_rows)
+        layout.shared_prefix_len = int(shared_prefix[0])
+        return layout
 
     def decode_layout(self, bucket: int) -> StepLayout:
         """The fixed views a decode graph of `bucket` rows reads (one new token per row)."""
@@ -258,8 +267,8 @@ class StepInputs:
     def _stage_decode_rows(self, chunks, bucket: int) -> None:
         block_size = self.block_size
         num_seqs = len(chunks)
-        input_ids, positions, slots, last_rows, context_lens, query_start_loc, _, tables = self._host_fields(
-            bucket, bucket, self.max_blocks_per_seq)
+        input_ids, positions, slots, last_rows, context_lens, query_start_loc, shared_prefix, _, tables = (
+            self._host_fields(bucket, bucket, self.max_blocks_per_seq))
         for seq, chunk in enumerate(chunks):
             start = chunk.start
             table = chunk.slot_table
@@ -275,6 +284,7 @@ class StepInputs:
             positions[num_seqs:] = 0
             slots[num_seqs:] = -1
             context_lens[num_seqs:] = 0
+        shared_prefix[0] = 0
         last_rows[:] = self._arange[:bucket]
         query_start_loc[:] = self._arange[: bucket + 1]
         self._copy(bucket, bucket, self.max_blocks_per_seq)

@@ -3,7 +3,8 @@
 Triton compiles a kernel per specialisation: its constexprs, and its integer arguments'
 divisibility by 16. A variant first met by a request compiles inside that request's step
 (~1 s): the profiling step (8,192 tokens) compiled one side only, and cascade attention runs
-only when a step's sequences share a long prefix. These steps meet the rest first.
+only when a step's sequences share a long prefix. These steps meet the rest first (the CUDA
+graphs, cascade twins included, compile theirs in the run before each capture).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def warm_up_cascade(runner: ModelRunner) -> None:
     wrote: finite), each writing its token into a block of its own after them. Skipped where
     the pool, a block table or a step (one sequence at most: then no step ever shares a
     prefix) cannot hold that."""
-    from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
+    from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
 
     prefix_blocks = -(-CASCADE_MIN_TOKENS // runner.block_size)
     if (prefix_blocks + 2 > runner.kv_cache.shape[0] or prefix_blocks + 1 > runner.max_blocks_per_seq

@@ -8,12 +8,8 @@ import torch
 from kernel_testing import gpu, random_tensor, relative_error
 
 from spillway.worker.attention import TorchAttentionBackend
-from spillway.worker.attention_triton import (
-    CASCADE_MIN_TOKENS,
-    DecodeMetadata,
-    TritonAttentionBackend,
-    shared_prefix_len,
-)
+from spillway.worker.attention_triton import DecodeMetadata, TritonAttentionBackend
+from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS, shared_prefix_len
 
 
 def _step(query_lens, starts, *, num_heads, num_kv_heads, head_dim, block_size=16, padded_rows=0,

@@ -1,6 +1,8 @@
 """cascade_attention against its reference, the prefill reference and the prefill kernel:
 sequences sharing their first blocks, with own keys and query lengths of their own (1 among
-them), GQA groups 1, 2 and 4, head_dim 64, a float8 cache, prefixes shorter than a tile."""
+them), GQA groups 1, 2 and 4, head_dim 64, a float8 cache, prefixes shorter than a tile; and
+one launch, as a CUDA graph holds it, over prefix lengths read from memory (0 among them),
+splits that hold no keys, padding sequences and rows."""
 
 import itertools
 
@@ -10,6 +12,7 @@ from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
 from spillway.kernels.cascade_attention import cascade_attention, cascade_attention_reference, cascade_num_splits
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from spillway.kernels.utils import multiprocessor_count
 
 FP8 = torch.float8_e4m3fn
 
@@ -29,11 +32,23 @@ def shared_batch(prefix_len, own_lens, query_lens, *, num_heads, num_kv_heads, h
     return q, cache.to(device), starts, torch.tensor(lens, dtype=torch.int32, device=device), tables.to(device)
 
 
+def staged(prefix_len: int, device) -> torch.Tensor:
+    """The prefix length in device memory, as the runner stages it."""
+    return torch.tensor([prefix_len], dtype=torch.int32, device=device)
+
+
+def default_splits(q, cache, prefix_len: int) -> int:
+    return cascade_num_splits(q.shape[0], cache.shape[4], q.shape[1] // cache.shape[4], q.shape[2], prefix_len,
+                              multiprocessor_count(cache.device))
+
+
 def _check(prefix_len, own_lens, query_lens, *, num_splits=None, tolerance=1e-5, **shape):
     q, cache, starts, lens, tables = shared_batch(prefix_len, own_lens, query_lens, padded_rows=2, **shape)
     scale = q.shape[2] ** -0.5
     num_rows = sum(query_lens)
-    out = cascade_attention(q, cache, 1, starts, lens, tables, scale, max(query_lens), prefix_len, num_splits)
+    num_splits = num_splits or default_splits(q, cache, prefix_len)
+    out = cascade_attention(q, cache, 1, starts, lens, tables, scale, max(query_lens), staged(prefix_len, q.device),
+                            num_splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     for expected in (cascade_attention_reference(q, cache, 1, starts, lens, tables, scale, prefix_len),
                      paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, scale),
@@ -57,10 +72,44 @@ def test_matches_the_references_and_the_prefill_kernel(case):
            block_size=block_size)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_any_split_count_gives_the_same_result(num_splits):
-    """Splits of 2 tiles and 1 (the last shorter): every split's partial is merged once."""
-    _check(320, [3, 20, 0], [2, 1, 5], num_heads=6, num_kv_heads=3, head_dim=32, num_splits=num_splits)
+    """1,088 keys, 17 tiles of 64: one split; 3 of 6, 6 and 5 tiles; or 8 of at least MIN_SPLIT
+    (4 tiles), 5 of them holding keys, the last one tile: each split's partial is merged once."""
+    _check(1088, [3, 20, 0], [2, 1, 5], num_heads=6, num_kv_heads=3, head_dim=32, num_splits=num_splits)
+
+
+GRAPH_SHAPES = [(4, 4, None), (8, 4, None), (8, 2, None), (8, 2, FP8)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,cache_dtype", GRAPH_SHAPES, ids=["group1", "group2", "group4", "fp8"])
+def test_one_launch_serves_any_prefix_length_in_memory(num_heads, num_kv_heads, cache_dtype):
+    """A CUDA graph's launch: the same tensors, 8 splits and a grid sized for 1,088 shared keys,
+    two padding sequences (no new tokens, context 0) and padded rows; only the prefix length in
+    memory changes, from none to less than a tile, to one not a multiple of the tile (nor of
+    a block), to one that fills 5 of the 8 splits. Every answer is the prefill reference's, with
+    the other sequences' entries for the prefix's whole tiles pointing at a NaN block: the
+    launch read each length from memory, and the prefix through the first table only."""
+    query_lens = [3, 1, 6]
+    q, cache, starts, lens, tables = shared_batch(1088, [2, 30, 0], query_lens, num_heads=num_heads,
+                                                  num_kv_heads=num_kv_heads, head_dim=32, padded_rows=5,
+                                                  cache_dtype=cache_dtype)
+    num_rows, scale = sum(query_lens), 32**-0.5
+    expected = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, scale)[:num_rows]
+    padded_starts = torch.cat([starts, starts[-1:].repeat(2)])
+    padded_lens = torch.cat([lens, torch.zeros(2, dtype=torch.int32)])
+    padded_tables = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=torch.int32)])
+    unused = min(set(range(cache.shape[0])) - set(tables.flatten().tolist()))
+    cache[unused] = float("nan")
+    prefix_len = staged(0, q.device)
+    for length in (0, 48, 200, 1088):
+        prefix_len.fill_(length)
+        poisoned = padded_tables.clone()
+        poisoned[1:, : length // 64 * 64 // 16] = unused
+        out = cascade_attention(q, cache, 1, padded_starts, padded_lens, poisoned, scale, 6, prefix_len, 8)
+        assert relative_error(out[:num_rows], expected) < 1e-5, length
+        reference = cascade_attention_reference(q, cache, 1, starts, lens, tables, scale, length)
+        assert relative_error(out[:num_rows], reference[:num_rows]) < 1e-5, length
 
 
 def test_a_prefix_shorter_than_a_tile_is_read_with_each_sequence():
@@ -83,7 +132,7 @@ def test_the_prefix_is_read_through_the_first_table_only():
     unused = min(set(range(cache.shape[0])) - set(tables.flatten().tolist()))
     cache[unused] = float("nan")
     tables[1:, :4] = unused  # the prefix pass covers keys 0..255, blocks 0..15; poison a few
-    out = cascade_attention(q, cache, 1, starts, lens, tables, 32**-0.5, 2, 256)
+    out = cascade_attention(q, cache, 1, starts, lens, tables, 32**-0.5, 2, staged(256, q.device), 2)
     assert relative_error(out[:3], expected[:3]) < 1e-5
 
 
@@ -97,12 +146,17 @@ def test_split_count_fills_the_machine_within_bounds():
 
 def test_bad_arguments_are_refused():
     q, cache, starts, lens, tables = shared_batch(32, [0, 0], [2, 1], num_heads=4, num_kv_heads=2, head_dim=32)
-    with pytest.raises(ValueError, match="prefix_len must be an int in 0..64"):
-        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, 65)
-    with pytest.raises(ValueError, match="num_splits must be None or an int >= 1"):
-        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, 32, 0)
+    prefix_len = staged(32, q.device)
+    with pytest.raises(ValueError, match="prefix_len must have 1 dims"):
+        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, prefix_len[0], 1)
+    with pytest.raises(ValueError, match="prefix_len must be one of \\['torch.int32'\\]"):
+        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, prefix_len.long(), 1)
+    with pytest.raises(ValueError, match="prefix_len has 2 entries, expected 1"):
+        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, prefix_len.repeat(2), 1)
+    with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
+        cascade_attention(q, cache, 1, starts, lens, tables, 1.0, 2, prefix_len, 0)
     with pytest.raises(ValueError, match="seq_lens has 1 entries, expected 2"):
-        cascade_attention(q, cache, 1, starts, lens[:1], tables, 1.0, 2, 32)
+        cascade_attention(q, cache, 1, starts, lens[:1], tables, 1.0, 2, prefix_len, 1)
 
 
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["bf16-cache", "fp8-cache"])

@@ -57,6 +57,9 @@ def test_convoy_paths_agree_on_the_cpu():
     convoy = convoy_inputs(3, 2, 1024, heads=(4, 2, 32), dtype=torch.float32, device="cpu")
     detection_us(convoy, repeats=1)  # asserts the prefix found is the one built
     assert kv_bytes(convoy, cascade=False) - kv_bytes(convoy, cascade=True) == 2 * 1024 * 2 * 32 * 2 * 4
-    outputs = [launch() for launch in convoy_launches(convoy, split_counts=(None, 3)).values()]
+    launches = convoy_launches(convoy, split_counts=(3,))
+    assert list(launches) == ["prefill kernel", "cascade, default: 4 splits", "cascade, graph: 8 splits",
+                              "cascade, 3 splits"]
+    outputs = [launch() for launch in launches.values()]
     for out in outputs[1:]:
         assert float((out - outputs[0]).norm() / outputs[0].norm()) < 1e-5

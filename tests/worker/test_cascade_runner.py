@@ -1,13 +1,16 @@
-"""The runner's eager step over a shared cached prefix on the CUDA path, run on the CPU (Triton's
-interpreter): found on the staged host tables, attended by cascade attention, the same logits
-as the plain-torch path; and the start-up warm-up compiles it."""
+"""The runner's steps over a shared cached prefix on the CUDA path, run on the CPU (Triton's
+interpreter): found on the staged host tables, attended by cascade attention, eagerly or
+through the prefill graphs' cascade twins (their steps run eagerly over the graphs' fixed
+views), the same logits as the plain-torch path; and the start-up warm-up compiles it."""
 
 from __future__ import annotations
 
 import torch
-from test_runner_cuda_path import BLOCK, VOCAB, runner_pair
+from test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
 
-from spillway.worker.attention_triton import CASCADE_MIN_TOKENS
+import spillway.worker.attention_triton as attention_triton
+
+from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
 from spillway.worker.model_runner import ChunkInput
 
 PREFIX_BLOCKS = CASCADE_MIN_TOKENS // BLOCK
@@ -27,14 +30,60 @@ def test_a_step_on_a_shared_prefix_runs_cascade_attention_and_matches_the_torch_
     cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(0))
     torch_runner.kv_cache.copy_(cache)
     kernel_runner.kv_cache.copy_(cache)
-    prefix = list(range(PREFIX_BLOCKS))
-    chunks = [ChunkInput([5, 9, 11], CASCADE_MIN_TOKENS + 7, [*prefix, PREFIX_BLOCKS]),
-              ChunkInput([3], CASCADE_MIN_TOKENS, [*prefix, PREFIX_BLOCKS + 1]),
-              ChunkInput([VOCAB - 1, 2], CASCADE_MIN_TOKENS + 20, [*prefix, PREFIX_BLOCKS + 2, PREFIX_BLOCKS + 3])]
+    chunks = _shared_prefix_chunks()
     got, expected = kernel_runner.execute(chunks), torch_runner.execute(chunks)
     assert [metadata.shared_prefix_len for metadata in found] == [CASCADE_MIN_TOKENS]
     assert (got - expected).abs().max().item() < 1e-4
     assert torch.allclose(kernel_runner.kv_cache, torch_runner.kv_cache, atol=1e-5)
+
+
+def _shared_prefix_chunks() -> list[ChunkInput]:
+    """Three sequences on the same PREFIX_BLOCKS blocks, 6 new tokens in all, one a decode."""
+    prefix = list(range(PREFIX_BLOCKS))
+    return [ChunkInput([5, 9, 11], CASCADE_MIN_TOKENS + 7, [*prefix, PREFIX_BLOCKS]),
+            ChunkInput([3], CASCADE_MIN_TOKENS, [*prefix, PREFIX_BLOCKS + 1]),
+            ChunkInput([VOCAB - 1, 2], CASCADE_MIN_TOKENS + 20, [*prefix, PREFIX_BLOCKS + 2, PREFIX_BLOCKS + 3])]
+
+
+def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkeypatch):
+    """The step takes the bucket of 16 tokens; its cascade twin attends with the prefix length
+    it reads from the staged inputs, the prefix split 4 ways (sized for the tables' reach of
+    1,088 tokens: 16 rows x 3 KV heads on the CPU's 8 stand-in multiprocessors). A step with
+    no shared prefix replays the plain prefill graph."""
+    torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)
+    cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(1))
+    torch_runner.kv_cache.copy_(cache)
+    kernel_runner.kv_cache.copy_(cache)
+    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    launches = []
+    launch = attention_triton.cascade_attention
+
+    def counted(*args):
+        launches.append((int(args[-2][0]), args[-1]))
+        return launch(*args)
+
+    monkeypatch.setattr(attention_triton, "cascade_attention", counted)
+    chunks = _shared_prefix_chunks()
+    got, expected = kernel_runner.execute(chunks), torch_runner.execute(chunks)
+    assert (cascade.replayed, prefill.replayed) == ([16], [])
+    assert launches == [(CASCADE_MIN_TOKENS, 4)] * kernel_runner.model.num_layers
+    assert (got - expected).abs().max().item() < 1e-4
+    unshared = [ChunkInput([7, 8], 30, [PREFIX_BLOCKS + 4, PREFIX_BLOCKS + 5]), chunks[1]]
+    got, expected = kernel_runner.execute(unshared), torch_runner.execute(unshared)
+    assert (cascade.replayed, prefill.replayed) == ([16], [16])
+    assert len(launches) == kernel_runner.model.num_layers
+    assert (got - expected).abs().max().item() < 1e-4
+    assert torch.allclose(kernel_runner.kv_cache, torch_runner.kv_cache, atol=1e-5)
+
+
+def test_cascade_twins_are_planned_only_where_steps_can_share_a_prefix():
+    _, kernel_runner, _ = _runners(PREFIX_BLOCKS + 2)  # tables reach CASCADE_MIN_TOKENS + 4 blocks
+    assert kernel_runner.graph_buckets(4, verify=False).cascade == [16, 32, 64, 96, 128]
+    kernel_runner.max_num_seqs = 1
+    assert kernel_runner.graph_buckets(4, verify=False).cascade == []
+    _, short_runner, _ = runner_pair("qwen3", max_model_len=CASCADE_MIN_TOKENS)
+    assert short_runner.graph_buckets(4, verify=False).cascade == []
 
 
 def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():

@@ -17,6 +17,7 @@ import transformers
 from spillway.worker.cuda_graphs import (
     GraphBuckets,
     StepGraphs,
+    cascade_step,
     decode_buckets,
     decode_step,
     prefill_step,
@@ -44,14 +45,14 @@ def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the
 
 class EagerGraphs(StepGraphs):
     """Runs each bucket's step eagerly over the same fixed views a graph would read: the decode
-    step by batch size, or the prefill or verify step by token count (`kind`)."""
+    step by batch size, or the prefill, cascade or verify step by token count (`kind`)."""
 
     def __init__(self, runner: ModelRunner, max_batch_size: int = 0, *, kind: str = "decode") -> None:
         buckets = GraphBuckets.plan(max(max_batch_size, 1), runner.max_num_seqs, runner.inputs.capacity[0],
-                                    verify=True)
+                                    verify=True, cascade=True)
         super().__init__(getattr(buckets, kind), CPU, kind=kind)
-        step_for = functools.partial({"decode": decode_step, "prefill": prefill_step, "verify": verify_step}[kind],
-                                     runner)
+        steps = {"decode": decode_step, "prefill": prefill_step, "cascade": cascade_step, "verify": verify_step}
+        step_for = functools.partial(steps[kind], runner)
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 

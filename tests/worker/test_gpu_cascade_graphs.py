@@ -1,0 +1,72 @@
+"""Cascade graphs on CUDA (skipped without a GPU): steps whose sequences share a cached prefix,
+through the captured prefill graphs' cascade twins on one runner and eagerly (cascade attention
+too) on another over the same weights and cache, give the same logits; the twin is the graph
+that replays, for two prefix lengths, and a step without a shared prefix replays the plain
+prefill graph."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.models import build_model
+from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
+from tests.worker.test_gpu_engine import random_hf
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+BLOCK = 16
+VOCAB = 512
+PREFIX_BLOCKS = CASCADE_MIN_TOKENS // BLOCK
+
+
+def counted_replays(graphs) -> list[int]:
+    replayed: list[int] = []
+    replay = graphs.replay
+    graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    return replayed
+
+
+def convoy(rng: random.Random, prefix_blocks: int, first_block: int, new: list[int]) -> list[ChunkInput]:
+    """Sequences on the first `prefix_blocks` blocks, each with 0..20 cached tokens of its own in
+    blocks of its own from `first_block` on, then `new[i]` new tokens."""
+    prefix, chunks = list(range(prefix_blocks)), []
+    for count in new:
+        start = prefix_blocks * BLOCK + rng.randrange(21)
+        own = -(-(start + count) // BLOCK) - prefix_blocks
+        chunks.append(ChunkInput([rng.randrange(VOCAB) for _ in range(count)], start,
+                                 [*prefix, *range(first_block, first_block + own)]))
+        first_block += own
+    return chunks
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(dtype, tolerance):
+    hf = random_hf("qwen3", dtype, vocab=VOCAB)
+    model = build_model(hf.config, device=CUDA, dtype=dtype)
+    model.load_weights(hf.state_dict().items())
+    num_blocks = PREFIX_BLOCKS + 96
+    graphed, eager = (ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, device=CUDA, dtype=dtype,
+                                  max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048) for _ in range(2))
+    graphed.kv_cache.normal_()
+    eager.kv_cache.copy_(graphed.kv_cache)
+    graphed.capture_graphs(8)
+    assert graphed.cascade_graphs.buckets == graphed.prefill_graphs.buckets == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    cascade, prefill = counted_replays(graphed.cascade_graphs), counted_replays(graphed.prefill_graphs)
+    rng = random.Random(5)
+    steps = [convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 6 + [1]),  # 25 tokens: bucket 32
+             convoy(rng, PREFIX_BLOCKS + 5, PREFIX_BLOCKS + 40, [4] * 3 + [40]),  # a longer prefix, bucket 64
+             convoy(rng, 0, PREFIX_BLOCKS + 70, [4] * 3)]  # nothing shared: the plain graph of 16
+    worst = 0.0
+    for chunks in steps:
+        got, expected = graphed.execute(chunks), eager.execute(chunks)
+        assert got.shape == expected.shape == (len(chunks), VOCAB)
+        worst = max(worst, float((got - expected).norm() / expected.norm()))
+    print(f"{dtype}: worst relative logits error, cascade graph vs eager {worst:.2e}")
+    assert worst < tolerance
+    assert (cascade, prefill) == ([32, 64], [16])
+    torch.testing.assert_close(graphed.kv_cache.float(), eager.kv_cache.float(), rtol=tolerance, atol=tolerance)
