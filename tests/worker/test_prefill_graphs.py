@@ -26,19 +26,20 @@ def test_prefill_buckets_stop_at_the_step_budget_and_hold_at_most_32_sequences()
     assert prefill_buckets(128) == [16, 32, 64, 96, 128]
     assert prefill_buckets(100) == [16, 32, 64, 96]
     assert prefill_buckets(8) == []
-    assert [prefill_graph_seqs(t, 512) for t in (16, 32, 64, 512)] == [16, 32, 32, 32]
+    assert [prefill_graph_seqs(t, 512) for t in (16, 32, 64, 128, 512)] == [16, 32, 64, 64, 64]
     assert prefill_graph_seqs(512, 4) == 4
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences():
     _, runner, _ = runner_pair("qwen3")
-    runner.max_num_seqs = 64  # sequences per bucket: min(T, 64, 32); only the choice runs here
+    runner.max_num_seqs = 128  # sequences per bucket: min(T, 128, 64); only the choice runs here
     graphs = StepGraphs(prefill_buckets(128), CPU, kind="prefill")
     assert runner._token_bucket(graphs, 1, 1) == 16
     assert runner._token_bucket(graphs, 16, 3) == 16
     assert runner._token_bucket(graphs, 17, 1) == 32
     assert runner._token_bucket(graphs, 20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
-    assert runner._token_bucket(graphs, 40, 33) is None  # no bucket holds 33 sequences
+    assert runner._token_bucket(graphs, 40, 33) == 64  # 33 sequences take the bucket of 64 tokens
+    assert runner._token_bucket(graphs, 100, 65) is None  # no bucket holds 65 sequences
     assert runner._token_bucket(graphs, 128, 2) == 128
     assert runner._token_bucket(graphs, 129, 1) is None  # beyond the largest bucket: eager
 

@@ -34,8 +34,9 @@ def test_verify_buckets_come_only_with_speculation_and_stop_at_256_tokens():
     assert GraphBuckets.plan(8, 8, 100, verify=True).logits_rows == 96
     # Past 256 sequences the decode buckets set the buffer's size, as without verify graphs.
     assert GraphBuckets.plan(512, 512, 8192, verify=True).logits_rows == 512
-    # A prefill graph returns one row per sequence: 32 at most.
-    assert GraphBuckets.plan(4, 64, 8192, verify=False).logits_rows == 32
+    # A prefill graph returns one row per sequence: 64 at most.
+    assert GraphBuckets.plan(4, 64, 8192, verify=False).logits_rows == 64
+    assert GraphBuckets.plan(4, 128, 8192, verify=False).logits_rows == 64
 
 
 def test_the_reserved_logits_buffer_grows_to_the_largest_verify_bucket():
