@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 MAX_PREFILL_GRAPH_SEQS = 64
+# Verification runs at batches of at most 32 (worker/spec/switch.py): its graphs hold no more.
+MAX_VERIFY_GRAPH_SEQS = 32
 MAX_VERIFY_GRAPH_TOKENS = 256
 
 
@@ -91,12 +93,13 @@ def prefill_buckets(max_num_tokens: int) -> list[int]:
     return [size for size in PREFILL_TOKEN_BUCKETS if size <= max_num_tokens]
 
 
-def prefill_graph_seqs(num_tokens: int, max_num_seqs: int) -> int:
+def prefill_graph_seqs(num_tokens: int, max_num_seqs: int, kind: str = "prefill") -> int:
     """Sequences a prefill (or verify) graph of `num_tokens` rows holds: every sequence has >= 1
     new token, and at most 64: a burst of requests on one shared prefix (a few new tokens each)
     then runs in a graph, not eagerly at ~20 ms of launches, while the attention grid's padding
-    programs (one per sequence slot, exiting at once) stay a few microseconds a layer."""
-    return min(num_tokens, max_num_seqs, MAX_PREFILL_GRAPH_SEQS)
+    programs (one per sequence slot, exiting at once) stay a few microseconds a layer. A
+    verify graph (`kind` "verify") holds at most 32."""
+    return min(num_tokens, max_num_seqs, MAX_VERIFY_GRAPH_SEQS if kind == "verify" else MAX_PREFILL_GRAPH_SEQS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +206,7 @@ def cascade_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]
 def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
     """A function running `runner`'s verify step of `bucket` tokens on the static input views:
     the logits of the `bucket` rows its `logits_rows` view names."""
-    layout = runner.inputs.verify_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
+    layout = runner.inputs.verify_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs, "verify"))
     return _token_step(runner, layout, bucket, layout.logits_rows)
 
 
@@ -240,7 +243,7 @@ def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
             return None
         graphs = StepGraphs(sizes, device, kind=kind)
         graphs.capture(functools.partial(step, runner),
-                       lambda bucket: pad(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs)), pool)
+                       lambda bucket: pad(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs, kind)), pool)
         return graphs
 
     return (decode, token_graphs("prefill", buckets.prefill, prefill_step, inputs.pad_prefill),

@@ -190,7 +190,7 @@ class ModelRunner:
             return graphs.replay(bucket)[: len(chunks)]
         bucket = self._token_bucket(self.prefill_graphs, num_tokens, len(chunks))
         if bucket is not None:
-            layout = self.inputs.stage_prefill(chunks, bucket, self._prefill_graph_seqs(bucket))
+            layout = self.inputs.stage_prefill(chunks, bucket, self._graph_seqs(bucket, "prefill"))
             self._feed_rows(layout, feed)
             graphs = self.cascade_graphs if layout.shared_prefix_len and self.cascade_graphs else self.prefill_graphs
             return graphs.replay(bucket)[: len(chunks)]
@@ -204,7 +204,7 @@ class ModelRunner:
         holds the step (every row it asks for is one of its tokens), else eagerly."""
         bucket = self._token_bucket(self.verify_graphs, num_tokens, len(chunks))
         if bucket is not None and len(logits_rows) <= bucket:
-            layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._prefill_graph_seqs(bucket))
+            layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._graph_seqs(bucket, "verify"))
             self._feed_rows(layout, feed)
             return self.verify_graphs.replay(bucket)[: len(logits_rows)]
         layout = self.inputs.stage(chunks, logits_rows)
@@ -216,14 +216,14 @@ class ModelRunner:
         if graphs is None or num_tokens > graphs.max_bucket:
             return None
         for bucket in graphs.buckets[graphs.buckets.index(graphs.bucket_for(num_tokens)):]:
-            if num_seqs <= self._prefill_graph_seqs(bucket):
+            if num_seqs <= self._graph_seqs(bucket, graphs.kind):
                 return bucket
         return None
 
-    def _prefill_graph_seqs(self, bucket: int) -> int:
+    def _graph_seqs(self, bucket: int, kind: str) -> int:
         from spillway.worker.cuda_graphs import prefill_graph_seqs
 
-        return prefill_graph_seqs(bucket, self.max_num_seqs)
+        return prefill_graph_seqs(bucket, self.max_num_seqs, kind)
 
     def _feed_rows(self, layout: StepLayout, feed: TokenFeed | None) -> None:
         if feed is not None:

@@ -90,12 +90,15 @@ def test_verify_staging_refuses_rows_outside_the_step_or_the_bucket(rows, messag
 
 def test_a_verifying_step_takes_the_smallest_verify_bucket_that_holds_its_tokens_and_sequences():
     _, runner, _ = runner_pair("qwen3")
-    runner.max_num_seqs = 64  # sequences per bucket: min(T, 64, 32); only the choice runs here
+    runner.max_num_seqs = 64  # verify sequences per bucket: min(T, 64, 32); only the choice runs here
     graphs = StepGraphs(GraphBuckets.plan(64, 64, 8192, verify=True).verify, CPU, kind="verify")
     assert graphs.buckets == [16, 32, 64, 96, 128, 192, 256]
     assert runner._token_bucket(graphs, 5, 1) == 16  # one request and 4 drafts
     assert runner._token_bucket(graphs, 20, 17) == 32
     assert runner._token_bucket(graphs, 256, 32) == 256  # 32 requests and 7 drafts each
+    assert runner._token_bucket(graphs, 66, 33) is None  # verification stops at batches of 32
+    prefill = StepGraphs(prefill_buckets(8192), CPU, kind="prefill")
+    assert runner._token_bucket(prefill, 66, 33) == 96  # a prefill graph holds 64 sequences
     assert runner._token_bucket(graphs, 257, 1) is None  # a larger step runs eagerly
     assert runner._token_bucket(None, 5, 1) is None  # no verify graphs without speculation
     assert prefill_buckets(8192)[-1] == 512  # the prefill graphs go further
