@@ -12,7 +12,7 @@ their logits are dropped.
 
     buckets 1, 2, 4, 8, 16, 24, ... below max_num_seqs, and max_num_seqs itself
 
-Prefill graphs, one per token bucket up to 512 tokens: any step of at most T tokens in at
+Prefill graphs, one per token bucket up to 2,048 tokens: any step of at most T tokens in at
 most `prefill_graph_seqs(T)` sequences (prefill chunks, extends after a cached prefix, mixed
 with decodes) runs the graph of the smallest such T. Its rows past the step's tokens are
 padded as above, its sequences past the step's have no new tokens and a context of 0: the
@@ -20,7 +20,8 @@ ragged attention kernel's grid is sized by T and the sequence count alone, and i
 for padding exit at once (worker/attention_triton.py). Padded rows produce unspecified values
 that no real row reads (every op but attention is row-wise).
 
-    buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, up to max_num_batched_tokens
+    buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, up to
+    max_num_batched_tokens
 
 Cascade graphs, the prefill graphs' twins: the same buckets, layout and step, with cascade
 attention (kernels/cascade_attention.py) in place of the prefill kernel. A step whose
@@ -70,7 +71,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+# Past 512 tokens a step still pays ~20 ms of eager launches for an 8B model (36 layers), as much
+# as the compute of a 1,000-token chunk: a turn's new 512 tokens beside a few decodes is one.
+PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 MAX_PREFILL_GRAPH_SEQS = 64
 # Verification runs at batches of at most 32 (worker/spec/switch.py): its graphs hold no more.
 MAX_VERIFY_GRAPH_SEQS = 32

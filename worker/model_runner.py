@@ -6,7 +6,7 @@ A step, on any device:
                CUDA), then one host→device copy
            ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
                (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
-               a prefill/mixed step of at most 512 tokens: the graph of its token bucket,
+               a prefill/mixed step of at most 2,048 tokens: the graph of its token bucket,
                its cascade twin where the step's sequences share a cached prefix;
                a step asking for `logits_rows` (verification, prompt logprobs) of at most
                256 tokens, with speculative decoding on: the verify graph of its token bucket;

@@ -69,4 +69,11 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
     print(f"{dtype}: worst relative logits error, cascade graph vs eager {worst:.2e}")
     assert worst < tolerance
     assert (cascade, prefill) == ([32, 64], [16])
-    torch.testing.assert_close(graphed.kv_cache.float(), eager.kv_cache.float(), rtol=tolerance, atol=tolerance)
+    # The K/V written by layer 1 on follow a layer's attention output, which the graph's and the
+    # eager step's split counts round differently in bf16: a few ulps of values up to ~4 (0.03
+    # each), measured 0.083 at most on the H200. fp32 agrees to 1e-3.
+    kv_tolerance = 0.125 if dtype == torch.bfloat16 else tolerance
+    torch.testing.assert_close(graphed.kv_cache.float(), eager.kv_cache.float(), rtol=tolerance, atol=kv_tolerance)
+    new_region = slice(PREFIX_BLOCKS + 8, None)
+    drift = (graphed.kv_cache[new_region].float() - eager.kv_cache[new_region].float()).norm()
+    assert float(drift / eager.kv_cache[new_region].float().norm()) < tolerance

@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 
 def test_prefill_buckets_stop_at_the_step_budget_and_hold_at_most_32_sequences():
-    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
     assert prefill_buckets(128) == [16, 32, 64, 96, 128]
     assert prefill_buckets(100) == [16, 32, 64, 96]
     assert prefill_buckets(8) == []

@@ -25,7 +25,7 @@ CPU = torch.device("cpu")
 
 def test_verify_buckets_come_only_with_speculation_and_stop_at_256_tokens():
     plain = GraphBuckets.plan(8, 8, 8192, verify=False)
-    assert plain.verify == [] and plain.prefill == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert plain.verify == [] and plain.prefill == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
     assert plain.logits_rows == 8  # a decode bucket of 8, prefill graphs of at most 8 sequences
     speculative = GraphBuckets.plan(8, 8, 8192, verify=True)
     assert speculative.verify == [16, 32, 64, 96, 128, 192, 256]
@@ -101,7 +101,7 @@ def test_a_verifying_step_takes_the_smallest_verify_bucket_that_holds_its_tokens
     assert runner._token_bucket(prefill, 66, 33) == 96  # a prefill graph holds 64 sequences
     assert runner._token_bucket(graphs, 257, 1) is None  # a larger step runs eagerly
     assert runner._token_bucket(None, 5, 1) is None  # no verify graphs without speculation
-    assert prefill_buckets(8192)[-1] == 512  # the prefill graphs go further
+    assert prefill_buckets(8192)[-1] == 2048  # the prefill graphs go further
 
 
 def test_verify_graph_steps_give_the_eager_rows_in_order_and_the_same_kv():
