@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from spillway.kernels.host_copy import warm_up_copies
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
 from spillway.protocol.messages import (
@@ -108,7 +109,13 @@ class Engine:
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._readback = TokenReadback(config.max_num_seqs, self.device)
+        # With a CPU tier on CUDA, the bulk KV copies occupy the copy engines: a step's own small
+        # copies (inputs in, tokens out) go through a kernel instead (kernels/host_copy.py).
+        small_copies_by_kernel = bool(num_cpu_blocks) and self.device.type == "cuda"
+        if small_copies_by_kernel:
+            warm_up_copies(self.device)
+            self.executor.runner.inputs.copy_by_kernel = True
+        self._readback = TokenReadback(config.max_num_seqs, self.device, by_kernel=small_copies_by_kernel)
         self._in_flight: LaunchedStep | None = None
         self.num_async_steps = 0  # steps launched before the one before was committed
         self.last_plan: StepPlan | None = None  # for the step trace (worker/step_trace.py)

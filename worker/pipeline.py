@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spillway.kernels.host_copy import copy_by_kernel
 from spillway.protocol.messages import TokenLogprobs
 from spillway.worker.executor import PackedStep
 from spillway.worker.logprobs import prompt_positions
@@ -110,11 +111,14 @@ class TokenReadback:
     """Copies of sampled ids to pinned host memory, two buffers used in turn: the copy of
     step N+1 may land while the host still reads step N's."""
 
-    def __init__(self, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_seqs: int, device: torch.device, by_kernel: bool = False) -> None:
+        """`by_kernel`: copy with a kernel, not a copy engine (kernels/host_copy.py), where the
+        CPU tier's stores keep the device-to-host copy engine busy."""
         on_cuda = device.type == "cuda"
         self._buffers = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)] if on_cuda else None
         self._turn = 0
+        self._by_kernel = by_kernel
 
     def start(self, plan: StepPlan, requests: list[Request], token_ids: torch.Tensor | None,
               logprobs: dict[str, list[TokenLogprobs]], ahead: bool) -> LaunchedStep:
@@ -125,7 +129,10 @@ class TokenReadback:
             return LaunchedStep(plan, token_ids, None, None, rows, logprobs)
         self._turn ^= 1
         host = self._buffers[self._turn][: token_ids.shape[0]]
-        host.copy_(token_ids, non_blocking=True)
+        if self._by_kernel and token_ids.dtype == host.dtype and token_ids.is_contiguous():
+            copy_by_kernel(host, token_ids)
+        else:
+            host.copy_(token_ids, non_blocking=True)
         event = None
         if self._events is not None:
             event = self._events[self._turn]

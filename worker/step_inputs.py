@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spillway.kernels.host_copy import copy_by_kernel
 from spillway.worker.shared_prefix import shared_prefix_len
 
 
@@ -96,6 +97,9 @@ class StepInputs:
         self._allocate(max(max_num_tokens, max_num_seqs), max_num_seqs, max_blocks_per_seq)
         # The host buffer may be rewritten only once the last copy out of it has run.
         self._copied = None if self.on_cpu else torch.cuda.Event()
+        # Copy by a kernel instead of a copy engine (kernels/host_copy.py): set where the CPU
+        # tier's bulk copies keep the copy engines busy.
+        self.copy_by_kernel = False
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.capacity = (num_tokens, num_seqs, width)
@@ -135,7 +139,10 @@ class StepInputs:
         if self.on_cpu:
             return
         size = _offsets(num_rows, num_seqs, num_logits_rows)[-1] + num_seqs * width
-        self.dev[:size].copy_(self.host[:size], non_blocking=True)
+        if self.copy_by_kernel:
+            copy_by_kernel(self.dev[:size], self.host[:size])
+        else:
+            self.dev[:size].copy_(self.host[:size], non_blocking=True)
         self._copied.record()
 
     def _layout(self, query_lens, starts, num_rows: int, num_seqs: int, width: int,
