@@ -49,46 +49,38 @@ def test_a_copy_by_kernel_is_exact_both_ways_on_cuda(direction, dtype):
     assert torch.equal(host, torch.arange(5000, dtype=dtype))
 
 
+def small_copy_beside_a_bulk_one(direction: str, copy) -> tuple[bool, bool]:
+    """1 GiB copied `direction` on a side stream (a CPU-tier load or store), then 16 KiB the
+    same way on the compute stream by `copy(dst, src)`: whether the bulk copy was still running
+    when the small one had landed, and whether the small one's bytes arrived."""
+    bulk_host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+    bulk_device = torch.empty_like(bulk_host, device="cuda")
+    expected = torch.arange(4096, dtype=torch.int32)
+    small_host = (expected if direction == "to GPU" else torch.zeros_like(expected)).pin_memory()
+    small_device = (torch.zeros_like(expected) if direction == "to GPU" else expected).to("cuda")
+    src, dst = (bulk_host, bulk_device) if direction == "to GPU" else (bulk_device, bulk_host)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+    bulk_done = side.record_event()
+    if direction == "to GPU":
+        copy(small_device, small_host)
+    else:
+        copy(small_host, small_device)
+    torch.cuda.current_stream().record_event().synchronize()
+    still_running = not bulk_done.query()
+    torch.cuda.synchronize()
+    return still_running, torch.equal(small_device.cpu(), expected) and torch.equal(small_host, expected)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("direction", ["to GPU", "to host"])
 def test_a_small_copy_by_kernel_does_not_wait_behind_a_bulk_copy_of_another_stream(direction):
-    """1 GiB each way on a side stream (a CPU-tier load or store), then a 16 KiB copy on the
-    compute stream: it lands long before the bulk copy does."""
-    bulk_host = torch.empty(2**30, dtype=torch.uint8).pin_memory()
-    bulk_device = torch.empty_like(bulk_host, device="cuda")
-    small_host = torch.arange(4096, dtype=torch.int32).pin_memory()
-    small_device = torch.arange(4096, dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        if direction == "to GPU":
-            bulk_device.copy_(bulk_host, non_blocking=True)
-        else:
-            bulk_host.copy_(bulk_device, non_blocking=True)
-    bulk_done = side.record_event()
-    if direction == "to GPU":
-        copy_by_kernel(small_device, small_host)
-    else:
-        copy_by_kernel(small_host, small_device)
-    small_done = torch.cuda.current_stream().record_event()
-    small_done.synchronize()
-    assert not bulk_done.query()  # ~20 ms of bulk copy still running
-    bulk_done.synchronize()
-    assert torch.equal(small_device.cpu(), small_host)
+    still_running, arrived = small_copy_beside_a_bulk_one(direction, copy_by_kernel)
+    assert still_running and arrived  # ~20 ms of bulk copy still to go when it landed
     # The same small copy on a copy engine, for the record (how the hardware orders it).
-    with torch.cuda.stream(side):
-        if direction == "to GPU":
-            bulk_device.copy_(bulk_host, non_blocking=True)
-        else:
-            bulk_host.copy_(bulk_device, non_blocking=True)
-    bulk_done = side.record_event()
-    if direction == "to GPU":
-        small_device.copy_(small_host, non_blocking=True)
-    else:
-        small_host.copy_(small_device, non_blocking=True)
-    small_done = torch.cuda.current_stream().record_event()
-    small_done.synchronize()
+    still_running, _ = small_copy_beside_a_bulk_one(direction, lambda dst, src: dst.copy_(src, non_blocking=True))
     print(f"{direction}: a 16 KiB copy_ beside a 1 GiB one on another stream "
-          f"{'waited for it' if bulk_done.query() else 'did not wait'}")
-    bulk_done.synchronize()
+          f"{'did not wait' if still_running else 'waited for it'}")
