@@ -10,7 +10,6 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from spillway.kernels.host_copy import warm_up_copies
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
 from spillway.protocol.messages import (
@@ -37,15 +36,10 @@ from spillway.worker.scheduler import Scheduler
 from spillway.worker.spec.decoder import SpecDecoder
 from spillway.worker.spec.setup import build_spec_decoder
 from spillway.worker.stats import collect_stats
+from spillway.worker.tier_driver import TierDriver
 from spillway.worker.tp_group import RankGroup, check_tensor_parallel
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
-
-# Bytes of cached GPU blocks the CPU tier writes back ahead of their eviction, per step, and
-# per batch while the engine is idle (a request arriving meanwhile finds its stores queued
-# behind at most ~2 ms of them).
-WRITE_AHEAD_BYTES = 128 * 2**20
-IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
 
 
 class Engine:
@@ -99,23 +93,12 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
-        if num_cpu_blocks:
-            # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
-            # step's stores, which the forward waits for, are queued behind it (a batch is
-            # planned only once the one before has finished).
-            # At most 64 blocks: the scheduler walks 4x that into the LRU every step.
-            blocks = WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes
-            self.scheduler.write_ahead_blocks = min(64, max(1, blocks))
+        self.tier = TierDriver(self.block_manager, self.scheduler, self.executor) if num_cpu_blocks else None
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
-        # With a CPU tier on CUDA, the bulk KV copies occupy the copy engines: a step's own small
-        # copies (inputs in, tokens out) go through a kernel instead (kernels/host_copy.py).
-        small_copies_by_kernel = bool(num_cpu_blocks) and self.device.type == "cuda"
-        if small_copies_by_kernel:
-            warm_up_copies(self.device)
-            self.executor.runner.inputs.copy_by_kernel = True
-        self._readback = TokenReadback(config.max_num_seqs, self.device, by_kernel=small_copies_by_kernel)
+        self._readback = TokenReadback(config.max_num_seqs, self.device,
+                                       by_kernel=self.tier is not None and self.tier.small_copies_by_kernel)
         self._in_flight: LaunchedStep | None = None
         self.num_async_steps = 0  # steps launched before the one before was committed
         self.last_plan: StepPlan | None = None  # for the step trace (worker/step_trace.py)
@@ -197,11 +180,8 @@ class Engine:
         before the step in flight is committed, and is itself committed one call later."""
         previous = self._in_flight
         deltas: list[RequestDelta] = []
-        tier, copier = self.block_manager.tier, self.executor.kv_copier
-        if tier is not None and tier.num_loading:
-            self.scheduler.loads_landed(copier.landed_through())
-        if tier is not None and tier.num_ahead_pending and copier.ahead_stored():
-            tier.ahead_stored()
+        if self.tier is not None:
+            self.tier.before_step()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
         # Drafts follow committed tokens only: settle the step in flight before planning. So
         # does a step the device has finished: running ahead of an idle device gains nothing,
@@ -307,30 +287,13 @@ class Engine:
             spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
 
     def idle_write_back(self) -> bool:
-        """With no request to run: give cached GPU blocks without a CPU copy one, a batch at a
-        time (the GPU LRU's head first, free CPU slots only), so that a later burst on CPU hits
-        loads into their slots without stores in its way. Whether to call again soon: a batch
-        is on its way, or was just started."""
-        tier, copier = self.block_manager.tier, self.executor.kv_copier
-        if tier is None:
-            return False
-        if tier.num_ahead_pending:
-            if not copier.ahead_stored():
-                return True
-            tier.ahead_stored()
-        batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.executor.runner.kv_block_bytes)
-        # The next evicted 16 batches (2 GiB) at most: what a burst takes first, found within a
-        # bounded walk of the LRU (a pool of a small model holds millions of blocks).
-        if not self.block_manager.write_back_ahead(batch, 16 * batch):
-            return False
-        self.executor.copy_kv(self.block_manager.take_copies())
-        return True
+        """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);
+        whether to call again soon."""
+        return self.tier is not None and self.tier.idle_write_back()
 
     def reset_prefix_cache(self) -> bool:
-        tier = self.block_manager.tier
-        if tier is not None and tier.num_loading and not self.scheduler.has_unfinished:
-            # Loads of requests gone may still write the GPU slots the reset frees.
-            self.scheduler.loads_landed(self.executor.kv_copier.landed_through(wait=True))
+        if self.tier is not None:
+            self.tier.settle_loads()  # loads of requests gone may still write the slots it frees
         return self.block_manager.reset_prefix_cache()
 
     def close(self) -> None:

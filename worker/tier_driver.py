@@ -1,0 +1,71 @@
+"""The engine's side of the CPU tier: what it asks the device before each step, what it writes
+back while idle, and how it sizes the write-back ahead of eviction (the bookkeeping is in
+worker/cpu_tier.py, the copies in worker/kv_copies.py).
+
+With a tier on CUDA the tier's bulk copies occupy the copy engines, which take one direction's
+transfers in turn whatever stream queued them; a step's own small copies (its staged inputs, its
+sampled tokens) then go through a kernel instead (kernels/host_copy.py), set up here.
+"""
+
+from __future__ import annotations
+
+from spillway.kernels.host_copy import warm_up_copies
+from spillway.worker.block_manager import BlockManager
+from spillway.worker.executor import Executor
+from spillway.worker.scheduler import Scheduler
+
+# Bytes of cached GPU blocks written back ahead of their eviction, per step, and per batch while
+# the engine is idle (a request arriving meanwhile finds its stores queued behind at most ~2 ms
+# of them).
+WRITE_AHEAD_BYTES = 128 * 2**20
+IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
+
+
+class TierDriver:
+    """The CPU tier of one engine, between its scheduler and its executor's copier."""
+
+    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, executor: Executor) -> None:
+        assert block_manager.tier is not None and executor.kv_copier is not None
+        self.tier, self.copier = block_manager.tier, executor.kv_copier
+        self.block_manager, self.scheduler, self.executor = block_manager, scheduler, executor
+        self.block_bytes = executor.runner.kv_block_bytes
+        # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
+        # step's stores, which the forward waits for, are queued behind it (a batch is planned
+        # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
+        # that into the LRU every step.
+        scheduler.write_ahead_blocks = min(64, max(1, WRITE_AHEAD_BYTES // self.block_bytes))
+        self.small_copies_by_kernel = executor.device.type == "cuda"
+        if self.small_copies_by_kernel:
+            warm_up_copies(executor.device)
+            executor.runner.inputs.copy_by_kernel = True
+
+    def before_step(self) -> None:
+        """What the device finished since the last step: load batches that landed (their
+        requests compute from this step on), ahead stores that are done."""
+        if self.tier.num_loading:
+            self.scheduler.loads_landed(self.copier.landed_through())
+        if self.tier.num_ahead_pending and self.copier.ahead_stored():
+            self.tier.ahead_stored()
+
+    def idle_write_back(self) -> bool:
+        """With no request to run: give cached GPU blocks without a CPU copy one, a batch at a
+        time (the GPU LRU's head first, free CPU slots only), so that a later burst on CPU hits
+        loads into their slots without stores in its way. Whether to call again soon: a batch
+        is on its way, or was just started."""
+        if self.tier.num_ahead_pending:
+            if not self.copier.ahead_stored():
+                return True
+            self.tier.ahead_stored()
+        batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.block_bytes)
+        # The next evicted 16 batches (2 GiB) at most: what a burst takes first, found within a
+        # bounded walk of the LRU (a pool of a small model holds millions of blocks).
+        if not self.block_manager.write_back_ahead(batch, 16 * batch):
+            return False
+        self.executor.copy_kv(self.block_manager.take_copies())
+        return True
+
+    def settle_loads(self) -> None:
+        """Wait for every load still landing (before a prefix-cache reset frees their slots),
+        when no request is left to wait for them."""
+        if self.tier.num_loading and not self.scheduler.has_unfinished:
+            self.scheduler.loads_landed(self.copier.landed_through(wait=True))
