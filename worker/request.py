@@ -114,7 +114,7 @@ class Request:
             prompt_token_ids=prompt,
             max_prompt_token_id=max_id,
             params=msg.params,
-            block_hashes=[BlockHash(h) for h in msg.block_hashes],
+            block_hashes=list(msg.block_hashes),  # BlockHash is bytes: a copy, no wrapping
             arrival_index=arrival_index,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
