@@ -25,13 +25,14 @@ kernel, whose variants the start-up warm-up compiles.
 Metadata comes in two forms; `forward` accepts either.
 
 1. `build_metadata(query_lens, starts, block_tables, slot_mapping, *, context_lens=None,
-   query_start_loc=None, host_block_tables=None, shared_prefix=None)` ->
+   query_start_loc=None, host_block_tables=None, shared_prefix=None, shared_prefix_len=None)` ->
    `TritonAttentionMetadata` for eager steps. block_tables int32 (int64 is cast), slot_mapping
    int64 with -1 for padded rows. Pass the int32 device tensors `context_lens` [B] (= starts +
    query_lens), `query_start_loc` [B + 1] and `shared_prefix` [1] when they are already
    staged; otherwise they are built here with one small host-to-device copy each. The shared
    prefix is found on `host_block_tables` (block tables on the CPU serve as their own);
-   without a host copy of device tables, never. `metadata_for(layout)` passes the views
+   without a host copy of device tables, never; `shared_prefix_len`, when the staging found it
+   already, is taken as it is. `metadata_for(layout)` passes the views and the length
    worker/step_inputs.py staged: the runner's way.
 
 2. `DecodeMetadata`, tensors only, for decode steps captured in a CUDA graph (`PrefillMetadata`
@@ -67,7 +68,7 @@ from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
 from spillway.kernels.utils import multiprocessor_count
 from spillway.worker.attention import AttentionBackend, AttentionMetadata
-from spillway.worker.shared_prefix import shared_prefix_len
+from spillway.worker.shared_prefix import shared_prefix_len as find_shared_prefix
 from spillway.worker.step_inputs import StepLayout
 
 
@@ -150,11 +151,13 @@ class TritonAttentionBackend(AttentionBackend):
         query_start_loc: torch.Tensor | None = None,
         host_block_tables: np.ndarray | torch.Tensor | None = None,
         shared_prefix: torch.Tensor | None = None,
+        shared_prefix_len: int | None = None,
     ) -> TritonAttentionMetadata:
         """`context_lens` int32 [B] (starts + query_lens) and `query_start_loc` int32 [B + 1],
         when the runner already has them on the device, save building and copying them here;
         `host_block_tables`, a host copy of block_tables, lets a shared prefix be found, and
-        `shared_prefix`, int32 [1] on the device, holds its length when it was staged."""
+        `shared_prefix`, int32 [1] on the device, holds its length when it was staged
+        (`shared_prefix_len`, found by the staging: not looked for again)."""
         assert query_lens and all(n > 0 for n in query_lens), "every sequence needs at least one new token"
         device = slot_mapping.device
         row_starts = [0, *itertools.accumulate(query_lens)]
@@ -165,7 +168,9 @@ class TritonAttentionBackend(AttentionBackend):
         num_seqs = len(query_lens)
         if host_block_tables is None and block_tables.device.type == "cpu":
             host_block_tables = block_tables
-        shared = 0 if host_block_tables is None else shared_prefix_len(starts, host_block_tables, self.block_size)
+        shared = shared_prefix_len
+        if shared is None:
+            shared = 0 if host_block_tables is None else find_shared_prefix(starts, host_block_tables, self.block_size)
         if not shared and query_len <= self.max_decode_query_len and all(n == query_len for n in query_lens):
             if context_lens is None:
                 context_lens = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
@@ -188,7 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
         host-to-device copy: nothing is built or copied again."""
         return self.build_metadata(layout.query_lens, layout.starts, layout.block_tables, layout.slot_mapping,
                                    context_lens=layout.context_lens, query_start_loc=layout.query_start_loc,
-                                   host_block_tables=layout.host_block_tables, shared_prefix=layout.shared_prefix)
+                                   shared_prefix=layout.shared_prefix, shared_prefix_len=layout.shared_prefix_len)
 
     def forward(
         self,

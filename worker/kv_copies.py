@@ -210,7 +210,8 @@ class KVCopier:
         events = self._load_events
         while events and (wait or events[0][1].query()):
             batch, event = events.popleft()
-            event.synchronize()
+            if wait:
+                event.synchronize()
             self._landed_through = max(self._landed_through, batch)
         if not events:
             self._last_loads = None  # nothing in flight: a reused slot need not wait
