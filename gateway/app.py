@@ -26,6 +26,7 @@ from spillway.gateway import openai as api
 from spillway.gateway.chat_messages import ChatRender, template_messages
 from spillway.gateway.guards import ApiKeyMiddleware, check_json_body, check_json_values
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S, EngineClient, EngineOverloaded, EngineUnavailable
+from spillway.gateway.intake_turns import IntakeTurns
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from spillway.gateway.info_routes import models, openapi_endpoint, version_endpoint
@@ -99,6 +100,7 @@ class Gateway:
                                max_sequences=settings.max_pending)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
+        self.intake = IntakeTurns()  # one request body's decode and Job per loop iteration
 
     def run(self, job) -> GenerationResponse:
         generation = Generation(job, self.client, self.tokenizer, self.block_hashes, self.markers)
@@ -216,6 +218,9 @@ async def _read_body(request: Request) -> bytes:
         if size > limit:
             raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    # From here to the request's send to the worker, the handler runs without awaiting: one
+    # such intake per loop iteration, so a burst of long prompts does not hold back streams.
+    await _gateway(request).intake.take()
     body = b"".join(chunks)
     check_json_values(body)
     return body

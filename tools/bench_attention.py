@@ -6,6 +6,7 @@ setting beside the others in the same run and against the read bandwidth measure
     python tools/bench_attention.py --extend 32x4128,64x4160,32x32800   # prefill kernel, key splits
 
     python tools/bench_attention.py --convoy                # 50x4@10000: cascade vs prefill kernel
+    python tools/bench_attention.py --convoy --tune         # cascade's tiles, warps, stages, splits
 
 `--extend NEWxCONTEXT`: the prefill kernel on one sequence's NEW tokens after a cached prefix
 (CONTEXT tokens in all), bf16 cache, with 1, 2, 4, 8 and 16 key splits against 1.
@@ -79,13 +80,15 @@ def main() -> None:
     parser.add_argument("--extend", type=parse_shapes, help="comma-separated NEWxCONTEXT: the prefill kernel")
     parser.add_argument("--convoy", type=parse_convoy, nargs="?", const=parse_convoy("50x4@10000"),
                         help="SEQSxNEW@PREFIX (default 50x4@10000): cascade attention vs the prefill kernel")
+    parser.add_argument("--tune", action="store_true", help="with --convoy: sweep cascade attention's tiles, "
+                        "warps, stages and splits against its defaults")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU")
     if args.convoy:
-        from tools.bench_convoy import bench_convoy
+        from tools.bench_convoy import bench_convoy, tune_convoy
 
-        bench_convoy(*args.convoy)
+        (tune_convoy if args.tune else bench_convoy)(*args.convoy)
         return
     if args.extend:
         bench_extend(args.extend)

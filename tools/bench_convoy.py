@@ -125,3 +125,46 @@ def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
         baseline_us = baseline_us or us
         megabytes = kv_bytes(convoy, label.startswith("cascade")) / 1e6
         print(f"{label:>27} {us:9.1f} {megabytes:11.1f} {error:11.2e} {baseline_us / us:15.2f}x")
+
+
+def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
+    """Cascade attention's tile rows, warps, pipeline stages and key splits on one convoy, each
+    against the launch's defaults (the first line) in the same run; outputs checked against the
+    prefill kernel's."""
+    from spillway.kernels.cascade_attention import _launch
+    from tools.bench_ceilings import bench_ms, machine
+
+    c = convoy_inputs(seqs, new, prefix_len)
+    rows, num_heads, head_dim = c.q.shape
+    num_kv_heads = c.kv_cache.shape[4]
+    heads = (num_kv_heads, num_heads // num_kv_heads, head_dim)
+    arguments = (c.q, c.kv_cache, 0, c.query_start_loc, c.seq_lens, c.block_tables, head_dim ** -0.5, c.new)
+    reference = paged_prefill_attention(*arguments).float()
+    prefix = torch.tensor([c.prefix_len], dtype=torch.int32, device=c.q.device)
+    default_splits = cascade_num_splits(rows, *heads, c.prefix_len, multiprocessor_count(c.q.device))
+    flops = 4 * rows * num_heads * prefix_len * head_dim
+    print(f"{machine()}; {seqs} x {new} new tokens on a {prefix_len}-token prefix, one layer, Qwen3-8B heads; "
+          f"prefix pass {flops / 1e9:.1f} GFLOP, prefix KV {kv_bytes(c, True) / 1e6:.1f} MB")
+    print(f"{'rows':>5} {'warps':>5} {'stages':>6} {'splits':>6} {'us':>8} {'TFLOP/s':>8} {'rel err':>9} "
+          f"{'vs default':>10}")
+    baseline_us = None
+    configs = [(64, 4, 2, default_splits)] + [
+        (prefix_rows, warps, stages, splits)
+        for prefix_rows in (64, 128, 256) for warps in (4, 8) for stages in (2, 3, 4)
+        for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 8})]
+    for prefix_rows, warps, stages, splits in configs:
+        out = torch.empty_like(c.q)
+
+        def launch():
+            return _launch(*arguments, prefix, splits, out, prefix_rows=prefix_rows, num_warps=warps,
+                           num_stages=stages)
+        try:
+            error = float((launch().float() - reference).norm() / reference.norm())
+            us = 1e3 * bench_ms(launch, warmup=20, rep=100)
+        except Exception as exc:  # a tile too large for the SM's resources: say so and go on
+            print(f"{prefix_rows:>5} {warps:>5} {stages:>6} {splits:>6}  failed: {type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0][:80]}")
+            continue
+        baseline_us = baseline_us or us
+        print(f"{prefix_rows:>5} {warps:>5} {stages:>6} {splits:>6} {us:8.1f} {flops / us / 1e6:8.1f} "
+              f"{error:9.2e} {baseline_us / us:9.2f}x", flush=True)

@@ -42,7 +42,7 @@ MODEL = "smollm2-135m"
 SERVED_NAME = "bench"
 
 
-def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_path: str) -> None:
+def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_path: str, hold_s: float) -> None:
     """The child: the app of `spillway serve` on `port`, its worker the fake one."""
     sys.path.insert(0, str(ROOT / "tests" / "gateway"))
     import uvicorn
@@ -58,7 +58,8 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_pat
     settings = ServerSettings(worker=config, served_model_names=[SERVED_NAME], max_pending=4 * max_num_seqs)
     if hasattr(settings, "freeze_startup_objects"):  # as `spillway serve` sets it (a baseline tree may lack it)
         settings.freeze_startup_objects = True
-    app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s, arrivals_path=arrivals_path))
+    app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s, arrivals_path=arrivals_path,
+                                                                 hold_s=hold_s))
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning")
 
 
@@ -82,7 +83,7 @@ def start_gateway(tree: Path | None, folder: Path, args, arrivals: Path) -> tupl
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--folder", str(folder),
                               "--step-ms", str(args.step_ms), "--streams", str(args.streams),
-                              "--arrivals", str(arrivals)], env=env)
+                              "--arrivals", str(arrivals), "--hold-ms", str(args.hold_ms)], env=env)
     url = f"http://127.0.0.1:{port}"
     import httpx
 
@@ -119,7 +120,7 @@ def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all
     try:
         asyncio.run(client(url, prompts[:2], 4, SERVED_NAME))  # warm-up
         gateway_cpu = client_cpu = wall = 0.0
-        timings, spreads, slowest_ttft = [], [], []
+        timings, spreads, slowest_ttft, median_ttft, alone_ttft = [], [], [], [], []
         for _ in range(args.bursts):
             seen = len(read_arrivals(arrivals))
             gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
@@ -131,6 +132,9 @@ def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all
             arrived = read_arrivals(arrivals)[seen:]
             spreads.append(max(arrived) - min(arrived))
             slowest_ttft.append(max(t.ttft for t in burst))
+            median_ttft.append(statistics.median(t.ttft for t in burst))
+            if args.hold_ms:  # one request alone on the idle fake worker, held the same
+                alone_ttft.append(asyncio.run(client(url, prompts[:1], args.output_len, SERVED_NAME))[0][0].ttft)
     finally:
         child.terminate()
         child.wait(20)
@@ -143,13 +147,19 @@ def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all
               "gateway_us_per_request": gateway_cpu / len(timings) * 1e6,
               "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall,
               "arrival_spread_ms": statistics.median(spreads) * 1e3,
-              "slowest_ttft_ms": statistics.median(slowest_ttft) * 1e3}
+              "slowest_ttft_ms": statistics.median(slowest_ttft) * 1e3,
+              "median_ttft_ms": statistics.median(median_ttft) * 1e3}
+    held = ""
+    if alone_ttft:
+        result["alone_ttft_ms"] = statistics.median(alone_ttft) * 1e3
+        held = (f", first token p50 {result['median_ttft_ms']:.1f} ms against {result['alone_ttft_ms']:.1f} alone "
+                f"(alone/burst {result['alone_ttft_ms'] / result['median_ttft_ms']:.3f})")
     print(f"{label:>10}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
           f"{engine_rate:,.0f}), gateway {result['gateway_cores']:.2f} cores = "
           f"{result['gateway_us_per_token']:.1f} us/token = {result['gateway_us_per_request']:.0f} us/request, "
           f"client {result['client_cores']:.2f} cores, {result['tokens_per_event']:.2f} tokens/event, "
           f"{wall:.1f} s; per burst: arrivals over {result['arrival_spread_ms']:.1f} ms, "
-          f"slowest first token {result['slowest_ttft_ms']:.1f} ms", flush=True)
+          f"slowest first token {result['slowest_ttft_ms']:.1f} ms{held}", flush=True)
     return result
 
 
@@ -170,6 +180,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")
     parser.add_argument("--bursts", type=int, default=1, help="the streams sent at once this many times per run, "
                         "one after another (short bursts are too brief for the CPU clock's 10 ms ticks)")
+    parser.add_argument("--hold-ms", type=float, default=0.0,
+                        help="the fake worker holds a burst's first step this long after its first arrival (a "
+                        "shared prefix loading from the CPU tier); adds a lone request per burst, held the same, "
+                        "and the ratio of its first token to the burst's median")
     parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
     parser.add_argument("--results", type=Path, help="append each run as a JSON line")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
@@ -179,7 +193,7 @@ def main() -> int:
     if args.bursts < 1:
         parser.error("--bursts must be at least 1")
     if args.serve is not None:
-        serve(args.serve, args.folder, args.step_ms / 1e3, args.streams, args.arrivals)
+        serve(args.serve, args.folder, args.step_ms / 1e3, args.streams, args.arrivals, args.hold_ms / 1e3)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         folder = build_model_folder(MODEL, args.tokenizer_dir or default_tokenizer_dir(), Path(tmp))

@@ -172,6 +172,11 @@ class Engine:
         return (self._in_flight is None and plan is not None and not plan.chunks
                 and self.scheduler.num_awaiting_load > 0)
 
+    def awaited_load_landed(self) -> bool:
+        """While `waits_for_loads`: whether a load some request waits for has landed, so the
+        next step computes (the busy loop stops taking arrivals in to run it)."""
+        return self.tier is not None and self.tier.awaited_load_landed()
+
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:

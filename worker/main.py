@@ -54,8 +54,8 @@ IDLE_POLL_MS = 1000
 DRAIN_BUDGET_S = 0.002
 # The same while nothing can compute before loads from the CPU tier land: the arrivals of a
 # burst on one long prefix (~0.3-0.5 ms each) are taken ten times as long, so that they meet
-# the landing in one step instead of a few each every 2 ms; the landing is still seen
-# within 20 ms.
+# the landing in one step instead of a few each every 2 ms. A landing ends the intake at
+# once (an event query per message), so the step it allows is not held back.
 LANDING_DRAIN_BUDGET_S = 0.02
 # With nothing to compute until a load from the CPU tier lands (a 10k-token prefix takes
 # ~27 ms), the inbox is polled this long between checks of the device, not in a spin.
@@ -109,15 +109,16 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
 
 
 def take_messages(poller: zmq.Poller, sock: zmq.Socket, timeout_ms: int, busy: Callable[[], bool],
-                  budget_s: float = DRAIN_BUDGET_S) -> Iterator[bytes]:
+                  budget_s: float = DRAIN_BUDGET_S, ready: Callable[[], bool] | None = None) -> Iterator[bytes]:
     """The messages waiting on `sock`, the first awaited up to `timeout_ms`; while `busy()`,
-    only those taken within `budget_s` (the rest stay queued for the next iteration)."""
+    only those taken within `budget_s` and, with `ready`, before `ready()` says a step has
+    work (the rest stay queued for the next iteration)."""
     deadline = None
     while poller.poll(timeout_ms):
         timeout_ms = 0
         now = time.perf_counter()
         deadline = deadline or now + budget_s
-        if now > deadline and busy():
+        if (now > deadline or (ready is not None and ready())) and busy():
             return
         yield sock.recv()
 
@@ -143,8 +144,10 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             timeout = LANDING_POLL_MS if engine.idle_write_back() else IDLE_POLL_MS
         else:
             timeout = LANDING_POLL_MS if engine.waits_for_loads else 0
-        budget = LANDING_DRAIN_BUDGET_S if engine.waits_for_loads else DRAIN_BUDGET_S
-        for data in take_messages(poller, inp, timeout, lambda: engine.has_work, budget):
+        landing = engine.waits_for_loads
+        budget = LANDING_DRAIN_BUDGET_S if landing else DRAIN_BUDGET_S
+        ready = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
+        for data in take_messages(poller, inp, timeout, lambda: engine.has_work, budget, ready):
             try:
                 msg = dec.decode(data)
             except msgspec.DecodeError as exc:

@@ -131,6 +131,11 @@ class Scheduler(StepCommits):
         """Running requests admitted on prefix blocks whose load has not landed yet."""
         return len(self._awaiting_load)
 
+    @property
+    def first_awaited_load(self) -> int | None:
+        """The earliest load batch a running request waits for (None: none waits)."""
+        return min(self._awaiting_load.values(), default=None)
+
     def request_ids(self) -> list[str]:
         """Every unfinished request's id, waiting or running."""
         return list(self._requests)

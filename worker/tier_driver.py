@@ -47,6 +47,12 @@ class TierDriver:
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
             self.tier.ahead_stored()
 
+    def awaited_load_landed(self) -> bool:
+        """Whether a load batch some request waits for has landed since the last step (an event
+        query): that request can compute in the next one."""
+        awaited = self.scheduler.first_awaited_load
+        return awaited is not None and self.copier.landed_through() >= awaited
+
     def idle_write_back(self) -> bool:
         """With no request to run: give cached GPU blocks without a CPU copy one, a batch at a
         time (the GPU LRU's head first, free CPU slots only), so that a later burst on CPU hits

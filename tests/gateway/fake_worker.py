@@ -4,7 +4,10 @@ sockets, but "generates" by replaying a fixed token sequence, one token per step
 Its KV usage is one block per running request, so tests can see usage return to zero. Steps
 start `step_s` apart while requests run (a message arriving ends the wait early, as a real
 worker's poll does), so it also stands in for an engine of a known rate: every running request
-gets one token per step (tools/bench_gateway.py drives the gateway alone with it).
+gets one token per step (tools/bench_gateway.py drives the gateway alone with it). With
+`hold_s`, a request that arrives at an idle worker starts a hold: no step runs until `hold_s`
+after it, and whatever arrives meanwhile joins the first step (a shared prefix being loaded
+from the CPU tier, as the convoy row of tools/bench_tier.py has it).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ NUM_BLOCKS = 64
 
 def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
                      eos_token_id: int, vocab_size: int, worker_key: bytes | None = None,
-                     arrivals_path: str | None = None) -> None:
+                     arrivals_path: str | None = None, hold_s: float = 0.0) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
     ctx = zmq.Context()
     # The real worker's sockets, CURVE clients when given the link's secret.
@@ -67,11 +70,13 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     step = 0
     last_stats = 0.0
     last_step = time.monotonic()
+    hold_until = 0.0
     while True:
         pending: list[RequestDelta] = []
         want_stats = False
         # Paced from the last step's start, so the rate does not depend on the step's own work.
-        timeout = max(0.0, last_step + step_s - time.monotonic()) * 1000 if running else 1000
+        next_step = max(last_step + step_s, hold_until)
+        timeout = max(0.0, next_step - time.monotonic()) * 1000 if running else 1000
         while inp.poll(timeout):
             timeout = 0
             match dec.decode(inp.recv()):
@@ -84,6 +89,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                     queries += len(unpack_token_ids(msg.prompt_token_ids))
                     hits += cached
                     seen_hashes.update(msg.block_hashes)
+                    if not running:
+                        hold_until = time.monotonic() + hold_s
                     running[msg.request_id] = (msg, cached, 0)
                     received[msg.request_id] = time.monotonic()
                     if arrivals is not None:
@@ -105,9 +112,11 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                     want_stats = checked = True  # as the real worker: this report says the check held
                 case Control():
                     want_stats = True
-        was_busy = bool(running)
-        last_step = time.monotonic()
-        for rid, (msg, cached, produced) in list(running.items()):
+        held = time.monotonic() < hold_until  # nothing steps before the hold ends
+        was_busy = bool(running) and not held
+        if was_busy:
+            last_step = time.monotonic()
+        for rid, (msg, cached, produced) in list(running.items()) if was_busy else ():
             token = script[produced % len(script)]
             produced += 1
             done = produced >= msg.params.max_tokens
@@ -150,9 +159,10 @@ class FakeWorkerProcess(WorkerProcess):
     """WorkerProcess's start, sockets and handshake, with this file's fake loop as the program."""
 
     def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
-                 eos_token_id: int = 2, vocab_size: int = 49152, arrivals_path: str | None = None) -> None:
+                 eos_token_id: int = 2, vocab_size: int = 49152, arrivals_path: str | None = None,
+                 hold_s: float = 0.0) -> None:
         fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size,
-                           "arrivals_path": arrivals_path})
+                           "arrivals_path": arrivals_path, "hold_s": hold_s})
         super().__init__(config, command=[sys.executable, __file__, fake])
 
 

@@ -195,3 +195,20 @@ def test_an_idle_engine_writes_its_cached_blocks_back_so_a_later_hit_loads_witho
     tokens, cached = run(engine, "again", turn_1, GREEDY)
     assert (tokens, cached) == (expected, 16 * 1)  # block 2 holds the last token: recomputed
     manager.check_invariants()
+
+
+def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
+    """A turn whose history is only in the tier waits for its load; the engine says when that
+    load has landed (on the CPU the copies ran when queued), which ends the worker's intake."""
+    engine = engine_for(model_dir, num_cpu_blocks=8)
+    assert not engine.awaited_load_landed()  # nobody waits
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    tokens, _ = run(engine, "turn-1", turn_1, GREEDY)
+    run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], GREEDY)
+    assert engine.add_request(Generate(request_id="turn-2", prompt_token_ids=turn_1 + tokens + [3, 1, 4],
+                                       block_hashes=[], params=GREEDY)) is None
+    engine.step()  # plans the load of turn 1's two blocks; nothing computes yet
+    assert engine.scheduler.num_awaiting_load == 1 and engine.waits_for_loads
+    assert engine.awaited_load_landed()
+    engine.step()  # hears of the landing, computes the turn
+    assert engine.scheduler.num_awaiting_load == 0 and not engine.awaited_load_landed()

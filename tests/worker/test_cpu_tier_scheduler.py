@@ -219,11 +219,14 @@ def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
     plan_b, _ = harness.step()
     assert plan.kv_copies.load_batch == 1 and plan_b.kv_copies.load_batch == 2
     assert harness.scheduler.num_awaiting_load == 2
+    assert harness.scheduler.first_awaited_load == 1  # what the busy loop asks the copier about
     harness._apply_loads(1)  # batch 1 landed; the engine hears of it
     harness.scheduler.loads_landed(1)
+    assert harness.scheduler.first_awaited_load == 2
     plan, _ = harness.step()
     assert [chunk.request.request_id for chunk in plan.chunks] == ["a-2"]
     assert harness.scheduler.num_awaiting_load == 1
     harness.hold_loads = False
     harness.run()
     assert harness.cached["a-2"] == harness.cached["b-2"] == 8
+    assert harness.scheduler.first_awaited_load is None

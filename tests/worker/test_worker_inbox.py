@@ -25,3 +25,31 @@ def test_a_busy_worker_takes_a_burst_in_slices_and_an_idle_one_takes_it_all():
         assert list(take_messages(poller, pull, 0, lambda: False)) == []  # nothing waiting, no wait
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_landing_ends_the_intake_before_the_budget_does():
+    """While nothing computes before a load lands, the inbox is taken for a long budget, but
+    once `ready()` says a load landed the step runs: the rest waits for the next iteration."""
+    ctx = zmq.Context()
+    try:
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        pull.bind("inproc://landing")
+        push.connect("inproc://landing")
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        for i in range(10):
+            push.send(b"%d" % i)
+        taken = []
+        landed_after = 3  # the load lands once three messages are in
+
+        def ready() -> bool:
+            return len(taken) >= landed_after
+
+        for data in take_messages(poller, pull, 1000, lambda: True, budget_s=60.0, ready=ready):
+            taken.append(data)
+        assert taken == [b"0", b"1", b"2"]
+        # The next iteration takes the rest, in order; an idle worker ignores `ready`.
+        assert list(take_messages(poller, pull, 1000, lambda: False, budget_s=60.0, ready=lambda: True)) == \
+            [b"%d" % i for i in range(3, 10)]
+    finally:
+        ctx.destroy(linger=0)
