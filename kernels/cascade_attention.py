@@ -40,6 +40,12 @@ from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arg
 from spillway.kernels.utils import check, check_tensor, for_device, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
+# The prefix pass's query rows per program and the waves of programs its key splits aim for:
+# on an H200, 50 sequences x 4 new tokens on a 10k-token prefix (Qwen3-8B heads) took
+# 139.3 us with 128 rows and 8 splits against 184.8 us with 64 rows and 3 splits
+# (`tools/bench_attention.py --convoy --tune`, docs/performance.md).
+PREFIX_ROWS = 128
+SPLIT_WAVES = 3
 
 
 @triton.jit
@@ -159,13 +165,13 @@ def _suffix_kernel(
 def cascade_num_splits(num_rows: int, num_kv_heads: int, group: int, head_dim: int, prefix_len: int,
                        num_sms: int) -> int:
     """Key splits of the prefix: enough (row tile, KV head, split) programs to fill the
-    multiprocessors about twice, each split at least MIN_SPLIT keys, at most 16. Every split
+    multiprocessors about SPLIT_WAVES times, each split at least MIN_SPLIT keys, at most 16. Every split
     adds a partial per row and head to write and read back, so no more than that. A CUDA
     graph passes the longest prefix it may meet (its block tables' reach) and `num_rows` its
     bucket's: fixed by its shapes."""
-    block_q = prefill_tile_sizes(group, head_dim)[0]
+    block_q = prefill_tile_sizes(group, head_dim, PREFIX_ROWS)[0]
     programs = max(1, -(-num_rows // block_q) * num_kv_heads)
-    return max(1, min(-(-2 * num_sms // programs), prefix_len // MIN_SPLIT, 16))
+    return max(1, min(-(-SPLIT_WAVES * num_sms // programs), prefix_len // MIN_SPLIT, 16))
 
 
 def cascade_attention(
@@ -198,7 +204,7 @@ def cascade_attention(
 
 
 def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-            num_splits, out, prefix_rows=64, rows=64, num_warps=4, num_stages=2) -> torch.Tensor:
+            num_splits, out, prefix_rows=PREFIX_ROWS, rows=64, num_warps=4, num_stages=2) -> torch.Tensor:
     """Both passes on checked arguments; tile sizes and warps are open for tuning runs."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]

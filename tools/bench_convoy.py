@@ -131,7 +131,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     """Cascade attention's tile rows, warps, pipeline stages and key splits on one convoy, each
     against the launch's defaults (the first line) in the same run; outputs checked against the
     prefill kernel's."""
-    from spillway.kernels.cascade_attention import _launch
+    from spillway.kernels.cascade_attention import PREFIX_ROWS, _launch
     from tools.bench_ceilings import bench_ms, machine
 
     c = convoy_inputs(seqs, new, prefix_len)
@@ -148,7 +148,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     print(f"{'rows':>5} {'warps':>5} {'stages':>6} {'splits':>6} {'us':>8} {'TFLOP/s':>8} {'rel err':>9} "
           f"{'vs default':>10}")
     baseline_us = None
-    configs = [(64, 4, 2, default_splits)] + [
+    configs = [(PREFIX_ROWS, 4, 2, default_splits)] + [
         (prefix_rows, warps, stages, splits)
         for prefix_rows in (64, 128, 256) for warps in (4, 8) for stages in (2, 3, 4)
         for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 8})]
