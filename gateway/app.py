@@ -100,7 +100,8 @@ class Gateway:
                                max_sequences=settings.max_pending)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
-        self.intake = IntakeTurns()  # one request body's decode and Job per loop iteration
+        # A bounded share of a burst's intakes per loop iteration, larger with more streams.
+        self.intake = IntakeTurns(num_streams=lambda: client.num_in_flight)
 
     def run(self, job) -> GenerationResponse:
         generation = Generation(job, self.client, self.tokenizer, self.block_hashes, self.markers)
@@ -218,9 +219,9 @@ async def _read_body(request: Request) -> bytes:
         if size > limit:
             raise api.ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    # From here to the request's send to the worker, the handler runs without awaiting: one
-    # such intake per loop iteration, so a burst of long prompts does not hold back streams.
-    await _gateway(request).intake.take()
+    # From here to the request's send to the worker, the handler runs without awaiting: a
+    # loop iteration runs a bounded share of a burst's intakes, so streams keep flowing.
+    await _gateway(request).intake.take(size)
     body = b"".join(chunks)
     check_json_values(body)
     return body
