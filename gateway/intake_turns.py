@@ -19,9 +19,10 @@ writes every stream that has tokens (~30 us each), so a window of STREAM_BYTES p
 (~30 us of intake) keeps about half the loop for the burst. 256 streams: ~130 short requests a
 window, a burst of them in two; a few dozen: one 10k-id prompt (~1 ms) a window.
 
-    iteration   k                  k+1                            k+2
-    runs        intake A; B, C     the worker's tokens read and   intake C (B's
-                wait (58 KB each)  streams written; intake B      turn is over)
+    iteration   k               k+1                         k+2
+    runs        intake A        sockets polled: the         streams written,
+                (B, C: 58 KB    worker's tokens read;       intake B
+                each, wait)     B let go                    (C waits)
 """
 
 from __future__ import annotations
