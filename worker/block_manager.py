@@ -198,6 +198,8 @@ class BlockManager:
             for block in on_cpu:
                 block.gpu_slot, block.ref_count = self._take_gpu_slot(), 1
                 self.tier.load(block, block.gpu_slot)
+            if on_cpu:
+                self.tier.close_load_batch()  # this request's loads land as one batch
             table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
             block = self._new_block()

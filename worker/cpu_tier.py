@@ -49,13 +49,15 @@ class CpuTier:
         # By block id: CPU copies a load taken with an earlier step's copies may still read,
         # out of the LRU until it lands, so that no store overwrites them meanwhile.
         self._held: dict[int, Block] = {}
-        # Block id -> the load batch (`KVCopies.load_batch`) bringing it in, for the blocks
-        # whose load is in this step's copies (the next batch) or in copies taken whose loads
-        # have not landed yet (`landed` drops those): their requests compute once it has.
+        # Block id -> the load batch (`KVCopies.load_batch_ends`) bringing it in, for the
+        # blocks whose load is in this step's copies or in copies taken whose loads have not
+        # landed yet (`landed` drops those): their requests compute once it has.
         self._loading: dict[int, int] = {}
-        self._num_load_batches = 0  # load batches taken so far
+        self._num_load_batches = 0  # load batches numbered so far (closed)
+        self._taken_through = 0  # the last batch taken with a step's copies
         self._batch_ids: deque[tuple[int, list[int]]] = deque()  # taken batches not landed, in order
-        self._batch_planned: list[int] = []  # this step's loading block ids
+        self._batch_planned: list[int] = []  # the open batch's loading block ids
+        self._step_batches: list[tuple[int, list[int], int]] = []  # closed, not taken: (batch, ids, end)
         self._wait_for_loads = False
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
@@ -162,6 +164,14 @@ class CpuTier:
         self._batch_planned.append(block.block_id)
         self.num_loaded += 1
 
+    def close_load_batch(self) -> None:
+        """The loads planned since the last close are one batch (one request's): they land,
+        and their request computes, without waiting for the batches planned after them."""
+        if self._batch_planned:
+            self._num_load_batches += 1
+            self._step_batches.append((self._num_load_batches, self._batch_planned, len(self._loads)))
+            self._batch_planned = []
+
     @property
     def num_loading(self) -> int:
         """Blocks whose load is planned or on its way."""
@@ -177,7 +187,7 @@ class CpuTier:
         """The load batches up to `through` (every batch taken so far when None) have landed
         on the GPU (one stream: they land in order)."""
         if through is None:
-            through = self._num_load_batches
+            through = self._taken_through
         while self._batch_ids and self._batch_ids[0][0] <= through:
             batch, block_ids = self._batch_ids.popleft()
             for block_id in block_ids:
@@ -199,14 +209,17 @@ class CpuTier:
         self._pinned.clear()
         if not (self._stores or self._loads or self._ahead or self._wait_for_ahead or self._wait_for_loads):
             return NO_KV_COPIES
-        batch = 0
-        if self._loads:
-            batch = self._num_load_batches = self._num_load_batches + 1
-            self._batch_ids.append((batch, self._batch_planned))
-            self._batch_planned = []
+        self.close_load_batch()
+        for batch, block_ids, _ in self._step_batches:
+            self._batch_ids.append((batch, block_ids))
+        ends = tuple((batch, end) for batch, _, end in self._step_batches)
+        self._step_batches = []
+        if ends:
+            self._taken_through = ends[-1][0]
         copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads),
                           ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead,
-                          load_batch=batch, wait_for_loads=self._wait_for_loads)
+                          load_batch=ends[-1][0] if ends else 0, load_batch_ends=ends,
+                          wait_for_loads=self._wait_for_loads)
         if self._wait_for_ahead:
             self._ahead_pending.clear()  # this step waits for all of them
         self._ahead_pending.update(self._ahead_ids)

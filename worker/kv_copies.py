@@ -174,10 +174,12 @@ class KVCopier:
         if copies.ahead_to_cpu:
             self._ahead_stored = self._queue(self.store_stream, compute, None, self.gpu_pool,
                                              self.cpu_pool, copies.ahead_to_cpu, self._store_timings)
-        if copies.cpu_to_gpu:
-            self._last_loads = self._queue(self.load_stream, compute, stored if _overlap(copies) else None,
-                                           self.cpu_pool, self.gpu_pool, copies.cpu_to_gpu, self._load_timings)
-            self._load_events.append((copies.load_batch, self._last_loads))
+        start, after = 0, stored if _overlap(copies) else None
+        for batch, end in copies.load_batches():  # an event per batch: each request's loads land on their own
+            self._last_loads = self._queue(self.load_stream, compute, after, self.cpu_pool, self.gpu_pool,
+                                           copies.cpu_to_gpu[start:end], self._load_timings)
+            self._load_events.append((batch, self._last_loads))
+            start, after = end, None
         if stored is not None:
             compute.wait_event(stored)
 

@@ -40,17 +40,27 @@ class KVCopies:
     which nothing waits for until a later step reuses one of their GPU slots; that step's
     `wait_for_ahead` is then set, and its forward and loads wait for every ahead store.
 
-    `load_batch`: the number of this step's loads (1, 2, ... in the order steps take them; 0
-    without loads): what the device reports as landed, and what a request admitted on them
-    waits for. No forward waits for loads, except one of a step that reuses the GPU slot of
-    a block whose load may still run (`wait_for_loads`: it waits for every load queued)."""
+    Loads come in batches, one per request admitted on CPU-tier hits (numbered 1, 2, ... in
+    the order they are planned): `load_batch_ends` holds each of the step's batches as
+    (number, end of its pairs in `cpu_to_gpu`), `load_batch` the last one's number (0 without
+    loads). A batch is what the device reports as landed, and what its request waits for, so
+    a request computes once its own blocks are in, not those of requests admitted with it.
+    No forward waits for loads, except one of a step that reuses the GPU slot of a block
+    whose load may still run (`wait_for_loads`: it waits for every load queued)."""
 
     gpu_to_cpu: tuple[tuple[int, int], ...] = ()
     cpu_to_gpu: tuple[tuple[int, int], ...] = ()
     ahead_to_cpu: tuple[tuple[int, int], ...] = ()
     wait_for_ahead: bool = False
     load_batch: int = 0
+    load_batch_ends: tuple[tuple[int, int], ...] = ()
     wait_for_loads: bool = False
+
+    def load_batches(self) -> tuple[tuple[int, int], ...]:
+        """(number, end) of each load batch; loads given without batches are one, `load_batch`."""
+        if self.load_batch_ends or not self.cpu_to_gpu:
+            return self.load_batch_ends
+        return ((self.load_batch, len(self.cpu_to_gpu)),)
 
 
 NO_KV_COPIES = KVCopies()

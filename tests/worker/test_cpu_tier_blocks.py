@@ -51,7 +51,7 @@ def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
     assert manager.awaited_load_batch("d") == 1
     manager.check_invariants()
     # a2 was stored to CPU slot 1, a3 to CPU slot 0: one load each.
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)), load_batch=1)
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)), load_batch=1, load_batch_ends=((1, 2),))
     assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 1  # on their way
     manager.tier.landed(0)
     assert manager.awaited_load_batch("c") == 1
@@ -128,7 +128,7 @@ def test_cpu_hits_are_pinned_from_lookup_until_their_load_is_planned():
     # Each load takes a GPU slot by evicting a b block, whose write-back would need a CPU slot:
     # the only ones hold the pinned hits, so the b blocks are dropped instead.
     assert manager.allocate("c", 8, hits)
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)), load_batch=1)
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)), load_batch=1, load_batch_ends=((1, 2),))
     assert manager.find_cached_prefix([h("b0")]) == []
     assert manager.num_cached_blocks == 2
     manager.check_invariants()

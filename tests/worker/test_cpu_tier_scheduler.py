@@ -230,3 +230,31 @@ def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
     harness.run()
     assert harness.cached["a-2"] == harness.cached["b-2"] == 8
     assert harness.scheduler.first_awaited_load is None
+
+
+def test_two_requests_admitted_in_one_step_load_in_batches_of_their_own():
+    """Two conversations' next turns arrive together: one step plans both histories' loads,
+    each request's as a batch of its own. The first batch lands while the second is still on
+    its way: the first turn computes alone, the second once its batch is in."""
+    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=32)
+    harness.add("a-1", TURN_1[:8], max_tokens=1)
+    harness.add("b-1", list(range(50, 58)), max_tokens=1)
+    harness.run()
+    harness.add("filler", FILLER, max_tokens=1)
+    harness.run()
+    harness.hold_loads = True
+    harness.add("a-2", TURN_1[:8] + [70, 71], max_tokens=2)
+    harness.add("b-2", list(range(50, 58)) + [80, 81], max_tokens=2)
+    plan, _ = harness.step()
+    copies = plan.kv_copies
+    assert not plan.chunks and len(copies.cpu_to_gpu) == 4  # two blocks each, none computes yet
+    assert copies.load_batch_ends == ((1, 2), (2, 4)) and copies.load_batch == 2
+    assert harness.scheduler.first_awaited_load == 1
+    harness._apply_loads(1)
+    harness.scheduler.loads_landed(1)
+    plan, _ = harness.step()
+    assert [chunk.request.request_id for chunk in plan.chunks] == ["a-2"]
+    harness.hold_loads = False
+    harness.run()
+    assert harness.cached["a-2"] == harness.cached["b-2"] == 8
+    assert len(harness.outputs["a-2"]) == len(harness.outputs["b-2"]) == 2

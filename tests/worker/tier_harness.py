@@ -3,8 +3,8 @@ two simulated KV pools that keep the timing of the CUDA path.
 
 Each step: the plan's stores run (GPU slot -> CPU slot), then every chunk reads its context
 from the GPU pool (each position must hold exactly its own (position, token)) and writes its
-tokens. The plan's loads (CPU slot -> GPU slot) land later: at the start of the next step
-(`land_delay` 0), or each batch a random 0..`land_delay` steps later, in order, with the
+tokens. The plan's loads (CPU slot -> GPU slot, a batch per request) land later: at the start
+of the next step (`land_delay` 0), or each batch a random 0..`land_delay` steps later, in order, with the
 scheduler told then (`loads_landed`), as the engine learns it from the device. Only a step
 with `wait_for_loads` (it reuses a GPU slot a load may still write) lands every load queued
 before it first; stores never wait for loads, so a store into a CPU slot that a load still
@@ -121,9 +121,13 @@ class TierHarness:
                 context = [self.gpu[(chunk.slot_table[pos // bs], pos % bs)][1] for pos in range(end)]
                 salt = request.params.seed or 0
                 sampled[request.request_id] = sum((i + 1) * t for i, t in enumerate(context)) * 31 % VOCAB + salt
-        if copies.cpu_to_gpu:
-            delay = self.rng.randint(0, self.land_delay)
-            self.in_flight.append((copies.load_batch, copies.cpu_to_gpu, self.num_steps + 1 + delay))
+        start = 0
+        for batch, end in copies.load_batches():  # one batch per request, landing in order
+            ready = self.num_steps + 1 + self.rng.randint(0, self.land_delay)
+            if self.in_flight:
+                ready = max(ready, self.in_flight[-1][2])
+            self.in_flight.append((batch, copies.cpu_to_gpu[start:end], ready))
+            start = end
         self._store_ahead()
         self.pending_ahead = copies.ahead_to_cpu
         results = self.scheduler.update(plan, sampled)
