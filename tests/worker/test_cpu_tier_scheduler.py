@@ -203,9 +203,9 @@ def test_the_random_workload_loads_from_the_tier_and_saves_compute():
     assert sum(sum(w.computed.values()) for w, _ in harnesses) < sum(sum(n.computed.values()) for _, n in harnesses)
 
 
-def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
-    """Two conversations' histories load in two steps' batches; the first batch lands while
-    the second is still on its way: the first request computes alone, the second after."""
+def two_histories_on_the_cpu() -> TierHarness:
+    """Two conversations' first turns (two blocks each), pushed out to the CPU tier by a
+    filler; loads land only when the test says so."""
     harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=32)
     harness.add("a-1", TURN_1[:8], max_tokens=1)
     harness.add("b-1", list(range(50, 58)), max_tokens=1)
@@ -213,6 +213,13 @@ def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
     harness.add("filler", FILLER, max_tokens=1)
     harness.run()
     harness.hold_loads = True
+    return harness
+
+
+def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():
+    """Two conversations' histories load in two steps' batches; the first batch lands while
+    the second is still on its way: the first request computes alone, the second after."""
+    harness = two_histories_on_the_cpu()
     harness.add("a-2", TURN_1[:8] + [70, 71], max_tokens=2)
     plan, _ = harness.step()
     harness.add("b-2", list(range(50, 58)) + [80, 81], max_tokens=2)
@@ -236,13 +243,7 @@ def test_two_requests_admitted_in_one_step_load_in_batches_of_their_own():
     """Two conversations' next turns arrive together: one step plans both histories' loads,
     each request's as a batch of its own. The first batch lands while the second is still on
     its way: the first turn computes alone, the second once its batch is in."""
-    harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=32)
-    harness.add("a-1", TURN_1[:8], max_tokens=1)
-    harness.add("b-1", list(range(50, 58)), max_tokens=1)
-    harness.run()
-    harness.add("filler", FILLER, max_tokens=1)
-    harness.run()
-    harness.hold_loads = True
+    harness = two_histories_on_the_cpu()
     harness.add("a-2", TURN_1[:8] + [70, 71], max_tokens=2)
     harness.add("b-2", list(range(50, 58)) + [80, 81], max_tokens=2)
     plan, _ = harness.step()
