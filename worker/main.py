@@ -146,8 +146,8 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             timeout = LANDING_POLL_MS if engine.waits_for_loads else 0
         landing = engine.waits_for_loads
         budget = LANDING_DRAIN_BUDGET_S if landing else DRAIN_BUDGET_S
-        ready = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
-        for data in take_messages(poller, inp, timeout, lambda: engine.has_work, budget, ready):
+        landed = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
+        for data in take_messages(poller, inp, timeout, lambda: engine.has_work, budget, landed):
             try:
                 msg = dec.decode(data)
             except msgspec.DecodeError as exc:
