@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -102,31 +103,40 @@ def measure_multiturn(folder: Path, vocab: int, flags: list[str], args) -> dict:
     conversations = [conversation_turns(rng, vocab, args.turns, args.user_len, args.reply_len, args.first_len)
                      for _ in range(args.conversations)]
     requests = round_robin(conversations)
-    results = {}
-    for label, extra in (("tier", ["--cpu-offload-gb", str(args.cpu_offload_gb)]), ("no tier", [])):
-        with Server(dummy_model_args(folder, flags + extra, SERVED_NAME), args.startup_timeout, args.server_log) as server:
-            warm = [[rng.randrange(256, vocab) for _ in range(args.user_len)] for _ in range(2)]
-            asyncio.run(run_bounded(server.url, [(0, p) for p in warm], 4, 1))
-            before = cpu_cached_tokens(server.url)
-            timed = asyncio.run(run_bounded(server.url, requests, args.output_len, args.concurrency))
-            results[label] = (timed, cpu_cached_tokens(server.url) - before)
+    results = {"tier": [], "no tier": []}  # a (timings, tokens from the CPU tier) per repeat
+    for _ in range(args.repeats):  # the two servers alternate
+        for label, extra in (("tier", ["--cpu-offload-gb", str(args.cpu_offload_gb)]), ("no tier", [])):
+            with Server(dummy_model_args(folder, flags + extra, SERVED_NAME), args.startup_timeout,
+                        args.server_log) as server:
+                warm = [[rng.randrange(256, vocab) for _ in range(args.user_len)] for _ in range(2)]
+                asyncio.run(run_bounded(server.url, [(0, p) for p in warm], 4, 1))
+                before = cpu_cached_tokens(server.url)
+                timed = asyncio.run(run_bounded(server.url, requests, args.output_len, args.concurrency))
+                results[label].append((timed, cpu_cached_tokens(server.url) - before))
     return results
 
 
 def report_multiturn(results: dict, args, rows: Rows) -> None:
-    def later_turns(label: str) -> list[StreamTiming]:
-        return [t for turn, t in results[label][0] if turn > 0]
+    """Each figure per repeat, then the median over the repeats (the runs in the note)."""
+    def later_turns(timed) -> list[StreamTiming]:
+        return [t for turn, t in timed if turn > 0]
 
-    ttft = {label: percentile([t.ttft for t in later_turns(label)], 50) * 1e3 for label in results}
-    itl = {label: percentile([g for _, t in results[label][0] for g in t.gaps], 99) * 1e3 for label in results}
-    cached = {label: sum(t.cached_tokens or 0 for t in later_turns(label)) for label in results}
-    prompt = sum(t.prompt_tokens or 0 for t in later_turns("tier"))
+    runs = {label: {"ttft": [percentile([t.ttft for t in later_turns(timed)], 50) * 1e3 for timed, _ in repeats],
+                    "itl": [percentile([g for _, t in timed for g in t.gaps], 99) * 1e3 for timed, _ in repeats]}
+            for label, repeats in results.items()}
+    ttft = {label: statistics.median(figures["ttft"]) for label, figures in runs.items()}
+    itl = {label: statistics.median(figures["itl"]) for label, figures in runs.items()}
+    last = {label: repeats[-1] for label, repeats in results.items()}  # token counts: the last run's
+    cached = {label: sum(t.cached_tokens or 0 for t in later_turns(last[label][0])) for label in results}
+    prompt = sum(t.prompt_tokens or 0 for t in later_turns(last["tier"][0]))
+    spread = "; ".join(f"{label}: {', '.join(f'{v:.1f}' for v in runs[label]['ttft'])}" for label in runs)
     history = args.conversations * history_tokens(args)
     note = (f"{args.conversations} conversations x {args.turns} turns (first {args.first_len}, then +{args.reply_len} "
             f"reply +{args.user_len} user tokens a turn, {args.output_len} out), {args.concurrency} at once; all histories "
             f"{history:,} tokens = {history / (args.gpu_blocks * args.block_size):.1f}x the GPU pool; turns 2+: "
             f"prompt tokens {prompt:,}, from cache with the tier {cached['tier']:,} "
-            f"(from the CPU tier {results['tier'][1]:,.0f}), without {cached['no tier']:,}")
+            f"(from the CPU tier {last['tier'][1]:,.0f}), without {cached['no tier']:,}; TTFT p50 per run (ms), "
+            f"{spread}")
     rows.add(row(f"{args.model} multi-turn TTFT p50, turns 2+", ttft["tier"], "ms", "without the tier",
                  ttft["no tier"], ttft["no tier"] / ttft["tier"], target=3, note=note))
     rows.add(row(f"{args.model} multi-turn P99 ITL added by the tier", itl["tier"] - itl["no tier"], "ms",
@@ -211,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suffix-len", type=int, default=4, help="convoy: each request's own tokens after the prefix")
     parser.add_argument("--max-model-len", type=int, help="default: what the GPU pool holds, at most 16,384")
     parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--repeats", type=int, default=1, help="multiturn: runs of each server, alternating; "
+                        "the figures are the runs' medians")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", type=Path, help="append each server's output here")
     parser.add_argument("--results", help="append every row here as a JSON line")
@@ -239,6 +251,8 @@ def resolve_sizes(args) -> None:
         args.max_model_len = min(16384, args.gpu_blocks * args.block_size)
     if args.concurrency > args.conversations:
         raise SystemExit("--concurrency must not exceed --conversations (a conversation's turns go in order)")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if args.suffix_len < 1:
         raise SystemExit("--suffix-len must be at least 1 (the requests differ)")
     if args.prefix_len + args.suffix_len > args.gpu_blocks * args.block_size:

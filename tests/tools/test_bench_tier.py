@@ -81,3 +81,26 @@ def test_each_row_starts_its_server_with_the_model_folder_and_the_tier(monkeypat
     serve_args = started[0]
     assert str(tmp_path) in serve_args and "--num-gpu-blocks-override" in serve_args
     assert float(serve_args[serve_args.index("--cpu-offload-gb") + 1]) == 3
+
+
+def test_repeated_multiturn_runs_report_their_medians():
+    """Two runs of each server: the row is the median of each side's TTFT p50 (and of the
+    P99 gaps), every run's TTFT p50 is in the note."""
+    from tools.bench_table import Rows
+    from tools.serve_stream import StreamTiming
+
+    def run(first_token_ms: float, gap_ms: float) -> list:
+        turn = StreamTiming(start=0.0, first_token_at=first_token_ms / 1e3, gaps=[gap_ms / 1e3],
+                            prompt_tokens=100, cached_tokens=64)
+        return [(0, StreamTiming(start=0.0, first_token_at=1.0)), (1, turn), (2, turn)]
+
+    results = {"tier": [(run(80.0, 20.0), 128.0), (run(60.0, 30.0), 128.0), (run(70.0, 40.0), 128.0)],
+               "no tier": [(run(240.0, 100.0), 0.0), (run(180.0, 90.0), 0.0), (run(300.0, 110.0), 0.0)]}
+    args = bench_tier.build_parser().parse_args(["--quick"])
+    bench_tier.resolve_sizes(args)
+    rows = Rows(None)
+    bench_tier.report_multiturn(results, args, rows)
+    ttft, itl = rows.rows
+    assert (ttft["value"], ttft["baseline"], ttft["ratio"]) == (70.0, 240.0, 240.0 / 70.0)
+    assert "tier: 80.0, 60.0, 70.0; no tier: 240.0, 180.0, 300.0" in ttft["note"]
+    assert itl["value"] == pytest.approx(30.0 - 100.0)
