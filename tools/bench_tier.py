@@ -16,7 +16,8 @@ Rows (`--rows`):
                `--user-len` new ones; `--output-len` tokens come back. Served with the tier
                (`--cpu-offload-gb`) and by a second server without it: TTFT p50 of turns 2 on
                (without / with: >= 3 is the target), the P99 inter-token gap each way (the tier
-               may add <= 5 ms), and the prompt tokens served from cache.
+               may add <= 5 ms), and the prompt tokens served from cache. `--repeats N`: N runs of
+               each server, alternating, and the medians (the baseline moves by ~20% between runs).
     convoy     a `--prefix-len`-token prefix computed once, then pushed out of the GPU pool by
                filler prompts (so only the CPU tier holds it), then `--convoy` requests at once on
                it (each with `--suffix-len` tokens of its own, default 4: what the row measures is
