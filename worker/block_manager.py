@@ -195,9 +195,12 @@ class BlockManager:
                     block.ref_count += 1
                 else:
                     self._take_cached(block)
-            for block in on_cpu:
-                block.gpu_slot, block.ref_count = self._take_gpu_slot(), 1
-                self.tier.load(block, block.gpu_slot)
+            # Ascending CPU slots get ascending GPU slots: where both are consecutive, their
+            # loads copy as one run (`kv_copies.block_runs`), not a copy per block.
+            gpu_slots = sorted(self._take_gpu_slot() for _ in on_cpu)
+            for block, gpu_slot in zip(sorted(on_cpu, key=lambda block: block.cpu_slot), gpu_slots):
+                block.gpu_slot, block.ref_count = gpu_slot, 1
+                self.tier.load(block, gpu_slot)
             if on_cpu:
                 self.tier.close_load_batch()  # this request's loads land as one batch
             table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))

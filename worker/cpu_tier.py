@@ -128,15 +128,18 @@ class CpuTier:
         stream at a time). Returns how many."""
         if self._ahead_pending or not self._free_slots:
             return 0
-        planned = 0
+        chosen = []
+        wanted = min(max_blocks, len(self._free_slots))
         for depth, block in enumerate(gpu_lru):
-            if planned == max_blocks or depth == max_scan:
+            if len(chosen) == wanted or depth == max_scan:
                 break
             if block.cpu_slot is None:
-                if not self.store_ahead(block, block.gpu_slot):
-                    break
-                planned += 1
-        return planned
+                chosen.append(block)
+        # Ascending GPU slots take the free CPU slots in order: where both are consecutive,
+        # the stores copy as one run (`kv_copies.block_runs`), not a copy per block.
+        for block in sorted(chosen, key=lambda block: block.gpu_slot):
+            self.store_ahead(block, block.gpu_slot)
+        return len(chosen)
 
     def evicted(self, block: Block) -> None:
         """The block's GPU slot goes to another block this step: if its ahead store may still

@@ -54,18 +54,34 @@ logger = logging.getLogger(__name__)
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
     """`dst[d] = src[s]` for every `(s, d)` in `pairs`, in order, on the current stream
-    (asynchronously between pinned host memory and a GPU). Runs of consecutive slots on both
-    sides are copied at once. A benchmark times this between a pool and the other."""
+    (asynchronously between pinned host memory and a GPU), a copy per run (`block_runs`).
+    A benchmark times this between a pool and the other."""
     non_blocking = src.device.type != dst.device.type
-    index = 0
-    while index < len(pairs):
+    for src_start, dst_start, length in block_runs(pairs):
+        dst[dst_start:dst_start + length].copy_(src[src_start:src_start + length], non_blocking=non_blocking)
+
+
+def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """`pairs` as runs of consecutive slots on both sides, (src start, dst start, length), in
+    order. A run may go down as well as up: the LRU evicts a sequence's blocks from its last,
+    so its write-back takes CPU slots in the reverse of its order and a reload finds them,
+    and the GPU slots it is given, descending (a 10k-token prefix: one copy, not 626). A run's
+    slots are all distinct, so copying it ascending writes what copying it in order would."""
+    runs = []
+    index, count = 0, len(pairs)
+    while index < count:
         first_src, first_dst = pairs[index]
+        step = -1 if index + 1 < count and pairs[index + 1] == (first_src - 1, first_dst - 1) else 1
         length = 1
-        while (index + length < len(pairs) and pairs[index + length][0] == first_src + length
-               and pairs[index + length][1] == first_dst + length):
+        while (index + length < count and pairs[index + length][0] == first_src + step * length
+               and pairs[index + length][1] == first_dst + step * length):
             length += 1
-        dst[first_dst:first_dst + length].copy_(src[first_src:first_src + length], non_blocking=non_blocking)
+        if step == 1:
+            runs.append((first_src, first_dst, length))
+        else:
+            runs.append((first_src - length + 1, first_dst - length + 1, length))
         index += length
+    return runs
 
 
 def host_memory_available() -> int | None:

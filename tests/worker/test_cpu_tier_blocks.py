@@ -6,6 +6,7 @@ import pytest
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_manager import BlockManager
+from spillway.worker.kv_copies import block_runs
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 
@@ -50,8 +51,9 @@ def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
     assert manager.allocate("d", 16, hits)
     assert manager.awaited_load_batch("d") == 1
     manager.check_invariants()
-    # a2 was stored to CPU slot 1, a3 to CPU slot 0: one load each.
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 3), (0, 2)), load_batch=1, load_batch_ends=((1, 2),))
+    # a2 was stored to CPU slot 1, a3 to CPU slot 0: loaded in CPU-slot order into the GPU
+    # slots taken (3 and 2) in ascending order, one run (a3 -> 2, a2 -> 3).
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((0, 2), (1, 3)), load_batch=1, load_batch_ends=((1, 2),))
     assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 1  # on their way
     manager.tier.landed(0)
     assert manager.awaited_load_batch("c") == 1
@@ -128,7 +130,8 @@ def test_cpu_hits_are_pinned_from_lookup_until_their_load_is_planned():
     # Each load takes a GPU slot by evicting a b block, whose write-back would need a CPU slot:
     # the only ones hold the pinned hits, so the b blocks are dropped instead.
     assert manager.allocate("c", 8, hits)
-    assert manager.take_copies() == KVCopies(cpu_to_gpu=((1, 0), (0, 1)), load_batch=1, load_batch_ends=((1, 2),))
+    assert manager.take_copies() == KVCopies(cpu_to_gpu=((0, 0), (1, 1)), load_batch=1, load_batch_ends=((1, 2),))
+    assert manager.slot_table("c") == [1, 0]  # a0 (CPU slot 1) -> GPU slot 1, a1 (CPU slot 0) -> 0
     assert manager.find_cached_prefix([h("b0")]) == []
     assert manager.num_cached_blocks == 2
     manager.check_invariants()
@@ -163,8 +166,8 @@ def test_the_tier_needs_prefix_caching():
 def test_cached_blocks_are_written_back_ahead_from_the_lru_head_into_free_cpu_slots():
     manager = BlockManager(4, 4, True, num_cpu_blocks=3)
     cached_request(manager, "a", ["a0", "a1", "a2", "a3"])  # LRU head first: a3, a2, a1, a0
-    assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 2
-    assert manager.take_copies() == KVCopies(ahead_to_cpu=((3, 0), (2, 1)))
+    assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 2  # a3 and a2, in GPU-slot order
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((2, 0), (3, 1)))
     manager.check_invariants()
     # One batch at a time: nothing more until the device says the first one finished.
     assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 0
@@ -204,4 +207,26 @@ def test_write_back_ahead_never_takes_a_cpu_only_copy_slot():
     manager.free("b")
     assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 0
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0, 1]
+    manager.check_invariants()
+
+
+def test_a_prefix_written_back_ahead_stores_and_reloads_in_one_run_each():
+    """Eight cached blocks, the LRU head their last: written back ahead in GPU-slot order into
+    consecutive CPU slots, pushed out, then reloaded in CPU-slot order into the GPU slots
+    taken, ascending: one copy each way, not eight."""
+    manager = BlockManager(8, 4, True, num_cpu_blocks=16)
+    names = [f"p{i}" for i in range(8)]
+    cached_request(manager, "p", names)
+    assert manager.write_back_ahead(max_blocks=8, max_scan=8) == 8
+    stores = manager.take_copies().ahead_to_cpu
+    assert stores == tuple((slot, slot) for slot in range(8))
+    assert block_runs(stores) == [(0, 0, 8)]
+    manager.tier.ahead_stored()
+    cached_request(manager, "filler", [f"f{i}" for i in range(8)])  # takes every GPU slot
+    manager.take_copies()  # the filler's write-back
+    hits = manager.find_cached_prefix([h(name) for name in names])
+    assert hits and not any(map(manager.on_gpu, hits))
+    assert manager.allocate("q", 32, hits)
+    loads = manager.take_copies().cpu_to_gpu
+    assert len(loads) == 8 and block_runs(loads) == [(0, 0, 8)]
     manager.check_invariants()

@@ -9,7 +9,7 @@ import torch
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.engine import Engine
-from spillway.worker.kv_copies import copy_blocks
+from spillway.worker.kv_copies import block_runs, copy_blocks
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
@@ -83,6 +83,18 @@ def test_copy_blocks_copies_runs_of_slots_and_single_ones():
     dst = torch.zeros(5, 3)
     copy_blocks(src, dst, [(0, 1), (1, 2), (2, 3), (5, 0)])
     assert dst.tolist() == [src[5].tolist(), src[0].tolist(), src[1].tolist(), src[2].tolist(), [0, 0, 0]]
+
+
+def test_runs_go_up_or_down_on_both_sides_at_once():
+    assert block_runs([]) == []
+    assert block_runs([(0, 1), (1, 2), (2, 3), (5, 0)]) == [(0, 1, 3), (5, 0, 1)]
+    assert block_runs([(7, 3), (6, 2), (5, 1), (9, 9)]) == [(5, 1, 3), (9, 9, 1)]  # down: one run
+    assert block_runs([(0, 3), (1, 2)]) == [(0, 3, 1), (1, 2, 1)]  # opposite ways: a copy each
+    src = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
+    dst = torch.zeros(8, 2)
+    copy_blocks(src, dst, [(7, 3), (6, 2), (5, 1), (0, 4), (1, 5)])
+    assert dst.tolist() == [[0, 0], src[5].tolist(), src[6].tolist(), src[7].tolist(), src[0].tolist(),
+                            src[1].tolist(), [0, 0], [0, 0]]
 
 
 def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(model_dir):
