@@ -32,8 +32,8 @@ The CPU tier (worker/cpu_tier.py, with `num_cpu_blocks`) builds on the split of 
 from slots: write-back gives a cached block a CPU slot before `_take_gpu_slot` drops its GPU
 slot (the block then lives on the CPU only, keeping its id and hash: "cached on the CPU"),
 and a hit on it takes a GPU slot through `_take_gpu_slot` and plans a load. The copies of a
-step are taken with `take_copies` once the step is planned; a request with a block whose
-load is among them (`waits_for_load`) computes from the next step on.
+step are taken with `take_copies` once the step is planned; a request with a block still
+loading (`awaited_load_batch`) computes once the device reports that batch landed.
 """
 
 from __future__ import annotations
@@ -163,14 +163,10 @@ class BlockManager:
             hits.append(block.block_id)
         return hits
 
-    def can_allocate(
-        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
-    ) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         return self._num_free_blocks_taken(request_id, num_tokens, cached_blocks) <= self.num_free_blocks
 
-    def allocate(
-        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
-    ) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
 
         On the request's first allocation `cached_blocks` (block ids from `find_cached_prefix`)
@@ -188,21 +184,16 @@ class BlockManager:
             # Every hit is held before any slot is taken: no eviction below can reach one.
             on_cpu = []
             for block in hits:
-                if block.gpu_slot is None:
+                if block.gpu_slot is None:  # a GPU slot and a load below
                     self.tier.pin(block)
+                    block.ref_count = 1
                     on_cpu.append(block)
                 elif block.ref_count:  # shared with a running request: the usual hit
                     block.ref_count += 1
                 else:
                     self._take_cached(block)
-            # Ascending CPU slots get ascending GPU slots: where both are consecutive, their
-            # loads copy as one run (`kv_copies.block_runs`), not a copy per block.
-            gpu_slots = sorted(self._take_gpu_slot() for _ in on_cpu)
-            for block, gpu_slot in zip(sorted(on_cpu, key=lambda block: block.cpu_slot), gpu_slots):
-                block.gpu_slot, block.ref_count = gpu_slot, 1
-                self.tier.load(block, gpu_slot)
-            if on_cpu:
-                self.tier.close_load_batch()  # this request's loads land as one batch
+            if on_cpu:  # one load batch: this request's
+                self.tier.load(on_cpu, [self._take_gpu_slot() for _ in on_cpu])
             table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
             block = self._new_block()
@@ -268,9 +259,7 @@ class BlockManager:
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _num_free_blocks_taken(
-        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]
-    ) -> int:
+    def _num_free_blocks_taken(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int:
         table = self._tables.get(request_id)
         if table is not None and cached_blocks:
             raise ValueError(f"{request_id}: cached blocks are taken on the first allocation only")

@@ -27,7 +27,7 @@ whose ahead store may still run (`evicted`) makes its forward and its loads wait
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_lru import Block
@@ -53,11 +53,10 @@ class CpuTier:
         # blocks whose load is in this step's copies or in copies taken whose loads have not
         # landed yet (`landed` drops those): their requests compute once it has.
         self._loading: dict[int, int] = {}
-        self._num_load_batches = 0  # load batches numbered so far (closed)
+        self._num_load_batches = 0  # load batches numbered so far
         self._taken_through = 0  # the last batch taken with a step's copies
         self._batch_ids: deque[tuple[int, list[int]]] = deque()  # taken batches not landed, in order
-        self._batch_planned: list[int] = []  # the open batch's loading block ids
-        self._step_batches: list[tuple[int, list[int], int]] = []  # closed, not taken: (batch, ids, end)
+        self._step_batches: list[tuple[int, list[int], int]] = []  # not taken yet: (batch, ids, end)
         self._wait_for_loads = False
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
@@ -159,21 +158,22 @@ class CpuTier:
         if self._lru.pop(block.block_id, None) is not None or block.block_id in self._held:
             self._pinned[block.block_id] = block
 
-    def load(self, block: Block, gpu_slot: int) -> None:
-        """Plan the copy of the (pinned) block's CPU copy into its new GPU slot."""
-        assert block.block_id in self._pinned and block.cpu_slot is not None
-        self._loads.append((block.cpu_slot, gpu_slot))
-        self._loading[block.block_id] = self._num_load_batches + 1
-        self._batch_planned.append(block.block_id)
-        self.num_loaded += 1
-
-    def close_load_batch(self) -> None:
-        """The loads planned since the last close are one batch (one request's): they land,
-        and their request computes, without waiting for the batches planned after them."""
-        if self._batch_planned:
-            self._num_load_batches += 1
-            self._step_batches.append((self._num_load_batches, self._batch_planned, len(self._loads)))
-            self._batch_planned = []
+    def load(self, blocks: Sequence[Block], gpu_slots: Sequence[int]) -> None:
+        """Plan the loads of one request's (pinned) CPU hits into the GPU slots taken for them,
+        setting each block's `gpu_slot`: one batch, which lands, and lets its request compute,
+        without waiting for the batches planned after it. Ascending CPU slots get ascending
+        GPU slots: where both are consecutive the loads copy as one run
+        (`kv_copies.block_runs`), not a copy per block."""
+        batch = self._num_load_batches = self._num_load_batches + 1
+        block_ids = []
+        for block, gpu_slot in zip(sorted(blocks, key=lambda block: block.cpu_slot), sorted(gpu_slots)):
+            assert block.block_id in self._pinned and block.cpu_slot is not None
+            block.gpu_slot = gpu_slot
+            self._loads.append((block.cpu_slot, gpu_slot))
+            self._loading[block.block_id] = batch
+            block_ids.append(block.block_id)
+        self.num_loaded += len(block_ids)
+        self._step_batches.append((batch, block_ids, len(self._loads)))
 
     @property
     def num_loading(self) -> int:
@@ -182,8 +182,7 @@ class CpuTier:
 
     def load_batch(self, block: Block) -> int:
         """The load batch the block's KV arrives with, 0 when it is not loading: planned in
-        this step's copies (the next batch), or taken with copies whose loads have not landed
-        (`landed`)."""
+        this step's copies, or taken with copies whose loads have not landed (`landed`)."""
         return self._loading.get(block.block_id, 0)
 
     def landed(self, through: int | None = None) -> None:
@@ -212,7 +211,6 @@ class CpuTier:
         self._pinned.clear()
         if not (self._stores or self._loads or self._ahead or self._wait_for_ahead or self._wait_for_loads):
             return NO_KV_COPIES
-        self.close_load_batch()
         for batch, block_ids, _ in self._step_batches:
             self._batch_ids.append((batch, block_ids))
         ends = tuple((batch, end) for batch, _, end in self._step_batches)

@@ -41,7 +41,6 @@ from spillway.worker.tp_group import RankGroup, check_tensor_parallel
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
 
 
-
 class Engine:
     """Owns the scheduler, the sampler and the requests of one worker; drives its executor."""
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_testing import gpu
 from spillway.kernels.host_copy import BLOCK, copy_by_kernel
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -31,8 +30,8 @@ def test_bad_arguments_are_refused_by_name(dst, src, message):
         copy_by_kernel(dst, src)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@gpu[0]
+@gpu[1]
 @pytest.mark.parametrize("direction", ["to GPU", "to host"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_a_copy_by_kernel_is_exact_both_ways_on_cuda(direction, dtype):
@@ -74,8 +73,8 @@ def small_copy_beside_a_bulk_one(direction: str, copy) -> tuple[bool, bool]:
     return still_running, torch.equal(small_device.cpu(), expected) and torch.equal(small_host, expected)
 
 
-@pytest.mark.gpu
-@needs_gpu
+@gpu[0]
+@gpu[1]
 @pytest.mark.parametrize("direction", ["to GPU", "to host"])
 def test_a_small_copy_by_kernel_does_not_wait_behind_a_bulk_copy_of_another_stream(direction):
     still_running, arrived = small_copy_beside_a_bulk_one(direction, copy_by_kernel)
