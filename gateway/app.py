@@ -62,6 +62,11 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 1024
     worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
+    # An API server beside the first (`--api-server-count`): the (inbox, outbox) it binds for
+    # the worker the first one started, and its number. Only the first (0) turns the worker's
+    # Stats into metrics and logs them.
+    worker_link: tuple[str, str] | None = None
+    api_server_index: int = 0
     ready_timeout_s: float = 600.0
     heartbeat_timeout_s: float = 60.0  # remote workers only
     worker_keys: LinkKeys | None = None  # the remote worker link's CURVE keys; required off loopback
@@ -143,12 +148,17 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        remote = RemoteWorker(settings.worker_address, settings.worker, keys=settings.worker_keys) \
-            if settings.worker_address else None
+        remote = None
+        if settings.worker_link is not None:
+            remote = RemoteWorker(f"the worker of API server 0 (this is API server {settings.api_server_index})",
+                                  settings.worker, link=settings.worker_link)
+        elif settings.worker_address:
+            remote = RemoteWorker(settings.worker_address, settings.worker, keys=settings.worker_keys)
         factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
         metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
-                                 else settings.worker.served_model_name or "model", settings.worker.max_model_len)
-        if remote is not None:
+                                 else settings.worker.served_model_name or "model", settings.worker.max_model_len,
+                                 engine_stats=settings.api_server_index == 0)
+        if settings.worker_address:
             logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
                         settings.worker_address, settings.worker_address)
         client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
@@ -160,7 +170,8 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
             hf_tokenizer = _load_tokenizer(settings)
             await client.start()
             app.state.gateway = Gateway(settings, client, metrics, hf_tokenizer)
-            stats_log = StatsLogger(client, metrics, logger).start() if settings.log_stats else None
+            if settings.log_stats and settings.api_server_index == 0:
+                stats_log = StatsLogger(client, metrics, logger).start()
             if settings.freeze_startup_objects:
                 # What start-up built (the tokenizer, transformers' modules) lives as long as
                 # the server: out of the collector's reach, a full collection mid-stream walks

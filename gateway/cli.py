@@ -38,6 +38,9 @@ def _worker_keys(args: argparse.Namespace, address: str):
 def refusals(args: argparse.Namespace) -> list[str]:
     """Messages for every flag that asks for what Spillway cannot do (yet)."""
     problems = engine_args.refusals(vars(args), _flag)
+    if getattr(args, "api_server_count", 1) > 1 and getattr(args, "worker_address", None) is not None:
+        problems.append(f"--api-server-count {args.api_server_count} with --worker-address: not available yet "
+                        "(a remote worker serves one gateway process)")
     if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
         problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
                         "logprobs per token")
@@ -120,29 +123,74 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock) -> int:
+    api_servers = None
+    if args.api_server_count > 1:
+        from spillway.gateway.api_servers import ApiServers
+
+        api_servers = ApiServers(args.api_server_count)  # metrics shared across processes from here on
+    try:
+        code = _serve_first(args, sock, api_servers)
+    except Stopped:  # uvicorn raises again the SIGTERM it stopped on
+        if api_servers is None or api_servers.failed is None:
+            raise
+        code = 1  # sent by ApiServers: a server exited on its own
+    finally:
+        if api_servers is not None:
+            api_servers.stop()
+    return 1 if api_servers is not None and api_servers.failed else code
+
+
+def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
+    """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
     from spillway.gateway.app import build_app
-    from spillway.gateway.http_protocol import server_config
 
     try:
         settings = _server_settings(args)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
+    if api_servers is not None:  # forked before the worker's sockets and threads exist
+        api_servers.start(lambda index, link: _serve_another(args, sock, settings, index, link))
     start_worker = None
     if args.worker_address is None:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
         # an fp8 cache on the CPU) end the command with the worker's own message.
         try:
-            start_worker = _local_workers(settings.worker)
-        except WorkerStartError as exc:
+            start_worker = _local_workers(settings.worker, api_servers.links if api_servers is not None else None)
+            if api_servers is not None:
+                api_servers.check()
+        except (WorkerStartError, RuntimeError) as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
-    loop = "uvloop" if _has_uvloop() else "asyncio"
-    server = BannerServer(server_config(build_app(settings, start_worker), host=args.host, port=args.port, loop=loop,
-                                        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5),
-                          settings.served_model_names[0])
+    server = BannerServer(_uvicorn_config(args, build_app(settings, start_worker)), settings.served_model_names[0],
+                          api_servers)
     server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
     return 0 if server.started else 1
+
+
+def _serve_another(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str]) -> int:
+    """API server `index` (>= 1), in a process forked from server 0: the same settings and
+    socket, its own link to server 0's worker."""
+    import dataclasses
+
+    import uvicorn
+
+    from spillway.gateway.app import build_app
+
+    try:
+        settings = dataclasses.replace(settings, worker_link=link, api_server_index=index)
+        server = uvicorn.Server(_uvicorn_config(args, build_app(settings)))
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, Stopped):
+        return 0
+    return 0 if server.started else 1
+
+
+def _uvicorn_config(args: argparse.Namespace, app):
+    from spillway.gateway.http_protocol import server_config
+
+    return server_config(app, host=args.host, port=args.port, loop="uvloop" if _has_uvloop() else "asyncio",
+                         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 
 
 def _server_settings(args: argparse.Namespace):
@@ -178,10 +226,11 @@ def _check_tokenizer(folder: str | None) -> str | None:
     return folder
 
 
-def _local_workers(config):
-    """Start a worker and wait until it is ready (WorkerStartError if it cannot start); returns
-    the app's `start_worker`, which hands out that worker first, then new ones."""
-    worker = WorkerProcess(config)
+def _local_workers(config, extra_links: list[tuple[str, str]] | None = None):
+    """Start a worker (serving the other API servers' `extra_links` too) and wait until it is
+    ready (WorkerStartError if it cannot start); returns the app's `start_worker`, which hands
+    out that worker first, then new ones."""
+    worker = WorkerProcess(config, extra_links=extra_links)
     started = time.monotonic()
     last_report = started
 
@@ -198,7 +247,7 @@ def _local_workers(config):
         worker.close()
         raise
     started_workers = [worker]
-    return lambda: started_workers.pop() if started_workers else WorkerProcess(config)
+    return lambda: started_workers.pop() if started_workers else WorkerProcess(config, extra_links=extra_links)
 
 
 def worker_command(args: argparse.Namespace) -> int:

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--worker-response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S, metavar="S",
                         help="a request that hears nothing from the worker for S seconds ends with an error "
                              "(default %(default)g)")
+    server.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
+                        help="API server processes on the port, each with its own link to the worker: "
+                             "more intake for bursts of long prompts (default 1)")
     server.add_argument("--max-pending-requests", type=_positive_int,
                         help="sequences in flight beyond which requests get 429 (default 4 x --max-num-seqs)")
     server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20)

@@ -3,15 +3,22 @@
 Cache, queue and prefix-cache figures come from the worker's `Stats` (cumulative counters on
 the worker side, turned into counter increments here); token counts and latencies are
 measured by the gateway as deltas arrive. Each app owns its registry.
+
+With several API servers on one port (`--api-server-count`, gateway/api_servers.py) every
+process writes its values to files under $PROMETHEUS_MULTIPROC_DIR (prometheus_client's
+multiprocess mode) and `/metrics`, whichever process answers it, sums them: each process counts
+its own requests, and only the first turns the worker's Stats into metrics (the gauges show its
+latest values, so the series stay the single-process ones, without a pid label).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import deque
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from spillway.gateway.request_metrics import RequestMetrics
@@ -70,12 +77,16 @@ class _WindowedRate:
 class GatewayMetrics:
     """All of the gateway's metrics, labelled with the served model name."""
 
-    def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
+    def __init__(self, model_name: str, max_model_len: int | None = None, engine_stats: bool = True) -> None:
+        """`engine_stats`: whether this process turns the worker's Stats into metrics (False in
+        every API server but the first: the worker sends each the same Stats)."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.engine_stats = engine_stats
+        self._shared = shared_registry()  # None: this process's values are all there is
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent").labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=self.registry).labels(model_name)
@@ -117,13 +128,16 @@ class GatewayMetrics:
         self.invariants_ok = gauge("spillway:kv_invariants_ok",
                                    "1 if the worker's block manager invariants held when last checked, 0 if "
                                    "not, NaN until a check (debug mode, or a CHECK_INVARIANTS control).")
-        self.invariants_ok.set(float("nan"))  # a routine report does not walk the blocks
+        if engine_stats:
+            self.invariants_ok.set(float("nan"))  # a routine report does not walk the blocks
         self._hit_rate = _WindowedRate(HIT_RATE_WINDOW_TOKENS)
         self.spec_decode = SpecDecodeMetrics(self.registry, model_name)
         self._last: Stats | None = None
 
     def on_stats(self, stats: Stats) -> None:
         """Fold in one Stats snapshot; a fresh worker (counters back at zero) starts over."""
+        if not self.engine_stats:
+            return
         last = self._last or Stats()
         queries = max(stats.prefix_cache_queries - last.prefix_cache_queries, 0)
         hits = max(stats.prefix_cache_hits - last.prefix_cache_hits, 0)
@@ -157,6 +171,8 @@ class GatewayMetrics:
             yield f"kv_offload_seconds_{suffix}", self.kv_offload_time[kind]
 
     def on_worker_lost(self) -> None:
+        if not self.engine_stats:
+            return
         self._last = None  # the next worker counts from zero
         self.num_requests_running.set(0)
         self.num_requests_waiting.set(0)
@@ -165,10 +181,11 @@ class GatewayMetrics:
         self._request_success.labels(self.model_name, reason).inc()
 
     def token_totals(self) -> tuple[float, float]:
-        """(prompt tokens, generated tokens) counted so far."""
+        """(prompt tokens, generated tokens) counted so far, by every API server."""
         labels = {"model_name": self.model_name}
-        return (self.registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0,
-                self.registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0)
+        registry = self._shared or self.registry
+        return (registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0,
+                registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -178,5 +195,23 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The text exposition without prometheus_client's `*_created` timestamps, which vLLM
         does not export (a dashboard summing a family would count them as values)."""
-        lines = generate_latest(self.registry).split(b"\n")
+        lines = generate_latest(self._shared or self.registry).split(b"\n")
         return b"\n".join(line for line in lines if not _CREATED.match(line))
+
+
+def share_metrics_across_processes(folder: str) -> None:
+    """Make the metrics this process creates from now on write their values under `folder`
+    (prometheus_client's multiprocess mode), which /metrics of every process sharing it sums.
+    Call before any GatewayMetrics exists; processes forked afterwards inherit it."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    values.ValueClass = values.get_value_class()
+
+
+def shared_registry() -> CollectorRegistry | None:
+    """A registry that collects every process's values, in multiprocess mode; None otherwise."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder or values.ValueClass is values.MutexValue:
+        return None
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, folder)
+    return registry

@@ -48,11 +48,16 @@ class RemoteWorker:
     """The gateway's end of a remote worker's two sockets. Bound once, kept across restarts."""
 
     def __init__(self, address: str, config: WorkerConfig, ctx: zmq.Context | None = None,
-                 keys: LinkKeys | None = None) -> None:
+                 keys: LinkKeys | None = None, link: tuple[str, str] | None = None) -> None:
+        """`link`: (inbox, outbox) to bind instead of the two ports of `address` (an API server's
+        ipc link to the worker its first server started; `address` then only names it)."""
         self.config = config
         self.address = address
-        inbox, outbox = worker_addresses(address)
-        require_key_off_loopback(address, keys)
+        if link is None:
+            inbox, outbox = worker_addresses(address)
+            require_key_off_loopback(address, keys)
+        else:
+            inbox, outbox = link
         ctx = ctx or zmq.Context.instance()
         self.to_worker = ctx.socket(zmq.PUSH)
         self.from_worker = ctx.socket(zmq.PULL)

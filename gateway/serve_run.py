@@ -10,6 +10,7 @@ the model has loaded, and no other process can take the port in between.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -47,18 +48,30 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 class BannerServer(uvicorn.Server):
-    """uvicorn's server, which says once it serves where and what."""
+    """uvicorn's server, which says once it serves where and what. With `api_servers` (the
+    other API servers on its port) its shutdown waits for theirs before its own, which closes
+    the worker they use."""
 
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    def __init__(self, config: uvicorn.Config, model_name: str, api_servers=None) -> None:
         super().__init__(config)
         self.model_name = model_name
+        self.api_servers = api_servers
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
+            if self.api_servers is not None:
+                self.api_servers.serving = True
             host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-            logger.info("Spillway serves %s at http://%s:%d (OpenAI-compatible API under /v1); "
-                        "Ctrl-C to stop", self.model_name, host, self.config.port)
+            count = f" with {self.api_servers.count} API server processes" if self.api_servers is not None else ""
+            logger.info("Spillway serves %s at http://%s:%d%s (OpenAI-compatible API under /v1); "
+                        "Ctrl-C to stop", self.model_name, host, self.config.port, count)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.api_servers is not None:
+            self.api_servers.begin_stop()
+            await asyncio.to_thread(self.api_servers.join)
+        await super().shutdown(sockets)
 
 
 @contextmanager

@@ -128,7 +128,10 @@ class WorkerProcess:
     """A local worker process and its sockets."""
 
     def __init__(self, config: WorkerConfig, ctx: zmq.Context | None = None,
-                 command: list[str] | tuple[str, ...] = WORKER_COMMAND) -> None:
+                 command: list[str] | tuple[str, ...] = WORKER_COMMAND,
+                 extra_links: list[tuple[str, str]] | None = None) -> None:
+        """`extra_links`: (inbox, outbox) of the other API servers on this one's port, which the
+        worker serves too (gateway/api_servers.py)."""
         self.config = config
         self.ready: Ready | None = None
         self._ctx = ctx or zmq.Context.instance()
@@ -142,7 +145,8 @@ class WorkerProcess:
         self.from_worker.bind(outbox)
         self._encoder = encoder()
         self._decoder = worker_decoder()
-        launch = WorkerLaunch(config=config, inbox=inbox, outbox=outbox, parent_pid=os.getpid())
+        launch = WorkerLaunch(config=config, inbox=inbox, outbox=outbox, parent_pid=os.getpid(),
+                              extra_links=list(extra_links or []))
         self._child = ChildProcess(list(command), launch)
         self.process = self._child
 

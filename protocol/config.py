@@ -122,6 +122,8 @@ class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True):
     inbox: str  # gateway -> worker (the gateway binds it)
     outbox: str  # worker -> gateway
     parent_pid: int
+    # (inbox, outbox) of each other API server on the gateway's port (`--api-server-count`)
+    extra_links: list[tuple[str, str]] = []
 
 
 _LENGTH = struct.Struct(">I")

@@ -24,6 +24,9 @@ Rows (`--rows`):
                one load shared by all without anyone waiting on another, not the compute of long
                suffixes, which grows with their sum): their TTFT p50 against one request alone
                on the same prefix, pushed out the same way first (<= 1.2x is the target).
+
+`--api-server-count N` serves both rows with N API server processes (`spillway serve
+--api-server-count N`): a burst of long prompts reaches the worker sooner.
 """
 
 from __future__ import annotations
@@ -188,7 +191,8 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
                  note=f"prefix tokens from the CPU tier: alone {results['single_cpu']:,.0f}, convoy "
                       f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
                       f"{spread}; "
-                      f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens"))
+                      f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens; "
+                      f"{args.api_server_count} API server process(es)"))
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -224,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--repeats", type=int, default=1, help="multiturn: runs of each server, alternating; "
                         "the figures are the runs' medians")
+    parser.add_argument("--api-server-count", type=int, default=1, help="API server processes of every server")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", type=Path, help="append each server's output here")
     parser.add_argument("--results", help="append every row here as a JSON line")
@@ -268,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_table.MACHINE = machine()
     print(f"{bench_table.MACHINE}, {date.today()}", flush=True)
     flags = ["--num-gpu-blocks-override", str(args.gpu_blocks), "--block-size", str(args.block_size),
-             "--max-model-len", str(args.max_model_len), "--max-pending-requests", str(4 * max(args.convoy, 64))]
+             "--max-model-len", str(args.max_model_len), "--max-pending-requests", str(4 * max(args.convoy, 64)),
+             "--api-server-count", str(args.api_server_count)]
     rows = Rows(args.results)
     with temporary_model_folder(args.model, tokenizer_dir) as (folder, vocab):
         if "multiturn" in args.rows:

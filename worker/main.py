@@ -1,13 +1,14 @@
 """The worker process: handshake, then a busy loop over ZeroMQ.
 
-    drain inbox (Generate | Abort | Control) -> engine.step() -> push one StepOutputs
+    drain inboxes (Generate | Abort | Control) -> engine.step() -> push StepOutputs to each link
 
 (with work in flight, an iteration takes messages in for at most DRAIN_BUDGET_S, or
 LANDING_DRAIN_BUDGET_S while nothing can compute before loads from the CPU tier land).
 
 The gateway binds both sockets; the worker connects, so a worker on another host only
 needs the gateway's address (and, off loopback, the link's key: protocol/link_auth.py).
-A message that does not decode is logged (rate-limited) and dropped.
+With several API servers on one port (`--api-server-count`), each is a link of its own
+(worker/gateway_links.py). A message that does not decode is logged (rate-limited) and dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -26,7 +27,7 @@ import zmq
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.drop_log import DropLog
 from spillway.protocol.envs import step_trace_path
-from spillway.protocol.link_auth import LinkKeys, connect_sockets
+from spillway.protocol.link_auth import LinkKeys
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -41,6 +42,7 @@ from spillway.protocol.messages import (
 )
 from spillway.worker.compile_log import log_late_compiles
 from spillway.worker.engine import Engine
+from spillway.worker.gateway_links import GatewayLinks
 from spillway.worker.heap import HeapTrimmer
 from spillway.worker.step_trace import StepTrace
 
@@ -69,13 +71,16 @@ def local_main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     launch = read_launch(sys.stdin.fileno())
     exit_when_gateway_closes(sys.stdin.fileno())
-    return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid)
+    return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid,
+                      extra_links=launch.extra_links)
 
 
 def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None,
-               keys: LinkKeys | None = None) -> int:
+               keys: LinkKeys | None = None, extra_links: Sequence[tuple[str, str]] = ()) -> int:
+    """Serve the gateway at (inbox, outbox) and the API servers at `extra_links` until a
+    SHUTDOWN, the gateway's exit, or a failure (exit status 1)."""
     ctx = zmq.Context()
-    inp, out = connect_sockets(ctx, inbox, outbox, keys)
+    links = GatewayLinks(ctx, [(inbox, outbox), *extra_links], keys)
     enc = encoder()
     try:
         engine = Engine(config)
@@ -84,7 +89,7 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
             logger.error("worker failed to start: %s", exc)
         else:
             logger.exception("worker failed to start")
-        out.send(enc.encode(WorkerError(message=str(exc), fatal=True, traceback=traceback.format_exc())))
+        links.send_all(enc.encode(WorkerError(message=str(exc), fatal=True, traceback=traceback.format_exc())))
         ctx.destroy(linger=2000)
         return 1
     # What start-up built (model, tensors, modules) lives as long as the process: move it out
@@ -94,13 +99,13 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     ready = msgspec.structs.replace(engine.ready(), worker_session=os.urandom(8))
     if engine.device.type == "cuda":
         log_late_compiles()
-    out.send(enc.encode(ready))
+    links.send_all(enc.encode(ready))
     try:
-        _busy_loop(engine, ready, inp, out, parent_pid)
+        _busy_loop(engine, ready, links, parent_pid)
     except Exception as exc:
         logger.exception("worker step failed")
-        out.send(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
-                                        traceback=traceback.format_exc())))
+        links.send_all(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
+                                              traceback=traceback.format_exc())))
         return 1
     finally:
         engine.close()
@@ -108,29 +113,11 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     return 0
 
 
-def take_messages(poller: zmq.Poller, sock: zmq.Socket, timeout_ms: int, busy: Callable[[], bool],
-                  budget_s: float = DRAIN_BUDGET_S, ready: Callable[[], bool] | None = None) -> Iterator[bytes]:
-    """The messages waiting on `sock`, the first awaited up to `timeout_ms`; while `busy()`,
-    only those taken within `budget_s` and, with `ready`, before `ready()` says a step has
-    work (the rest stay queued for the next iteration)."""
-    deadline = None
-    while poller.poll(timeout_ms):
-        timeout_ms = 0
-        now = time.perf_counter()
-        deadline = deadline or now + budget_s
-        if (now > deadline or (ready is not None and ready())) and busy():
-            return
-        yield sock.recv()
-
-
-def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None) -> None:
+def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: int | None) -> None:
     enc, dec = encoder(), gateway_decoder()
-    poller = zmq.Poller()
-    poller.register(inp, zmq.POLLIN)
     step = 0
     last_stats = 0.0
     busy_before = False
-    gateway_session: bytes | None = None  # the gateway whose HELLO came last
     drops = DropLog(logger, "from the gateway")
     trace = StepTrace(path) if (path := step_trace_path()) else None
     # On the CPU the linear layers' per-shape kernels churn glibc's heap (worker/heap.py).
@@ -147,7 +134,7 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
         landing = engine.waits_for_loads
         budget = LANDING_DRAIN_BUDGET_S if landing else DRAIN_BUDGET_S
         landed = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
-        for data in take_messages(poller, inp, timeout, lambda: engine.has_work, budget, landed):
+        for link, data in links.take(timeout, lambda: engine.has_work, budget, landed):
             try:
                 msg = dec.decode(data)
             except msgspec.DecodeError as exc:
@@ -156,22 +143,20 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             match msg:
                 case Generate() as msg:
                     received += 1
+                    links.admit(msg.request_id, link)
                     error = engine.add_request(msg)
                     if error is not None:
                         pending.append(error)
                 case Abort(request_ids=request_ids):
                     pending.extend(engine.abort(request_ids))
-                case Control(command=ControlCommand.SHUTDOWN):
+                case Control(command=ControlCommand.SHUTDOWN) if link == 0:  # from the gateway that owns it
                     return
                 case Control(command=ControlCommand.HELLO, session=session):
-                    if session != gateway_session:
-                        # A new gateway: what the gateways before asked for has no one to go to.
-                        aborted = engine.abort_all()
-                        pending.clear()
-                        if aborted:
-                            logger.info("a new gateway attached: %d requests of the one before aborted", aborted)
-                        gateway_session = session
-                        out.send(enc.encode(ready))
+                    if session != links.sessions[link]:
+                        # A new gateway on this link: what the one before asked for has no one to go to.
+                        pending = _forget_link(engine, links, link, pending)
+                        links.sessions[link] = session
+                        links.outboxes[link].send(enc.encode(ready))
                 case Control(command=ControlCommand.RESET_PREFIX_CACHE):
                     engine.reset_prefix_cache()
                     want_stats = True
@@ -201,5 +186,22 @@ def _busy_loop(engine: Engine, ready: Ready, inp: zmq.Socket, out: zmq.Socket, p
             stats = engine.stats(check_invariants) if want_stats else None
             if stats is not None:
                 last_stats = now
-            out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))
+            for out, outputs in zip(links.outboxes, links.route(pending)):
+                if outputs or stats is not None:  # every gateway hears the worker's stats
+                    out.send(enc.encode(StepOutputs(step=step, outputs=outputs, stats=stats)))
             step += 1
+
+
+def _forget_link(engine: Engine, links: GatewayLinks, link: int, pending: list[RequestDelta]) -> list[RequestDelta]:
+    """Abort the requests of `link`, whose gateway is new: their deltas have no one to go to.
+    Returns the outputs still pending for the other links."""
+    if len(links) == 1:
+        aborted, kept = engine.abort_all(), []
+    else:
+        owned = links.forget(link)
+        aborted = len(engine.abort(owned))
+        gone = set(owned)
+        kept = [delta for delta in pending if delta.request_id not in gone]
+    if aborted:
+        logger.info("a new gateway attached: %d requests of the one before aborted", aborted)
+    return kept

@@ -1,0 +1,129 @@
+"""`spillway serve --api-server-count N`: N processes on one port, one worker. Each server
+serves on its own (the other stopped), requests come back to the server that sent them,
+/metrics sums every server's counts whichever answers, and the servers start and end as one:
+Ctrl-C ends them all and the worker, a server that dies stops the rest with status 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import MODEL, ServerProcess, scrape, spillway_command
+
+pytestmark = pytest.mark.slow
+
+
+def children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def api_server_pids(server: ServerProcess) -> list[int]:
+    """Server 0's forked API servers: its children that are not the worker."""
+    return [pid for pid in children(server.process.pid)
+            if b"spillway.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def complete(url: str, prompt: str, stream: bool = False) -> list[int] | str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    if not stream:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+    return text
+
+
+def served_requests(url: str) -> float:
+    return scrape(url)['vllm:request_success_total{finished_reason="length"}']
+
+
+def test_every_api_server_serves_through_one_worker_and_metrics_sum_across_them():
+    server = ServerProcess("--api-server-count", "2", "--max-model-len", "512", "--disable-log-stats")
+    try:
+        server.wait_healthy()
+        (other,) = api_server_pids(server)
+        worker = server.worker_pid()
+        expected = complete(server.url, "The capital of France is")
+        # Each server alone (the other stopped, its connections wait in the shared backlog for
+        # whoever accepts): answers through the same worker, the same greedy text.
+        for paused in (server.process.pid, other):
+            os.kill(paused, signal.SIGSTOP)
+            try:
+                assert complete(server.url, "The capital of France is") == expected
+                assert complete(server.url, "The capital of France is", stream=True) == expected
+            finally:
+                os.kill(paused, signal.SIGCONT)
+        # A burst, spread over both servers by the kernel: every answer right.
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda _: complete(server.url, "The capital of France is"), range(12)))
+        assert answers == [expected] * 12
+        assert server.worker_pid() == worker
+        # 1 + 2 x 2 + 12 requests, counted whichever server answers the scrape.
+        assert {served_requests(server.url) for _ in range(6)} == {17.0}
+        metrics = scrape(server.url)
+        assert metrics["vllm:prompt_tokens_total"] == 17 * 5
+        assert metrics["vllm:num_requests_running"] == 0
+        assert not any("pid=" in name for name in metrics)  # the single-process series, no pid label
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_ends_every_api_server_and_the_worker():
+    server = ServerProcess("--api-server-count", "3", "--max-model-len", "512")
+    try:
+        server.wait_healthy()
+        others, worker = api_server_pids(server), server.worker_pid()
+        assert len(others) == 2
+        banner = f"Spillway serves {MODEL} at {server.url} with 3 API server processes"
+        deadline = time.monotonic() + 30  # another server may answer /health before server 0 says it serves
+        while banner not in server.log():
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        complete(server.url, "hi")
+        sent = time.monotonic()
+        os.killpg(server.process.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        code = server.process.wait(30)
+        took = time.monotonic() - sent
+        log = server.log()
+    finally:
+        server.stop()
+    assert code == 0 and took < 10, log[-3000:]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in [*others, worker])
+    assert "Traceback" not in log
+
+
+def test_an_api_server_that_dies_stops_the_others_with_status_1():
+    server = ServerProcess("--api-server-count", "2", "--max-model-len", "512")
+    try:
+        server.wait_healthy()
+        (other,) = api_server_pids(server)
+        worker = server.worker_pid()
+        os.kill(other, signal.SIGKILL)
+        code = server.process.wait(30)
+        log = server.log()
+    finally:
+        server.stop()
+    assert code == 1, log[-3000:]
+    assert "API server 1 was killed by SIGKILL; the server stops" in log
+    assert not Path(f"/proc/{worker}").exists()
+
+
+def test_api_servers_with_a_remote_worker_are_refused():
+    result = subprocess.run([*spillway_command(), "serve", "--api-server-count", "2", "--worker-address",
+                             "tcp://127.0.0.1:5999"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--api-server-count 2 with --worker-address: not available yet" in result.stderr
