@@ -53,6 +53,7 @@ class ApiServers:
         self.serving = False  # server 0 serves: the others' streams are worth a graceful stop
         self.failed: str | None = None  # why a server that exited on its own stopped them all
         self._alive_read, self._alive_write = os.pipe()  # EOF in a server: server 0 is gone
+        self._serving = multiprocessing.get_context("fork").Event()  # set once server 0 serves
 
     def start(self, serve: Callable[[int, tuple[str, str]], int]) -> None:
         """Fork servers 1..count-1, each running `serve(index, link)` (it returns an exit status).
@@ -93,6 +94,15 @@ class ApiServers:
         self.failed = self._ended(sentinels[ended[0]])
         logger.error("%s; the server stops", self.failed)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def now_serving(self) -> None:
+        """Server 0 serves: the others may listen too (`wait_serving` returns)."""
+        self.serving = True
+        self._serving.set()
+
+    def wait_serving(self) -> None:
+        """In servers 1..N-1: until server 0 serves (an exit of server 0 ends this process)."""
+        self._serving.wait()
 
     def check(self) -> None:
         """RuntimeError if a server has exited (before server 0 serves: it failed to start)."""

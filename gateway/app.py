@@ -7,10 +7,12 @@ a 4xx; handlers never block the event loop on the worker.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -81,6 +83,9 @@ class ServerSettings:
     tokenizer: str | None = None  # a folder with the tokenizer to use instead of the model's
     request_defaults: RequestDefaults = field(default_factory=RequestDefaults)
     log_stats: bool = False  # a stats line every 10 s while busy (`spillway serve` without --disable-log-stats)
+    # Called (in a thread) once the app is ready, before the server listens: API servers 1..N-1
+    # wait there for server 0, so that none answers /health before all do.
+    serve_after: Callable[[], object] | None = None
 
     @property
     def reasoning(self) -> bool:
@@ -129,7 +134,8 @@ def _reasoning_markers(settings: ServerSettings, hf_tokenizer) -> ReasoningMarke
     return resolve_markers(hf_tokenizer, settings.reasoning_parser, settings.reasoning_config)
 
 
-def _load_tokenizer(settings: ServerSettings):
+def load_tokenizer(settings: ServerSettings):
+    """The tokenizer the settings name (the model's, or --tokenizer's); None if the model has none."""
     config = settings.worker
     files = model_files.resolve_model(config.model, config.load_format)
     if settings.tokenizer is not None:
@@ -142,9 +148,11 @@ def _load_tokenizer(settings: ServerSettings):
         return None
 
 
-def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
+def build_app(settings: ServerSettings, start_worker=None,
+              tokenizer_loader: Callable[[], object] | None = None) -> Starlette:
     """The Starlette app; `start_worker` replaces starting a local worker process (`spillway
-    serve` hands over the one it started first; tests give fakes)."""
+    serve` hands over the one it started first; tests give fakes); `tokenizer_loader` replaces
+    loading the tokenizer at start-up (`spillway serve` loads it while the worker loads)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -167,9 +175,11 @@ def build_app(settings: ServerSettings, start_worker=None) -> Starlette:
                               response_timeout_s=settings.response_timeout_s)
         stats_log = None
         try:
-            hf_tokenizer = _load_tokenizer(settings)
+            hf_tokenizer = tokenizer_loader() if tokenizer_loader is not None else load_tokenizer(settings)
             await client.start()
             app.state.gateway = Gateway(settings, client, metrics, hf_tokenizer)
+            if settings.serve_after is not None:
+                await asyncio.to_thread(settings.serve_after)
             if settings.log_stats and settings.api_server_index == 0:
                 stats_log = StatsLogger(client, metrics, logger).start()
             if settings.freeze_startup_objects:

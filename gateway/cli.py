@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from spillway.gateway import engine_args
@@ -142,7 +144,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
 
 def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
     """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
-    from spillway.gateway.app import build_app
+    from spillway.gateway.app import build_app, load_tokenizer
 
     try:
         settings = _server_settings(args)
@@ -150,7 +152,9 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     if api_servers is not None:  # forked before the worker's sockets and threads exist
-        api_servers.start(lambda index, link: _serve_another(args, sock, settings, index, link))
+        api_servers.start(lambda index, link: _serve_another(args, sock, settings, index, link,
+                                                             api_servers.wait_serving))
+    tokenizer = _in_background(load_tokenizer, settings)  # while the worker loads the model
     start_worker = None
     if args.worker_address is None:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
@@ -162,23 +166,42 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
         except (WorkerStartError, RuntimeError) as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
-    server = BannerServer(_uvicorn_config(args, build_app(settings, start_worker)), settings.served_model_names[0],
-                          api_servers)
+    server = BannerServer(_uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
+                          settings.served_model_names[0], api_servers)
     server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
     return 0 if server.started else 1
 
 
-def _serve_another(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str]) -> int:
+def _in_background(function, *args) -> Future:
+    """`function(*args)` in a daemon thread (an exit need not wait for it); its Future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"spillway-{function.__name__}", daemon=True).start()
+    return future
+
+
+def _serve_another(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str],
+                   api_servers_serving) -> int:
     """API server `index` (>= 1), in a process forked from server 0: the same settings and
-    socket, its own link to server 0's worker."""
+    socket, its own link to server 0's worker; it listens once `api_servers_serving()` returns
+    (server 0 serves)."""
     import dataclasses
 
     import uvicorn
 
     from spillway.gateway.app import build_app
 
+    # Its progress lines ("waiting for the worker", "worker ready") would repeat server 0's.
+    logging.getLogger("spillway.gateway").setLevel(logging.WARNING)
     try:
-        settings = dataclasses.replace(settings, worker_link=link, api_server_index=index)
+        settings = dataclasses.replace(settings, worker_link=link, api_server_index=index,
+                                       serve_after=api_servers_serving)
         server = uvicorn.Server(_uvicorn_config(args, build_app(settings)))
         server.run(sockets=[sock])
     except (KeyboardInterrupt, Stopped):

@@ -61,7 +61,7 @@ class BannerServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             if self.api_servers is not None:
-                self.api_servers.serving = True
+                self.api_servers.now_serving()
             host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
             count = f" with {self.api_servers.count} API server processes" if self.api_servers is not None else ""
             logger.info("Spillway serves %s at http://%s:%d%s (OpenAI-compatible API under /v1); "

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from spillway.gateway import openai as api
-from spillway.gateway.app import ServerSettings, _load_tokenizer
+from spillway.gateway.app import ServerSettings, load_tokenizer
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.request_defaults import RequestDefaults, read_request_defaults
 from spillway.gateway.tokenizer import PromptTokenizer
@@ -99,4 +99,4 @@ def test_the_tokenizer_comes_from_the_folder_given(tmp_path, files):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(files.path / name, folder / name)
     settings = ServerSettings(worker=WorkerConfig(model=str(files.path)), tokenizer=str(folder))
-    assert _load_tokenizer(settings).name_or_path == str(folder)
+    assert load_tokenizer(settings).name_or_path == str(folder)
