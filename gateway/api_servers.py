@@ -2,11 +2,11 @@
 
 One event loop takes a request in at a time: a burst of long prompts (a 10k-id body costs
 ~1-1.5 ms to read, check, hash and send) reaches the worker over tens of milliseconds. N
-processes share the listening socket (the kernel hands each connection to one that accepts)
-and each has a link of its own to the one worker:
+processes serve the port, each on a socket of its own (SO_REUSEPORT: the kernel spreads the
+connections evenly, gateway/serve_run.py), and each has a link of its own to the one worker:
 
     spillway serve (API server 0) ── binds the port, starts the worker with links 1..N-1
-      ├─ API server 1..N-1: forked before the worker starts, same settings, same socket;
+      ├─ API server 1..N-1: forked before the worker starts, same settings, own socket;
       │    each binds its ipc link and waits for the worker (a HELLO session, as a remote
       │    gateway does: gateway/remote_worker.py)
       └─ worker: serves every link (worker/gateway_links.py)
