@@ -2,14 +2,21 @@
 
 One event loop takes a request in at a time: a burst of long prompts (a 10k-id body costs
 ~1-1.5 ms to read, check, hash and send) reaches the worker over tens of milliseconds. N
-processes serve the port, each on a socket of its own (SO_REUSEPORT: the kernel spreads the
-connections evenly, gateway/serve_run.py), and each has a link of its own to the one worker:
+processes share the listening socket (the kernel hands each connection to one that accepts)
+and each has a link of its own to the one worker:
 
     spillway serve (API server 0) ── binds the port, starts the worker with links 1..N-1
-      ├─ API server 1..N-1: forked before the worker starts, same settings, own socket;
+      ├─ API server 1..N-1: forked before the worker starts, same settings, same socket;
       │    each binds its ipc link and waits for the worker (a HELLO session, as a remote
       │    gateway does: gateway/remote_worker.py)
       └─ worker: serves every link (worker/gateway_links.py)
+
+One socket, not one per server (SO_REUSEPORT): the kernel would spread a burst's connections
+evenly, but they then reach the worker faster than it takes them in (~1 ms of its time for a
+10k-token prompt), and it planned a burst of 35 in one go before computing any; a server that
+stalls would also hold the connections hashed to it. On the H200's 50-request convoy the
+shared socket gave TTFT p50 53.9 ms (4 servers) against 84.8 with a socket each
+(docs/performance.md).
 
 Metrics are summed across the processes (gateway/metrics.py); only server 0 turns the worker's
 Stats into metrics and logs the stats line. Any server that exits on its own stops them all,

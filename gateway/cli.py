@@ -111,29 +111,27 @@ def serve_command(args: argparse.Namespace) -> int:
     """Run the server until Ctrl-C or SIGTERM (exit status 0 either way, also while the model
     loads); 1 when it cannot start."""
     try:
-        # Before anything slow: a port in use ends it at once. A socket per API server.
-        sockets = bind_port(args.host, args.port, args.api_server_count)
+        sock = bind_port(args.host, args.port)  # before anything slow: a port in use ends it at once
     except PortInUse as exc:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 1
     try:
         with stop_on_sigterm():
-            return _serve(args, sockets)
+            return _serve(args, sock)
     except (KeyboardInterrupt, Stopped):  # the worker, if any, is closed already
         return 0
     finally:
-        for sock in sockets:
-            sock.close()
+        sock.close()
 
 
-def _serve(args: argparse.Namespace, sockets) -> int:
+def _serve(args: argparse.Namespace, sock) -> int:
     api_servers = None
     if args.api_server_count > 1:
         from spillway.gateway.api_servers import ApiServers
 
         api_servers = ApiServers(args.api_server_count)  # metrics shared across processes from here on
     try:
-        code = _serve_first(args, sockets, api_servers)
+        code = _serve_first(args, sock, api_servers)
     except Stopped:  # uvicorn raises again the SIGTERM it stopped on
         if api_servers is None or api_servers.failed is None:
             raise
@@ -144,9 +142,8 @@ def _serve(args: argparse.Namespace, sockets) -> int:
     return 1 if api_servers is not None and api_servers.failed else code
 
 
-def _serve_first(args: argparse.Namespace, sockets, api_servers) -> int:
-    """API server 0: the worker's owner (and with --api-server-count, the other servers'),
-    serving `sockets[0]`; server k serves `sockets[k]`."""
+def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
+    """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
     from spillway.gateway.app import build_app, load_tokenizer
 
     try:
@@ -155,7 +152,7 @@ def _serve_first(args: argparse.Namespace, sockets, api_servers) -> int:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     if api_servers is not None:  # forked before the worker's sockets and threads exist
-        api_servers.start(lambda index, link: _serve_another(args, sockets, settings, index, link,
+        api_servers.start(lambda index, link: _serve_another(args, sock, settings, index, link,
                                                              api_servers.wait_serving))
     tokenizer = _in_background(load_tokenizer, settings)  # while the worker loads the model
     start_worker = None
@@ -171,7 +168,7 @@ def _serve_first(args: argparse.Namespace, sockets, api_servers) -> int:
             return 1
     server = BannerServer(_uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
                           settings.served_model_names[0], api_servers)
-    server.run(sockets=sockets[:1])  # uvicorn raises the signal that stopped it again once it has shut down
+    server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
     return 0 if server.started else 1
 
 
@@ -189,15 +186,11 @@ def _in_background(function, *args) -> Future:
     return future
 
 
-def _serve_another(args: argparse.Namespace, sockets, settings, index: int, link: tuple[str, str],
+def _serve_another(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str],
                    api_servers_serving) -> int:
-    """API server `index` (>= 1), in a process forked from server 0: the same settings, its own
-    socket on the port and its own link to server 0's worker; it listens once
-    `api_servers_serving()` returns (server 0 serves)."""
-    sock = sockets[index]
-    for other in sockets:
-        if other is not sock:
-            other.close()
+    """API server `index` (>= 1), in a process forked from server 0: the same settings and
+    socket, its own link to server 0's worker; it listens once `api_servers_serving()` returns
+    (server 0 serves)."""
     import dataclasses
 
     import uvicorn

@@ -29,31 +29,8 @@ class Stopped(BaseException):
     """SIGTERM arrived: unwinds like Ctrl-C's KeyboardInterrupt, whatever the process was doing."""
 
 
-def bind_port(host: str, port: int, count: int = 1) -> list[socket.socket]:
-    """`count` sockets bound to host:port, for uvicorn to listen on (one per API server); PortInUse
-    naming both otherwise.
-
-    Several are bound with SO_REUSEPORT, after a plain bind has found the port free (so another
-    server on the port is refused, even one that shares it so): the kernel then spreads new
-    connections over the sockets evenly. One socket shared by all servers would not: an event
-    loop woken by a readable listener accepts every connection waiting, so the first server to
-    wake takes most of a burst and reads its prompts one after another."""
-    first = _bind(host, port, reuse_port=False)
-    if count == 1:
-        return [first]
-    first.close()  # never listened on: the port is free again at once
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sockets.append(_bind(host, port, reuse_port=True))
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
-def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on; PortInUse naming both otherwise."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
@@ -61,8 +38,6 @@ def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
         raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait for TIME_WAIT
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
     except OSError as exc:
