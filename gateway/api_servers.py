@@ -11,12 +11,11 @@ and each has a link of its own to the one worker:
       │    gateway does: gateway/remote_worker.py)
       └─ worker: serves every link (worker/gateway_links.py)
 
-One socket, not one per server (SO_REUSEPORT): the kernel would spread a burst's connections
-evenly, but they then reach the worker faster than it takes them in (~1 ms of its time for a
-10k-token prompt), and it planned a burst of 35 in one go before computing any; a server that
-stalls would also hold the connections hashed to it. On the H200's 50-request convoy the
-shared socket gave TTFT p50 53.9 ms (4 servers) against 84.8 with a socket each
-(docs/performance.md).
+One socket, as vLLM's servers share theirs, not one per server (SO_REUSEPORT): the kernel
+would spread a burst evenly, but a server that stalls would hold the connections hashed to it,
+and on the H200's 50-request convoy a socket each did no better (TTFT p50 84.8 ms with 4
+servers, against 53.9 and 92.5 in two runs on one socket: the worker, ~1 ms of its time per
+10k-token prompt, is what a fast burst waits on; docs/performance.md).
 
 Metrics are summed across the processes (gateway/metrics.py); only server 0 turns the worker's
 Stats into metrics and logs the stats line. Any server that exits on its own stops them all,
