@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,8 @@ import pytest
 from server_helpers import MODEL, ServerProcess, scrape, spillway_command
 
 pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
 
 
 def children(pid: int) -> list[int]:
@@ -46,29 +49,37 @@ def complete(url: str, prompt: str, stream: bool = False) -> list[int] | str:
     return text
 
 
+@contextmanager
+def two_api_servers():
+    """(server, API server 1's pid, the worker's pid, the greedy answer to PROMPT) of a served
+    `--api-server-count 2`, stopped at the end."""
+    server = ServerProcess("--api-server-count", "2", "--max-model-len", "512", "--disable-log-stats")
+    try:
+        server.wait_healthy()
+        (other,) = api_server_pids(server)
+        yield server, other, server.worker_pid(), complete(server.url, PROMPT)
+    finally:
+        server.stop()
+
+
 def served_requests(url: str) -> float:
     return scrape(url)['vllm:request_success_total{finished_reason="length"}']
 
 
 def test_every_api_server_serves_through_one_worker_and_metrics_sum_across_them():
-    server = ServerProcess("--api-server-count", "2", "--max-model-len", "512", "--disable-log-stats")
-    try:
-        server.wait_healthy()
-        (other,) = api_server_pids(server)
-        worker = server.worker_pid()
-        expected = complete(server.url, "The capital of France is")
+    with two_api_servers() as (server, other, worker, expected):
         # Each server alone (the other stopped, its connections wait in the shared backlog for
         # whoever accepts): answers through the same worker, the same greedy text.
         for paused in (server.process.pid, other):
             os.kill(paused, signal.SIGSTOP)
             try:
-                assert complete(server.url, "The capital of France is") == expected
-                assert complete(server.url, "The capital of France is", stream=True) == expected
+                assert complete(server.url, PROMPT) == expected
+                assert complete(server.url, PROMPT, stream=True) == expected
             finally:
                 os.kill(paused, signal.SIGCONT)
-        # A burst, spread over both servers by the kernel: every answer right.
+        # A burst, each request through whichever server accepts it: every answer right.
         with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda _: complete(server.url, "The capital of France is"), range(12)))
+            answers = list(pool.map(lambda _: complete(server.url, PROMPT), range(12)))
         assert answers == [expected] * 12
         assert server.worker_pid() == worker
         # 1 + 2 x 2 + 12 requests, counted whichever server answers the scrape.
@@ -78,8 +89,6 @@ def test_every_api_server_serves_through_one_worker_and_metrics_sum_across_them(
         assert metrics["vllm:num_requests_running"] == 0
         assert not any("pid=" in name for name in metrics)  # the single-process series, no pid label
         assert "Traceback" not in server.log()
-    finally:
-        server.stop()
 
 
 def test_ctrl_c_ends_every_api_server_and_the_worker():
@@ -125,3 +134,36 @@ def test_api_servers_with_a_remote_worker_are_refused():
                              "tcp://127.0.0.1:5999"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--api-server-count 2 with --worker-address: not available yet" in result.stderr
+
+
+def test_a_killed_worker_is_replaced_for_every_api_server():
+    """Server 0 starts the replacement with every server's link; each server fails what it had
+    in flight, takes the new worker (its Ready, a session of its own) and serves again."""
+    with two_api_servers() as (server, other, old_worker, expected):
+        os.kill(old_worker, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the replacement loads: until then each server answers 503
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            try:
+                if server.worker_pid() != old_worker and httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                    break
+            except (AssertionError, httpx.TransportError):
+                pass
+            time.sleep(0.5)
+        # Server 0 stopped: server 1 accepts every connection, through the new worker.
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # server 1 may still be taking the new worker's Ready
+                reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True})
+                if reply.status_code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected
+        assert complete(server.url, PROMPT) == expected
+        assert api_server_pids(server) == [other]

@@ -1,0 +1,157 @@
+"""The worker's host time for a burst of long prompts on one prefix that only the CPU tier holds
+(the served convoy's shape): each request's intake (its Generate decoded, `Engine.add_request`)
+and the step that admits them all (prefix lookups, references, the one shared load), in-process
+on the CPU with a tiny random Llama: the bookkeeping does not depend on the model's size.
+
+    python tools/bench_admission.py                        # this tree: 50 requests on a 10,000-token prefix
+    python tools/bench_admission.py --baseline DIR         # and the tree at DIR, alternating, same run
+                                                           #   (mkdir DIR && git archive REV | tar -x -C DIR)
+
+Per run: microseconds per request of the intake and of the admitting step, each the median over
+`--rounds` bursts (the prefix pushed out to the CPU tier again before each); the table shows the
+median over `--repeats` runs of each tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PIECES = ("intake", "admission", "total")
+BLOCK_SIZE = 16
+
+
+def time_burst(prompt_len: int, burst: int, rounds: int) -> dict[str, float]:
+    """The child: microseconds per request, with whichever spillway it imports."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spillway.gateway.tokenizer import PromptHasher
+    from spillway.protocol.config import WorkerConfig
+    from spillway.protocol.hashing import pack_token_ids
+    from spillway.protocol.messages import Generate, SamplingParams, encoder, gateway_decoder
+    from spillway.worker.engine import Engine
+
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp(prefix="bench-admission-")
+    vocab = 512
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=prompt_len + 64)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    prefix_blocks = -(-(prompt_len + 4) // BLOCK_SIZE)
+    gpu_blocks = prefix_blocks + burst + 64  # the prefix and the burst's own blocks, not the fillers too
+    num_fillers = -(-gpu_blocks * BLOCK_SIZE // prompt_len) + 1  # prompts of the prefix's length
+    engine = Engine(WorkerConfig(model=folder, device="cpu", dtype="float32", max_num_seqs=burst + 8,
+                                 max_model_len=prompt_len + 32, block_size=BLOCK_SIZE,
+                                 num_gpu_blocks_override=gpu_blocks, num_cpu_blocks_override=4 * gpu_blocks))
+    hasher = PromptHasher.of(engine.ready())
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    wire, decoder = encoder(), gateway_decoder()
+    rng = random.Random(0)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(count)]
+
+    def message(request_id: str, ids: list[int]) -> bytes:
+        packed = pack_token_ids(ids)
+        return wire.encode(Generate(request_id=request_id, prompt_token_ids=packed, block_hashes=hasher(packed),
+                                    params=params))
+
+    def run(request_id: str, ids: list[int]) -> None:
+        refused = engine.add_request(decoder.decode(message(request_id, ids)))
+        if refused is not None:
+            raise RuntimeError(f"{request_id} refused: {refused.error}")
+        while engine.has_work:
+            engine.step()
+
+    prefix = tokens(prompt_len)
+    run("prefix", prefix + tokens(4))
+    intake, admission = [], []
+    for round_ in range(rounds + 1):  # the first round warms up
+        for i in range(num_fillers):  # distinct prompts that take the whole GPU pool: the prefix goes to the CPU tier
+            run(f"filler-{round_}-{i}", tokens(prompt_len))
+        while engine.idle_write_back():  # as an idle worker does: the burst's evictions find CPU copies
+            pass
+        messages = [message(f"r-{round_}-{i}", prefix + tokens(4)) for i in range(burst)]
+        started = time.perf_counter()
+        for data in messages:
+            engine.add_request(decoder.decode(data))
+        taken = time.perf_counter()
+        engine.step()  # admits them all; they wait for the shared load
+        admitted = time.perf_counter()
+        if engine.scheduler.num_awaiting_load != burst:
+            raise RuntimeError(f"{engine.scheduler.num_awaiting_load} of {burst} wait for the load: "
+                               "the prefix was not in the CPU tier alone")
+        while engine.has_work:
+            engine.step()
+        if round_:
+            intake.append((taken - started) / burst * 1e6)
+            admission.append((admitted - taken) / burst * 1e6)
+    return {"intake": statistics.median(intake), "admission": statistics.median(admission),
+            "total": statistics.median(intake) + statistics.median(admission)}
+
+
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """The environment of a child that imports `tree`'s packages as spillway's (None: the
+    installed ones)."""
+    env = dict(os.environ)
+    if tree is not None:
+        site = Path(tempfile.mkdtemp(prefix="bench-admission-site-")) / "spillway"
+        site.mkdir()
+        for package in ("gateway", "protocol", "worker", "kernels"):
+            (site / package).symlink_to(tree.resolve() / package)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
+    return env
+
+
+def measure(tree: Path | None, args) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", "--prompt-len", str(args.prompt_len), "--burst",
+               str(args.burst), "--rounds", str(args.rounds)]
+    done = subprocess.run(command, env=tree_env(tree), capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the run of {tree or 'this tree'} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-len", type=int, default=10_000, help="the shared prefix's tokens")
+    parser.add_argument("--burst", type=int, default=50, help="requests on the prefix at once")
+    parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each tree, alternating")
+    parser.add_argument("--rounds", type=int, default=5, help="bursts per run (the median counts)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if min(args.prompt_len, args.burst, args.repeats, args.rounds) < 1 or args.prompt_len < 2 * BLOCK_SIZE:
+        parser.error(f"--burst, --repeats and --rounds must be at least 1, --prompt-len at least {2 * BLOCK_SIZE}")
+    if args.child:
+        print(json.dumps(time_burst(args.prompt_len, args.burst, args.rounds)))
+        return 0
+    trees = ([("baseline", args.baseline)] if args.baseline is not None else []) + [("this tree", None)]
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+    for _ in range(args.repeats):
+        for label, tree in trees:
+            runs[label].append(measure(tree, args))
+    print(f"{args.burst} requests on a {args.prompt_len}-token prefix held by the CPU tier alone, worker host us "
+          f"per request (median of {args.repeats} runs of {args.rounds} bursts); machine: {os.cpu_count()} CPUs")
+    print(f"{'':>10}  " + "  ".join(f"{name:>10}" for name in PIECES))
+    medians = {label: {name: statistics.median(run[name] for run in results) for name in PIECES}
+               for label, results in runs.items()}
+    for label, median in medians.items():
+        print(f"{label:>10}  " + "  ".join(f"{median[name]:>10.1f}" for name in PIECES))
+    if args.baseline is not None:
+        print(f"{'ratio':>10}  " + "  ".join(f"{medians['this tree'][n] / medians['baseline'][n]:>10.2f}"
+                                            for n in PIECES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
