@@ -25,6 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: tools.*
+
+from tools.bench_table import print_tree_medians, runs_of_trees  # noqa: E402
+
 PIECES = ("intake", "admission", "total")
 BLOCK_SIZE = 16
 
@@ -135,21 +139,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(time_burst(args.prompt_len, args.burst, args.rounds)))
         return 0
-    trees = ([("baseline", args.baseline)] if args.baseline is not None else []) + [("this tree", None)]
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
-    for _ in range(args.repeats):
-        for label, tree in trees:
-            runs[label].append(measure(tree, args))
-    print(f"{args.burst} requests on a {args.prompt_len}-token prefix held by the CPU tier alone, worker host us "
-          f"per request (median of {args.repeats} runs of {args.rounds} bursts); machine: {os.cpu_count()} CPUs")
-    print(f"{'':>10}  " + "  ".join(f"{name:>10}" for name in PIECES))
-    medians = {label: {name: statistics.median(run[name] for run in results) for name in PIECES}
-               for label, results in runs.items()}
-    for label, median in medians.items():
-        print(f"{label:>10}  " + "  ".join(f"{median[name]:>10.1f}" for name in PIECES))
-    if args.baseline is not None:
-        print(f"{'ratio':>10}  " + "  ".join(f"{medians['this tree'][n] / medians['baseline'][n]:>10.2f}"
-                                            for n in PIECES))
+    runs = runs_of_trees(lambda tree: measure(tree, args), args.baseline, args.repeats)
+    title = (f"{args.burst} requests on a {args.prompt_len}-token prefix held by the CPU tier alone, worker host us "
+             f"per request (median of {args.repeats} runs of {args.rounds} bursts); machine: {os.cpu_count()} CPUs")
+    print_tree_medians(title, runs, PIECES, width=10)
     return 0
 
 

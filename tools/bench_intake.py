@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import timeit
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: tools.*
 
 from tools.bench_gateway import tree_env  # noqa: E402
+from tools.bench_table import print_tree_medians, runs_of_trees  # noqa: E402
 
 PIECES = ("decode", "job", "pack_and_hash", "encode", "total")
 
@@ -112,21 +112,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(time_pieces(args.prompt_len, args.rounds)))
         return 0
-    trees = ([("baseline", args.baseline)] if args.baseline is not None else []) + [("this tree", None)]
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
-    for _ in range(args.repeats):
-        for label, tree in trees:
-            runs[label].append(measure(tree, args))
-    print(f"one {args.prompt_len}-id prompt on /v1/completions, us per request (median of {args.repeats} runs); "
-          f"machine: {os.cpu_count()} CPUs")
-    print(f"{'':>10}  " + "  ".join(f"{name:>13}" for name in PIECES))
-    medians = {label: {name: statistics.median(run[name] for run in results) for name in PIECES}
-               for label, results in runs.items()}
-    for label, median in medians.items():
-        print(f"{label:>10}  " + "  ".join(f"{median[name]:>13.1f}" for name in PIECES))
-    if args.baseline is not None:
-        print(f"{'ratio':>10}  " + "  ".join(f"{medians['this tree'][n] / medians['baseline'][n]:>13.2f}"
-                                            for n in PIECES))
+    runs = runs_of_trees(lambda tree: measure(tree, args), args.baseline, args.repeats)
+    title = (f"one {args.prompt_len}-id prompt on /v1/completions, us per request (median of {args.repeats} runs); "
+             f"machine: {os.cpu_count()} CPUs")
+    print_tree_medians(title, runs, PIECES, width=13)
     return 0
 
 

@@ -4,8 +4,11 @@ file as a JSON line, and printed again as one table at the end."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+from collections.abc import Callable, Sequence
 from datetime import date
+from pathlib import Path
 
 MACHINE = ""  # set once by the benchmark: what every row was measured on
 
@@ -51,3 +54,30 @@ def print_table(rows: list[dict]) -> None:
         if r["note"]:
             print(f"{'':42}   {r['note']}")
     sys.stdout.flush()
+
+
+def runs_of_trees(measure: Callable[[Path | None], dict[str, float]], baseline: Path | None,
+                  repeats: int) -> dict[str, list[dict[str, float]]]:
+    """`repeats` runs of `measure(tree)` for the baseline tree (if any) and this one (None),
+    alternating, by label ("baseline", "this tree")."""
+    trees = ([("baseline", baseline)] if baseline is not None else []) + [("this tree", None)]
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+    for _ in range(repeats):
+        for label, tree in trees:
+            runs[label].append(measure(tree))
+    return runs
+
+
+def print_tree_medians(title: str, runs: dict[str, list[dict[str, float]]], pieces: Sequence[str],
+                       width: int) -> None:
+    """`title`, then each tree's median of every piece over its runs, and with a baseline the
+    ratio of this tree's medians to its."""
+    print(title)
+    print(f"{'':>10}  " + "  ".join(f"{name:>{width}}" for name in pieces))
+    medians = {label: {name: statistics.median(run[name] for run in results) for name in pieces}
+               for label, results in runs.items()}
+    for label, median in medians.items():
+        print(f"{label:>10}  " + "  ".join(f"{median[name]:>{width}.1f}" for name in pieces))
+    if "baseline" in medians:
+        print(f"{'ratio':>10}  " + "  ".join(f"{medians['this tree'][n] / medians['baseline'][n]:>{width}.2f}"
+                                            for n in pieces))
