@@ -12,9 +12,6 @@ import json
 import logging
 import os
 import sys
-import threading
-import time
-from concurrent.futures import Future
 from pathlib import Path
 
 from spillway.gateway import engine_args
@@ -23,9 +20,12 @@ from spillway.gateway.config_file import ConfigFileError, expand_config
 from spillway.gateway.engine_args import engine_config
 from spillway.gateway.request_defaults import read_request_defaults
 from spillway.gateway.sampling_params import MAX_LOGPROBS
-from spillway.gateway.serve_run import BannerServer, PortInUse, Stopped, bind_port, stop_on_sigterm
+from spillway.gateway.serve_run import (
+    BannerServer, PortInUse, Stopped, bind_port, in_background, local_workers, serve_api_server, stop_on_sigterm,
+    uvicorn_config,
+)
 from spillway.gateway.spec_args import speculative_config
-from spillway.gateway.worker_process import WorkerProcess, WorkerStartError
+from spillway.gateway.worker_process import WorkerStartError
 from spillway.protocol import envs, model_files
 from spillway.protocol.link_auth import read_worker_key, require_key_off_loopback
 
@@ -152,73 +152,29 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
         print(f"spillway serve: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     if api_servers is not None:  # forked before the worker's sockets and threads exist
-        api_servers.start(lambda index, link: _serve_another(args, sock, settings, index, link,
+        api_servers.start(lambda index, link: serve_api_server(args, sock, settings, index, link,
                                                              api_servers.wait_serving))
-    tokenizer = _in_background(load_tokenizer, settings)  # while the worker loads the model
+    tokenizer = in_background(load_tokenizer, settings)  # while the worker loads the model
     start_worker = None
     if args.worker_address is None:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
         # an fp8 cache on the CPU) end the command with the worker's own message.
         try:
-            start_worker = _local_workers(settings.worker, api_servers.links if api_servers is not None else None)
+            start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
             if api_servers is not None:
                 api_servers.check()
         except (WorkerStartError, RuntimeError) as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
-    server = BannerServer(_uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
+    server = BannerServer(uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
                           settings.served_model_names[0], api_servers)
     server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
     return 0 if server.started else 1
 
 
-def _in_background(function, *args) -> Future:
-    """`function(*args)` in a daemon thread (an exit need not wait for it); its Future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(function(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=f"spillway-{function.__name__}", daemon=True).start()
-    return future
-
-
-def _serve_another(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str],
-                   api_servers_serving) -> int:
-    """API server `index` (>= 1), in a process forked from server 0: the same settings and
-    socket, its own link to server 0's worker; it listens once `api_servers_serving()` returns
-    (server 0 serves)."""
-    import dataclasses
-
-    import uvicorn
-
-    from spillway.gateway.app import build_app
-
-    # Its progress lines ("waiting for the worker", "worker ready") would repeat server 0's.
-    logging.getLogger("spillway.gateway").setLevel(logging.WARNING)
-    try:
-        settings = dataclasses.replace(settings, worker_link=link, api_server_index=index,
-                                       serve_after=api_servers_serving)
-        server = uvicorn.Server(_uvicorn_config(args, build_app(settings)))
-        server.run(sockets=[sock])
-    except (KeyboardInterrupt, Stopped):
-        return 0
-    return 0 if server.started else 1
-
-
-def _uvicorn_config(args: argparse.Namespace, app):
-    from spillway.gateway.http_protocol import server_config
-
-    return server_config(app, host=args.host, port=args.port, loop="uvloop" if _has_uvloop() else "asyncio",
-                         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-
-
 def _server_settings(args: argparse.Namespace):
     """The server's settings from the flags, every file they name read and checked."""
-    from spillway.gateway.app import ServerSettings
+    from spillway.gateway.server_settings import ServerSettings
     from spillway.gateway.remote_worker import worker_addresses
 
     config, root = worker_config(args)
@@ -249,30 +205,6 @@ def _check_tokenizer(folder: str | None) -> str | None:
     return folder
 
 
-def _local_workers(config, extra_links: list[tuple[str, str]] | None = None):
-    """Start a worker (serving the other API servers' `extra_links` too) and wait until it is
-    ready (WorkerStartError if it cannot start); returns the app's `start_worker`, which hands
-    out that worker first, then new ones."""
-    worker = WorkerProcess(config, extra_links=extra_links)
-    started = time.monotonic()
-    last_report = started
-
-    def on_wait() -> None:
-        nonlocal last_report
-        if time.monotonic() - last_report >= 5.0:
-            last_report = time.monotonic()
-            logging.getLogger("spillway.gateway").info("waiting for the worker to load the model (%.0f s)",
-                                                       last_report - started)
-
-    try:
-        worker.wait_ready(on_wait=on_wait)
-    except BaseException:
-        worker.close()
-        raise
-    started_workers = [worker]
-    return lambda: started_workers.pop() if started_workers else WorkerProcess(config, extra_links=extra_links)
-
-
 def worker_command(args: argparse.Namespace) -> int:
     from spillway.gateway.remote_worker import worker_addresses
     from spillway.worker.config import resolve_device_settings
@@ -291,14 +223,6 @@ def worker_command(args: argparse.Namespace) -> int:
         return run_worker(config, inbox, outbox, parent_pid=None, keys=keys)
     except KeyboardInterrupt:
         return 0
-
-
-def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

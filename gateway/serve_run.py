@@ -5,18 +5,28 @@ it serves, and a quiet end on Ctrl-C or SIGTERM.
     SIGINT / SIGTERM at any point ──▶ worker closed, exit status 0, no traceback
 
 The socket is bound first, so a port in use ends the command in a moment rather than after
-the model has loaded, and no other process can take the port in between.
+the model has loaded, and no other process can take the port in between. The first worker
+starts before the server (`local_workers`) while the tokenizer loads beside it
+(`in_background`); with `--api-server-count` the other servers run `serve_api_server`
+(gateway/api_servers.py forks them).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
+import threading
+import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import uvicorn
+
+from spillway.gateway.worker_process import WorkerProcess
 
 logger = logging.getLogger("spillway.gateway")
 
@@ -89,3 +99,75 @@ def stop_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def in_background(function, *args) -> Future:
+    """`function(*args)` in a daemon thread (an exit need not wait for it); its Future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"spillway-{function.__name__}", daemon=True).start()
+    return future
+
+
+def serve_api_server(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str],
+                     api_servers_serving) -> int:
+    """API server `index` (>= 1), in a process forked from server 0: the same settings and
+    socket, its own link to server 0's worker; it listens once `api_servers_serving()` returns
+    (server 0 serves)."""
+    from spillway.gateway.app import build_app
+
+    # Its progress lines ("waiting for the worker", "worker ready") would repeat server 0's.
+    logger.setLevel(logging.WARNING)
+    try:
+        settings = dataclasses.replace(settings, worker_link=link, api_server_index=index,
+                                       serve_after=api_servers_serving)
+        server = uvicorn.Server(uvicorn_config(args, build_app(settings)))
+        server.run(sockets=[sock])
+    except (KeyboardInterrupt, Stopped):
+        return 0
+    return 0 if server.started else 1
+
+
+def uvicorn_config(args: argparse.Namespace, app) -> uvicorn.Config:
+    """The server's uvicorn configuration, from `spillway serve`'s flags."""
+    from spillway.gateway.http_protocol import server_config
+
+    return server_config(app, host=args.host, port=args.port, loop="uvloop" if _has_uvloop() else "asyncio",
+                         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+
+
+def local_workers(config, extra_links: list[tuple[str, str]] | None = None):
+    """Start a worker (serving the other API servers' `extra_links` too) and wait until it is
+    ready (WorkerStartError if it cannot start); returns the app's `start_worker`, which hands
+    out that worker first, then new ones."""
+    worker = WorkerProcess(config, extra_links=extra_links)
+    started = time.monotonic()
+    last_report = started
+
+    def on_wait() -> None:
+        nonlocal last_report
+        if time.monotonic() - last_report >= 5.0:
+            last_report = time.monotonic()
+            logger.info("waiting for the worker to load the model (%.0f s)", last_report - started)
+
+    try:
+        worker.wait_ready(on_wait=on_wait)
+    except BaseException:
+        worker.close()
+        raise
+    started_workers = [worker]
+    return lambda: started_workers.pop() if started_workers else WorkerProcess(config, extra_links=extra_links)
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True

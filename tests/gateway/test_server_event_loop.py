@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
-from spillway.gateway.app import DEFAULT_MAX_BODY_BYTES
+from spillway.gateway.server_settings import DEFAULT_MAX_BODY_BYTES
 from spillway.gateway.guards import MAX_BODY_VALUES
 from spillway.gateway.tokenizer import PromptTokenizer
 from spillway.protocol import model_files
