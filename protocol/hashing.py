@@ -91,7 +91,9 @@ def block_hashes(
     block `start` on.
 
     To extend an existing chain pass `start` (the number of blocks already hashed) and
-    `parent` (the hash of block start-1). The salt applies to block 0 only.
+    `parent` (the hash of block start-1). The salt applies to block 0 only, so a chain also
+    goes on from any of its hashes given as `root`, unsalted, with only the ids after its block:
+    `block_hashes(ids[k * block_size:], block_size, hashes[k - 1])` == `hashes[k:]`.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -1,15 +1,19 @@
-"""The worker's host time for a burst of long prompts on one prefix that only the CPU tier holds
-(the served convoy's shape): each request's intake (its Generate decoded, `Engine.add_request`)
-and the step that admits them all (prefix lookups, references, the one shared load), in-process
-on the CPU with a tiny random Llama: the bookkeeping does not depend on the model's size.
+"""The worker's time for a burst of long prompts on one prefix that only the CPU tier holds
+(the served convoy's shape): each request's intake (its Generate decoded, `Engine.add_request`),
+the step that admits them all (prefix lookups, references, the one shared load), and the steps
+that then compute them until each has its first token (staging 50 block tables of the prefix's
+length, the forward, the commit), in-process with a tiny random Llama: the bookkeeping does not
+depend on the model's size, and the tiny forward leaves the compute column mostly host time.
 
     python tools/bench_admission.py                        # this tree: 50 requests on a 10,000-token prefix
     python tools/bench_admission.py --baseline DIR         # and the tree at DIR, alternating, same run
                                                            #   (mkdir DIR && git archive REV | tar -x -C DIR)
+    python tools/bench_admission.py --device cuda          # the GPU path (on the CPU the copies and the
+                                                           #   attention run on the host: in the columns)
 
-Per run: microseconds per request of the intake and of the admitting step, each the median over
-`--rounds` bursts (the prefix pushed out to the CPU tier again before each); the table shows the
-median over `--repeats` runs of each tree.
+Per run: microseconds per request of each piece, the median over `--rounds` bursts (the prefix
+pushed out to the CPU tier again before each); the table shows the median over `--repeats` runs
+of each tree.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from tools.bench_table import print_tree_medians, runs_of_trees  # noqa: E402
 
-PIECES = ("intake", "admission", "total")
+PIECES = ("intake", "admission", "compute", "total")
 BLOCK_SIZE = 16
 
 
-def time_burst(prompt_len: int, burst: int, rounds: int) -> dict[str, float]:
+def time_burst(prompt_len: int, burst: int, rounds: int, device: str = "cpu") -> dict[str, float]:
     """The child: microseconds per request, with whichever spillway it imports."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -53,7 +57,8 @@ def time_burst(prompt_len: int, burst: int, rounds: int) -> dict[str, float]:
     prefix_blocks = -(-(prompt_len + 4) // BLOCK_SIZE)
     gpu_blocks = prefix_blocks + burst + 64  # the prefix and the burst's own blocks, not the fillers too
     num_fillers = -(-gpu_blocks * BLOCK_SIZE // prompt_len) + 1  # prompts of the prefix's length
-    engine = Engine(WorkerConfig(model=folder, device="cpu", dtype="float32", max_num_seqs=burst + 8,
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    engine = Engine(WorkerConfig(model=folder, device=device, dtype=dtype, max_num_seqs=burst + 8,
                                  max_model_len=prompt_len + 32, block_size=BLOCK_SIZE,
                                  num_gpu_blocks_override=gpu_blocks, num_cpu_blocks_override=4 * gpu_blocks))
     hasher = PromptHasher.of(engine.ready())
@@ -78,7 +83,7 @@ def time_burst(prompt_len: int, burst: int, rounds: int) -> dict[str, float]:
 
     prefix = tokens(prompt_len)
     run("prefix", prefix + tokens(4))
-    intake, admission = [], []
+    intake, admission, compute = [], [], []
     for round_ in range(rounds + 1):  # the first round warms up
         for i in range(num_fillers):  # distinct prompts that take the whole GPU pool: the prefix goes to the CPU tier
             run(f"filler-{round_}-{i}", tokens(prompt_len))
@@ -94,13 +99,19 @@ def time_burst(prompt_len: int, burst: int, rounds: int) -> dict[str, float]:
         if engine.scheduler.num_awaiting_load != burst:
             raise RuntimeError(f"{engine.scheduler.num_awaiting_load} of {burst} wait for the load: "
                                "the prefix was not in the CPU tier alone")
+        first_tokens = 0
+        while first_tokens < burst and engine.has_work:  # the load lands, then the burst computes
+            first_tokens += sum(bool(delta.new_token_ids) for delta in engine.step())
+        computed = time.perf_counter()
         while engine.has_work:
             engine.step()
         if round_:
             intake.append((taken - started) / burst * 1e6)
             admission.append((admitted - taken) / burst * 1e6)
-    return {"intake": statistics.median(intake), "admission": statistics.median(admission),
-            "total": statistics.median(intake) + statistics.median(admission)}
+            compute.append((computed - admitted) / burst * 1e6)
+    times = {"intake": statistics.median(intake), "admission": statistics.median(admission),
+             "compute": statistics.median(compute)}
+    return {**times, "total": sum(times.values())}
 
 
 def tree_env(tree: Path | None) -> dict[str, str]:
@@ -118,7 +129,7 @@ def tree_env(tree: Path | None) -> dict[str, str]:
 
 def measure(tree: Path | None, args) -> dict[str, float]:
     command = [sys.executable, __file__, "--child", "--prompt-len", str(args.prompt_len), "--burst",
-               str(args.burst), "--rounds", str(args.rounds)]
+               str(args.burst), "--rounds", str(args.rounds), "--device", args.device]
     done = subprocess.run(command, env=tree_env(tree), capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the run of {tree or 'this tree'} failed:\n{done.stderr[-3000:]}")
@@ -132,16 +143,18 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each tree, alternating")
     parser.add_argument("--rounds", type=int, default=5, help="bursts per run (the median counts)")
+    parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (the default) or cuda")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if min(args.prompt_len, args.burst, args.repeats, args.rounds) < 1 or args.prompt_len < 2 * BLOCK_SIZE:
         parser.error(f"--burst, --repeats and --rounds must be at least 1, --prompt-len at least {2 * BLOCK_SIZE}")
     if args.child:
-        print(json.dumps(time_burst(args.prompt_len, args.burst, args.rounds)))
+        print(json.dumps(time_burst(args.prompt_len, args.burst, args.rounds, args.device)))
         return 0
     runs = runs_of_trees(lambda tree: measure(tree, args), args.baseline, args.repeats)
-    title = (f"{args.burst} requests on a {args.prompt_len}-token prefix held by the CPU tier alone, worker host us "
-             f"per request (median of {args.repeats} runs of {args.rounds} bursts); machine: {os.cpu_count()} CPUs")
+    title = (f"{args.burst} requests on a {args.prompt_len}-token prefix held by the CPU tier alone, worker us per "
+             f"request (median of {args.repeats} runs of {args.rounds} bursts), {args.device}; machine: "
+             f"{os.cpu_count()} CPUs")
     print_tree_medians(title, runs, PIECES, width=10)
     return 0
 

@@ -19,6 +19,9 @@ class Block:
     cpu_slot: int | None = None
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    # The CPU tier's load batch bringing its KV into its GPU slot; 0 when none is planned or on
+    # its way (worker/cpu_tier.py sets and clears it).
+    load_batch: int = 0
     # Links of the LRU list; both None exactly when the block is not in it.
     lru_prev: Block | None = field(default=None, repr=False)
     lru_next: Block | None = field(default=None, repr=False)

@@ -46,6 +46,7 @@ from spillway.protocol.messages import BlockHash
 from spillway.worker.block_invariants import check_invariants
 from spillway.worker.block_lru import Block, BlockLRU
 from spillway.worker.cpu_tier import CpuTier
+from spillway.worker.prefix_lookup import CachedPrefix, look_up
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 
@@ -57,12 +58,14 @@ class _Table:
     slots: list[int]
     # Leading blocks already reported full by `commit` (or taken as cache hits).
     num_committed: int = 0
+    # The last load batch bringing one of its hits to the GPU when it took them (0: none).
+    load_batch: int = 0
 
 
 class BlockManager:
     """GPU slots of `block_size` tokens, the blocks in them and the prefix cache (module doc).
 
-    API: `find_cached_prefix` (lookup, no refs) -> `can_allocate` / `allocate` (refs on the
+    API: `look_up` (no refs) -> `can_allocate` / `allocate` (refs on the
     hits, new blocks in free or evicted slots) -> `commit` (register hashes of full computed
     blocks) -> `free` (release tail-first). A request's slot table covers its tokens in
     order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`.
@@ -88,6 +91,7 @@ class BlockManager:
         self._lru = BlockLRU()
         self._cached: dict[BlockHash, Block] = {}
         self._tables: dict[str, _Table] = {}
+        self._version = 0  # counts allocations and releases: a `CachedPrefix` is valid between two
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,16 +118,12 @@ class BlockManager:
 
     def awaited_load_batch(self, request_id: str) -> int:
         """The last load batch bringing one of the request's blocks from the CPU tier (planned
-        in the copies not taken yet, or on its way: `CpuTier.load_batch`); 0 when none is."""
+        in the copies not taken yet, or on its way); 0 when none is. Only hits load, and a
+        referenced block is never loaded again: the batch is fixed when the hits are taken."""
         table = self._tables.get(request_id)
-        if self.tier is None or table is None or not self.tier.num_loading:
+        if self.tier is None or table is None or table.load_batch <= self.tier.landed_through:
             return 0
-        return max(map(self.tier.load_batch, table.blocks))
-
-    def count_on_gpu(self, block_ids: Sequence[int]) -> int:
-        """How many of the blocks have their KV in a GPU slot (a hit on the rest plans a load)."""
-        blocks = self.blocks
-        return sum(blocks[i].gpu_slot is not None for i in block_ids)
+        return table.load_batch
 
     def take_copies(self) -> KVCopies:
         """The copies planned since the last call, for the step being planned (module doc)."""
@@ -149,38 +149,39 @@ class BlockManager:
         table = self._tables.get(request_id)
         return [block.block_id for block in table.blocks] if table else []
 
-    def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids (not slots) of the longest prefix of `block_hashes` in the cache, on the
-        GPU or the CPU; takes no refs. The ids stay valid until the next `allocate` of another
-        request may evict them."""
-        hits: list[int] = []
+    def look_up(self, block_hashes: Sequence[BlockHash], count: int | None = None) -> CachedPrefix:
+        """The longest prefix of `block_hashes[:count]` in the cache, on the GPU or the CPU;
+        takes no refs. Valid until the next allocation or release (`allocate` refuses it then)."""
         if not self.enable_prefix_caching:
-            return hits
-        for block_hash in block_hashes:
-            block = self._cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block.block_id)
-        return hits
+            return CachedPrefix([], self._version)
+        return look_up(self._cached, block_hashes, len(block_hashes) if count is None else count, self._version)
 
-    def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        return self._num_free_blocks_taken(request_id, num_tokens, cached_blocks) <= self.num_free_blocks
+    def find_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids (not slots) of the longest cached prefix of `block_hashes` (`look_up`)."""
+        return self.look_up(block_hashes).block_ids
 
-    def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def can_allocate(self, request_id: str, num_tokens: int,
+                     cached_blocks: CachedPrefix | Sequence[int] = ()) -> bool:
+        return self._num_free_blocks_taken(request_id, num_tokens, self._prefix(cached_blocks)) <= self.num_free_blocks
+
+    def allocate(self, request_id: str, num_tokens: int, cached_blocks: CachedPrefix | Sequence[int] = ()) -> bool:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
 
-        On the request's first allocation `cached_blocks` (block ids from `find_cached_prefix`)
-        become the head of its table, with a reference each (those cached on the CPU only get
-        a GPU slot and a load); then new blocks get free slots, or the slots of evicted cached
-        blocks. Returns False, changing nothing, when there are not enough allocatable slots.
+        On the request's first allocation the hits `cached_blocks` (from `look_up`, or block
+        ids from `find_cached_prefix`) become the head of its table, with a reference each
+        (those cached on the CPU only get a GPU slot and a load); then new blocks get free
+        slots, or the slots of evicted cached blocks. Returns False, changing nothing, when
+        there are not enough allocatable slots.
         """
         table = self._tables.get(request_id)
         if table is not None and not cached_blocks and len(table.blocks) * self.block_size >= num_tokens:
             return True  # covered already: a decode step's usual case, 15 times in 16
-        if not self.can_allocate(request_id, num_tokens, cached_blocks):
+        prefix = self._prefix(cached_blocks)
+        if self._num_free_blocks_taken(request_id, num_tokens, prefix) > self.num_free_blocks:
             return False
+        self._version += 1
         if table is None:
-            hits = [self.blocks[block_id] for block_id in cached_blocks]
+            hits = prefix.blocks
             # Every hit is held before any slot is taken: no eviction below can reach one.
             on_cpu = []
             for block in hits:
@@ -192,9 +193,11 @@ class BlockManager:
                     block.ref_count += 1
                 else:
                     self._take_cached(block)
+            load_batch = prefix.load_batch
             if on_cpu:  # one load batch: this request's
-                self.tier.load(on_cpu, [self._take_gpu_slot() for _ in on_cpu])
-            table = self._tables[request_id] = _Table(hits, [block.gpu_slot for block in hits], len(hits))
+                load_batch = self.tier.load(on_cpu, [self._take_gpu_slot() for _ in on_cpu])
+            table = self._tables[request_id] = _Table(list(hits), [block.gpu_slot for block in hits], len(hits),
+                                                      load_batch)
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
             block = self._new_block()
             table.blocks.append(block)
@@ -224,6 +227,7 @@ class BlockManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
+        self._version += 1
         for block in reversed(table.blocks):
             block.ref_count -= 1
             if block.ref_count > 0:
@@ -238,6 +242,7 @@ class BlockManager:
         """Forget every cached hash. Refused (False, nothing changed) while blocks are in use."""
         if self.num_free_blocks != self.num_gpu_blocks:
             return False
+        self._version += 1
         gpu_cached = []
         while self._lru:
             gpu_cached.append(self._lru.popleft())
@@ -259,22 +264,30 @@ class BlockManager:
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _num_free_blocks_taken(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int:
+    def _prefix(self, cached_blocks: CachedPrefix | Sequence[int]) -> CachedPrefix:
+        """The hits as a current `CachedPrefix`: a lookup's, checked for staleness; block ids,
+        checked still cached and counted."""
+        if isinstance(cached_blocks, CachedPrefix):
+            if cached_blocks.version != self._version:
+                raise ValueError("a prefix looked up before the last allocation or release: look it up again")
+            return cached_blocks
+        blocks = [self.blocks[block_id] for block_id in cached_blocks]
+        if any(block.block_hash is None for block in blocks):
+            raise ValueError("a cached prefix block was evicted since the lookup")
+        return look_up({block.block_hash: block for block in blocks}, [block.block_hash for block in blocks],
+                       len(blocks), self._version)
+
+    def _num_free_blocks_taken(self, request_id: str, num_tokens: int, prefix: CachedPrefix) -> int:
         table = self._tables.get(request_id)
-        if table is not None and cached_blocks:
+        if table is not None and prefix.blocks:
             raise ValueError(f"{request_id}: cached blocks are taken on the first allocation only")
-        if len(cached_blocks) * self.block_size > num_tokens:
-            raise ValueError(f"{request_id}: {len(cached_blocks)} cached blocks, {num_tokens} tokens")
-        # One pass over the hits (a long shared prefix has hundreds): none evicted since the
-        # lookup, and a hit on a cached block takes its slot out of the allocatable ones too.
-        blocks, num_unreferenced = self.blocks, 0
-        for i in cached_blocks:
-            block = blocks[i]
-            if block.block_hash is None:
-                raise ValueError(f"{request_id}: a cached prefix block was evicted since the lookup")
-            num_unreferenced += block.ref_count == 0
-        num_held = len(table.blocks) if table else len(cached_blocks)
-        return max(0, self._num_blocks_needed(num_tokens) - num_held) + num_unreferenced
+        if len(prefix) * self.block_size > num_tokens:
+            raise ValueError(f"{request_id}: {len(prefix)} cached blocks, {num_tokens} tokens")
+        # A hit on a cached GPU block takes its slot out of the allocatable ones too; one on
+        # the CPU takes a slot for its load.
+        num_held = len(table.blocks) if table else len(prefix)
+        return (max(0, self._num_blocks_needed(num_tokens) - num_held) + prefix.num_unreferenced
+                + prefix.num_on_cpu)
 
     def _take_cached(self, block: Block) -> None:
         if block.ref_count == 0:

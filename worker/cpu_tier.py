@@ -49,10 +49,11 @@ class CpuTier:
         # By block id: CPU copies a load taken with an earlier step's copies may still read,
         # out of the LRU until it lands, so that no store overwrites them meanwhile.
         self._held: dict[int, Block] = {}
-        # Block id -> the load batch (`KVCopies.load_batch_ends`) bringing it in, for the
-        # blocks whose load is in this step's copies or in copies taken whose loads have not
-        # landed yet (`landed` drops those): their requests compute once it has.
-        self._loading: dict[int, int] = {}
+        # By block id: the blocks whose load is in this step's copies or in copies taken whose
+        # loads have not landed yet (`landed` drops those); each block's `load_batch` says which
+        # batch (`KVCopies.load_batch_ends`): their requests compute once it has landed.
+        self._loading: dict[int, Block] = {}
+        self.landed_through = 0  # every load batch up to this one has landed
         self._num_load_batches = 0  # load batches numbered so far
         self._taken_through = 0  # the last batch taken with a step's copies
         self._batch_ids: deque[tuple[int, list[int]]] = deque()  # taken batches not landed, in order
@@ -158,44 +159,43 @@ class CpuTier:
         if self._lru.pop(block.block_id, None) is not None or block.block_id in self._held:
             self._pinned[block.block_id] = block
 
-    def load(self, blocks: Sequence[Block], gpu_slots: Sequence[int]) -> None:
+    def load(self, blocks: Sequence[Block], gpu_slots: Sequence[int]) -> int:
         """Plan the loads of one request's (pinned) CPU hits into the GPU slots taken for them,
         setting each block's `gpu_slot`: one batch, which lands, and lets its request compute,
-        without waiting for the batches planned after it. Ascending CPU slots get ascending
-        GPU slots: where both are consecutive the loads copy as one run
-        (`kv_copies.block_runs`), not a copy per block."""
+        without waiting for the batches planned after it; returns the batch's number.
+        Ascending CPU slots get ascending GPU slots: where both are consecutive the loads copy
+        as one run (`kv_copies.block_runs`), not a copy per block."""
         batch = self._num_load_batches = self._num_load_batches + 1
         block_ids = []
         for block, gpu_slot in zip(sorted(blocks, key=lambda block: block.cpu_slot), sorted(gpu_slots)):
             assert block.block_id in self._pinned and block.cpu_slot is not None
-            block.gpu_slot = gpu_slot
+            block.gpu_slot, block.load_batch = gpu_slot, batch
             self._loads.append((block.cpu_slot, gpu_slot))
-            self._loading[block.block_id] = batch
+            self._loading[block.block_id] = block
             block_ids.append(block.block_id)
         self.num_loaded += len(block_ids)
         self._step_batches.append((batch, block_ids, len(self._loads)))
+        return batch
 
     @property
     def num_loading(self) -> int:
         """Blocks whose load is planned or on its way."""
         return len(self._loading)
 
-    def load_batch(self, block: Block) -> int:
-        """The load batch the block's KV arrives with, 0 when it is not loading: planned in
-        this step's copies, or taken with copies whose loads have not landed (`landed`)."""
-        return self._loading.get(block.block_id, 0)
-
     def landed(self, through: int | None = None) -> None:
         """The load batches up to `through` (every batch taken so far when None) have landed
         on the GPU (one stream: they land in order)."""
         if through is None:
             through = self._taken_through
+        self.landed_through = max(self.landed_through, through)
         while self._batch_ids and self._batch_ids[0][0] <= through:
             batch, block_ids = self._batch_ids.popleft()
             for block_id in block_ids:
-                if self._loading.get(block_id) != batch:
+                block = self._loading.get(block_id)
+                if block is None or block.load_batch != batch:
                     continue  # loaded again since: held until that load lands
                 del self._loading[block_id]
+                block.load_batch = 0
                 block = self._held.pop(block_id, None)
                 if block is not None and block_id not in self._pinned:
                     self._lru[block_id] = block
@@ -267,6 +267,8 @@ class CpuTier:
         check(not set(self._lru) & set(self._pinned), "a CPU copy is both pinned and in the CPU LRU")
         check(not set(self._lru) & set(self._held), "a CPU copy is both held for a load and in the CPU LRU")
         check(set(self._held) <= set(self._loading), "a CPU copy is held for a load that landed")
+        check({block.block_id for block in blocks if block.load_batch} == set(self._loading),
+              "a block's load batch disagrees with the loads on their way")
         for slot, block in owners.items():
             name = f"block {block.block_id} (CPU slot {slot})"
             check(block.block_hash is not None, f"{name}: a CPU copy without a hash")

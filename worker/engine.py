@@ -31,7 +31,7 @@ from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
 from spillway.worker.models import loader
 from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.request import Request
-from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
+from spillway.worker.sampler import Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler
 from spillway.worker.spec.decoder import SpecDecoder
 from spillway.worker.spec.setup import build_spec_decoder
@@ -273,8 +273,7 @@ class Engine:
     @staticmethod
     def _sampling_input(request: Request) -> SamplingInput:
         forced = None if request.thinking_state is None else forced_token(request.thinking_state)
-        return SamplingInput(request.request_id, request.params, request.prompt_token_ids,
-                             OutputTokens(request.all_token_ids, request.num_prompt_tokens), forced)
+        return SamplingInput(request.request_id, request.params, request.prompt, request.outputs, forced)
 
     def stats(self, check_invariants: bool = False) -> Stats:
         """Counters for the gateway; the block manager's invariants (a walk over every block)

@@ -90,7 +90,7 @@ def pack_step(plan: StepPlan, previous: LaunchedStep | None) -> PackedStep:
             feed_sources.append(previous.rows[request.request_id])
             token_ids = [0]  # a placeholder: the feed overwrites it on the device
         else:
-            token_ids = request.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+            token_ids = request.token_ids(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.draft_token_ids:
             assert chunk.sample and len(chunk.draft_token_ids) <= chunk.num_draft_slots
             token_ids = token_ids + list(chunk.draft_token_ids)

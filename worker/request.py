@@ -58,16 +58,24 @@ class Request:
     chunks the scheduler hands out. `block_hashes[i]` is the chained hash of full block i of
     `all_token_ids`; it may run ahead of the computed tokens (the gateway sends every full
     prompt block), but only computed blocks are ever committed to the prefix cache.
+
+    The prompt stays as it came (packed ids stay a uint32 array over the message's bytes)
+    until something needs it as a list: a chunk takes its slice (`token_ids`), and a prefix
+    served from the cache is never read at all. Making 10,000 ids Python ints costs ~0.2 ms,
+    which a burst of long prompts on one cached prefix would otherwise pay per request.
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: list[int] | np.ndarray  # the ids as they came: a list, or packed ids viewed as uint32
     params: SamplingParams
     block_hashes: list[BlockHash]
     arrival_index: int
     priority: int = 0
     cache_salt: str | None = None
-    all_token_ids: list[int] = field(init=False)
+    # The output ids so far: appended by `append_token`, only read elsewhere.
+    outputs: list[int] = field(init=False, default_factory=list)
+    # The prompt and outputs as one list, made on first use (`all_token_ids`), then kept in step.
+    _all: list[int] | None = field(init=False, default=None)
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when first scheduled; -1 until then.
     num_cached_tokens: int = -1
@@ -92,7 +100,6 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
         if self.thinking_policy is not None:
             self.thinking_state = initial_state(self.thinking_policy)
         params = self.params
@@ -106,12 +113,11 @@ class Request:
         if isinstance(prompt, bytes):
             if len(prompt) % 4:
                 raise ValueError(f"packed prompt token ids of {len(prompt)} bytes: not a multiple of 4")
-            packed = np.frombuffer(prompt, dtype="<u4")
-            prompt = packed.tolist()
-            max_id = int(packed.max()) if packed.size else None
+            prompt = np.frombuffer(prompt, dtype="<u4")
+            max_id = int(prompt.max()) if prompt.size else None
         return cls(
             request_id=msg.request_id,
-            prompt_token_ids=prompt,
+            prompt=prompt,
             max_prompt_token_id=max_id,
             params=msg.params,
             block_hashes=list(msg.block_hashes),  # BlockHash is bytes: a copy, no wrapping
@@ -123,19 +129,44 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.prompt) + len(self.outputs)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.prompt)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.outputs)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt as a list (made once from packed ids)."""
+        if not isinstance(self.prompt, list):
+            self.prompt = self.prompt.tolist()
+        return self.prompt
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
+        return list(self.outputs)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt's ids, then the outputs', as one list: for readers of the whole sequence
+        (n-gram drafts, prompt logprobs); a chunk reads `token_ids`."""
+        if self._all is None:
+            self._all = self.prompt_token_ids + self.outputs
+        return self._all
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]`, without making the whole list."""
+        if self._all is not None:
+            return self._all[start:stop]
+        ids = id_list(self.prompt[start:stop])
+        num_prompt = len(self.prompt)
+        if stop > num_prompt:
+            ids += self.outputs[max(start - num_prompt, 0):stop - num_prompt]
+        return ids
 
     @property
     def is_finished(self) -> bool:
@@ -146,7 +177,14 @@ class Request:
         return self.status.finish_reason
 
     def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
+        self.outputs.append(token_id)
+        if self._all is not None:
+            self._all.append(token_id)
+
+
+def id_list(ids: list[int] | np.ndarray) -> list[int]:
+    """Token ids as a list: a list as it is, an array's as Python ints."""
+    return ids if isinstance(ids, list) else ids.tolist()
 
 
 def refusal(request: Request, *, max_model_len: int, block_size: int, vocab_size: int | None = None,

@@ -14,8 +14,7 @@ on its seed and its logits, never on its neighbours in the batch.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,30 +23,10 @@ from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
 from spillway.worker.logprobs import token_logprobs
-from spillway.worker.request import has_penalties
+from spillway.worker.request import has_penalties, id_list
 
-__all__ = ["Sampler", "SamplingInput", "SampledToken", "OutputTokens", "has_penalties", "is_plain_greedy",
+__all__ = ["Sampler", "SamplingInput", "SampledToken", "has_penalties", "is_plain_greedy",
            "adjusted_logits", "apply_penalties", "filtered_logits", "mask_stop_tokens"]
-
-
-class OutputTokens(Sequence[int]):
-    """A request's output token ids as a view of its token list: each step hands every
-    request's outputs to the sampler, which mostly needs only their number."""
-
-    __slots__ = ("_tokens", "_start")
-
-    def __init__(self, tokens: list[int], start: int) -> None:
-        self._tokens = tokens
-        self._start = start
-
-    def __len__(self) -> int:
-        return len(self._tokens) - self._start
-
-    def __getitem__(self, index):
-        return self._tokens[self._start:][index]
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._tokens, self._start, None)
 
 
 @dataclass(slots=True)
@@ -56,8 +35,8 @@ class SamplingInput:
 
     request_id: str
     params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    prompt_token_ids: Sequence[int]  # as the request holds it (`Request.prompt`: a list or a uint32 array)
+    output_token_ids: Sequence[int]  # read during the step only: the request's list may be live
     # Set while a thinking budget closes thinking: this token is produced whatever the logits.
     forced_token_id: int | None = None
 
@@ -96,7 +75,7 @@ def apply_penalties(logits: Tensor, inputs: Sequence[SamplingInput]) -> Tensor:
         output_cols += sampling_input.output_token_ids
         if sampling_input.params.repetition_penalty != 1.0:
             prompt_rows += [row] * len(sampling_input.prompt_token_ids)
-            prompt_cols += sampling_input.prompt_token_ids
+            prompt_cols += id_list(sampling_input.prompt_token_ids)
 
     device = logits.device
     output_counts = torch.zeros_like(logits)

@@ -270,10 +270,10 @@ class Scheduler(StepCommits):
         num_hashes = (request.num_tokens - 1) // self.block_size
         if request.params.prompt_logprobs is not None:
             num_hashes = 0
-        cached = manager.find_cached_prefix(request.block_hashes[:num_hashes])
+        cached = manager.look_up(request.block_hashes, num_hashes)
         num_cached = len(cached) * self.block_size
         num_tokens = min(request.num_tokens - num_cached, budget)
-        num_on_gpu = manager.count_on_gpu(cached) * self.block_size  # before allocate loads them
+        num_on_gpu = cached.num_on_gpu * self.block_size  # before allocate loads them
         if not manager.allocate(request.request_id, num_cached + num_tokens, cached):
             return False, None
         self.waiting.pop(0)

@@ -79,11 +79,15 @@ class StepCommits:
         return run, None
 
     def _hash_full_blocks(self, request: Request) -> None:
-        hashes = request.block_hashes
-        if len(hashes) < request.num_tokens // self.block_size:
-            parent = hashes[-1] if hashes else None
-            hashes += block_hashes(request.all_token_ids, self.block_size, self.root_hash,
-                                   request.cache_salt, start=len(hashes), parent=parent)
+        hashes, size = request.block_hashes, self.block_size
+        num_full = request.num_tokens // size
+        if len(hashes) == num_full:
+            return
+        window = request.token_ids(len(hashes) * size, num_full * size)  # only the new blocks' ids
+        if hashes:  # the chain goes on from the last hash (block_hashes' doc)
+            hashes += block_hashes(window, size, hashes[-1])
+        else:
+            hashes += block_hashes(window, size, self.root_hash, request.cache_salt)
 
     def _commit_full_blocks(self, request: Request, chunk_start: int) -> None:
         """Cache the blocks this chunk completed (only computed blocks are ever committed)."""

@@ -45,6 +45,8 @@ def test_extending_a_chain_equals_hashing_at_once():
     head = block_hashes(tokens[:40], 16, ROOT, cache_salt="s")
     tail = block_hashes(tokens, 16, ROOT, cache_salt="s", start=len(head), parent=head[-1])
     assert head + tail == whole and len(whole) == 6
+    # from any hash as the root, unsalted, with the ids after its block only
+    assert block_hashes(tokens[2 * 16:], 16, whole[1]) == whole[2:]
 
 
 def test_different_models_do_not_share_blocks():

@@ -107,6 +107,25 @@ def test_two_requests_with_the_same_prefix_share_blocks():
     manager.check_invariants()
 
 
+def test_a_lookup_counts_its_hits_and_goes_stale_with_the_next_allocation_or_release():
+    manager = make_manager()
+    manager.allocate("a", 9)
+    manager.commit("a", [h("p0"), h("p1")])
+    manager.free("a")  # p0, p1 cached, unreferenced
+    prefix = manager.look_up([h("p0"), h("p1"), h("x")])
+    assert prefix.block_ids == [0, 1] and (prefix.num_on_gpu, prefix.num_on_cpu, prefix.num_unreferenced) == (2, 0, 2)
+    assert manager.look_up([h("p0"), h("p1")], 1).block_ids == [0]  # the first `count` hashes only
+    assert manager.allocate("b", 10, prefix)
+    assert manager.look_up([h("p0"), h("p1")]).num_unreferenced == 0  # b holds them now
+    with pytest.raises(ValueError, match="look it up again"):
+        manager.allocate("c", 8, prefix)  # taken before b's allocation
+    stale = manager.look_up([h("p0")])
+    manager.free("b")
+    with pytest.raises(ValueError, match="look it up again"):
+        manager.can_allocate("c", 4, stale)
+    manager.check_invariants()
+
+
 def test_allocate_is_all_or_nothing():
     manager = make_manager(num_gpu_blocks=4)
     manager.allocate("a", 8)

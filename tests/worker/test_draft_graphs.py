@@ -58,7 +58,8 @@ def test_proposals_through_the_graphs_equal_the_eager_ones():
         assert got == expected and all(len(tokens) == 3 for tokens in got)
         for request_list in (eager_requests, graphed_requests):  # the accepted drafts, then a token
             for request, drafts in zip(request_list, expected):
-                request.all_token_ids += [*drafts[:accepted], 5 + accepted]
+                for token in [*drafts[:accepted], 5 + accepted]:
+                    request.append_token(token)
     # The draft holds the KV of the drafts it fed itself: a request catches up over one token,
     # two after a fully accepted run (the last draft was never fed), a whole prompt at first.
     assert prefill.replayed == [64, 64, 16, 16]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput
+from spillway.worker.sampler import Sampler, SamplingInput
 from spillway.worker.spec.rejection import RejectionSampler, target_probs
 
 VOCAB = 6
@@ -18,7 +18,7 @@ K = 3
 
 
 def make_input(request_id: str, **params) -> SamplingInput:
-    return SamplingInput(request_id, SamplingParams(**{"temperature": 1.0, **params}), [1, 2], OutputTokens([1, 2], 2))
+    return SamplingInput(request_id, SamplingParams(**{"temperature": 1.0, **params}), [1, 2], [])
 
 
 def tv_bound(p: torch.Tensor, num_samples: int, delta: float = 1e-6) -> float:
@@ -107,7 +107,7 @@ def test_a_forced_token_is_the_target_whatever_the_logits():
     logits = torch.zeros(K + 1, VOCAB)
     logits[:, 0] = 9.0
     free = make_input("f", temperature=0.7)
-    forced = SamplingInput("f", free.params, [1], OutputTokens([1], 1), forced_token_id=5)
+    forced = SamplingInput("f", free.params, [1], [], forced_token_id=5)
     probs = target_probs(logits, [forced, free, free, free], [])
     assert probs[0].tolist() == [0, 0, 0, 0, 0, 1]
     verified = RejectionSampler(Sampler([])).verify(probs, [free], [K], [3, 0, 0])

@@ -261,3 +261,27 @@ def test_packed_prompt_ids_arrive_as_the_list_and_are_range_checked_by_their_max
     with pytest.raises(ValueError, match="not a multiple of 4"):
         Request.from_generate(Generate(request_id="r", prompt_token_ids=b"\x01\x00\x00", block_hashes=[],
                                        params=SamplingParams(max_tokens=8)), 0)
+
+
+def test_packed_prompt_ids_stay_packed_through_a_request_and_its_block_hashes_match():
+    from spillway.protocol.hashing import block_hashes, pack_token_ids
+
+    prompt = list(range(10, 23))  # 3 full blocks and a token
+    scheduler = make_scheduler()
+    request = Request.from_generate(Generate(request_id="p", prompt_token_ids=pack_token_ids(prompt),
+                                             block_hashes=block_hashes(prompt, BLOCK, ROOT),
+                                             params=SamplingParams(max_tokens=4, temperature=0.0)), 0)
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [chunk.token_ids for chunk in pack_step(plan, None).chunks] == [prompt]
+    for token in (40, 41, 42, 43):
+        scheduler.update(plan, {"p": token})
+        plan = scheduler.schedule()
+    assert request.is_finished and request.outputs == [40, 41, 42, 43]
+    assert not isinstance(request.prompt, list)  # never made Python ints
+    assert request.token_ids(11, 15) == [21, 22, 40, 41] and request.token_ids(14, 16) == [41, 42]
+    # the output block's hash continues the gateway's chain from the packed ids
+    assert request.block_hashes == block_hashes(prompt + [40, 41, 42, 43], BLOCK, ROOT)
+    assert request.all_token_ids == prompt + [40, 41, 42, 43] and request.prompt_token_ids == prompt
+    request.append_token(44)
+    assert request.all_token_ids[-2:] == [43, 44] and request.token_ids(16, 18) == [43, 44]

@@ -29,7 +29,7 @@ from torch import Tensor
 from spillway.protocol.messages import TokenLogprobs
 from spillway.protocol.reasoning import advance, forced_token
 from spillway.worker.request import Request
-from spillway.worker.sampler import OutputTokens, Sampler, SamplingInput, is_plain_greedy
+from spillway.worker.sampler import Sampler, SamplingInput, is_plain_greedy
 from spillway.worker.spec.proposer import Proposer
 from spillway.worker.spec.rejection import RejectionSampler, target_probs
 from spillway.worker.spec.switch import SpeculationSwitch
@@ -59,10 +59,8 @@ def sampling_input(request: Request, drafts: tuple[int, ...] = ()) -> SamplingIn
     if state is not None:
         for token in drafts:
             state = advance(request.thinking_policy, state, token)[0]
-    outputs = OutputTokens(request.all_token_ids, request.num_prompt_tokens)
-    if drafts:
-        outputs = _DraftedOutputs(request.all_token_ids, request.num_prompt_tokens, drafts)
-    return SamplingInput(request.request_id, request.params, request.prompt_token_ids, outputs,
+    outputs = _DraftedOutputs(request.outputs, drafts) if drafts else request.outputs
+    return SamplingInput(request.request_id, request.params, request.prompt, outputs,
                          None if state is None else forced_token(state))
 
 
@@ -70,19 +68,19 @@ class _DraftedOutputs(Sequence[int]):
     """A request's output token ids followed by drafts, without copying the outputs (most
     rows only read their number; penalties iterate over them)."""
 
-    __slots__ = ("_tokens", "_start", "_drafts")
+    __slots__ = ("_outputs", "_drafts")
 
-    def __init__(self, tokens: list[int], start: int, drafts: tuple[int, ...]) -> None:
-        self._tokens, self._start, self._drafts = tokens, start, drafts
+    def __init__(self, outputs: list[int], drafts: tuple[int, ...]) -> None:
+        self._outputs, self._drafts = outputs, drafts
 
     def __len__(self) -> int:
-        return len(self._tokens) - self._start + len(self._drafts)
+        return len(self._outputs) + len(self._drafts)
 
     def __getitem__(self, index):
         return list(self)[index]
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.chain(itertools.islice(self._tokens, self._start, None), self._drafts)
+        return itertools.chain(self._outputs, self._drafts)
 
 
 class SpecDecoder:
