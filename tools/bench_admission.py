@@ -51,7 +51,7 @@ def time_burst(prompt_len: int, burst: int, rounds: int, device: str = "cpu") ->
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix="bench-admission-")
     vocab = 512
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=prompt_len + 64)
     LlamaForCausalLM(config).save_pretrained(folder)
     prefix_blocks = -(-(prompt_len + 4) // BLOCK_SIZE)

@@ -69,7 +69,8 @@ def test_draft_model_proposals_through_its_graphs_equal_the_eager_ones(tiny_mode
         assert [p.token_ids for p in graphed.propose(graphed_requests, [3, 3, 3])] == expected
         for request_list in (eager_requests, graphed_requests):
             for request, drafts in zip(request_list, expected):
-                request.all_token_ids += [*drafts[:accepted], 5 + accepted]
+                for token in [*drafts[:accepted], 5 + accepted]:
+                    request.append_token(token)
     # Catch-up: forwards of 40, 40 (eager: past the largest bucket) and 9 prompt tokens, then one
     # token per request, or two after the fully accepted run (bucket 16).
     assert len(prefill) == 2 and len(decode) == 10
