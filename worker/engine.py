@@ -273,7 +273,7 @@ class Engine:
     @staticmethod
     def _sampling_input(request: Request) -> SamplingInput:
         forced = None if request.thinking_state is None else forced_token(request.thinking_state)
-        return SamplingInput(request.request_id, request.params, request.prompt, request.outputs, forced)
+        return SamplingInput(request.request_id, request.params, request.sampling_prompt, request.outputs, forced)
 
     def stats(self, check_invariants: bool = False) -> Stats:
         """Counters for the gateway; the block manager's invariants (a walk over every block)

@@ -176,6 +176,12 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
+    @property
+    def sampling_prompt(self) -> list[int] | np.ndarray:
+        """The prompt as the sampler takes it: a list (made once) where penalties read it, else
+        as held (the sampler reads only its length then)."""
+        return self.prompt_token_ids if has_penalties(self.params) else self.prompt
+
     def append_token(self, token_id: int) -> None:
         self.outputs.append(token_id)
         if self._all is not None:

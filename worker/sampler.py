@@ -35,7 +35,7 @@ class SamplingInput:
 
     request_id: str
     params: SamplingParams
-    prompt_token_ids: Sequence[int]  # as the request holds it (`Request.prompt`: a list or a uint32 array)
+    prompt_token_ids: Sequence[int]  # `Request.sampling_prompt`: a list where penalties read it
     output_token_ids: Sequence[int]  # read during the step only: the request's list may be live
     # Set while a thinking budget closes thinking: this token is produced whatever the logits.
     forced_token_id: int | None = None

@@ -285,3 +285,10 @@ def test_packed_prompt_ids_stay_packed_through_a_request_and_its_block_hashes_ma
     assert request.all_token_ids == prompt + [40, 41, 42, 43] and request.prompt_token_ids == prompt
     request.append_token(44)
     assert request.all_token_ids[-2:] == [43, 44] and request.token_ids(16, 18) == [43, 44]
+    # the sampler gets the packed prompt as it is, unless a penalty reads it: then a list, made once
+    fresh = Request.from_generate(Generate(request_id="q", prompt_token_ids=pack_token_ids(prompt), block_hashes=[],
+                                           params=SamplingParams(max_tokens=4)), 0)
+    penalized = Request.from_generate(Generate(request_id="r", prompt_token_ids=pack_token_ids(prompt),
+                                               block_hashes=[], params=SamplingParams(repetition_penalty=1.2)), 0)
+    assert not isinstance(fresh.sampling_prompt, list) and list(fresh.sampling_prompt) == prompt
+    assert penalized.sampling_prompt == prompt and penalized.sampling_prompt is penalized.sampling_prompt

@@ -60,7 +60,7 @@ def sampling_input(request: Request, drafts: tuple[int, ...] = ()) -> SamplingIn
         for token in drafts:
             state = advance(request.thinking_policy, state, token)[0]
     outputs = _DraftedOutputs(request.outputs, drafts) if drafts else request.outputs
-    return SamplingInput(request.request_id, request.params, request.prompt, outputs,
+    return SamplingInput(request.request_id, request.params, request.sampling_prompt, outputs,
                          None if state is None else forced_token(state))
 
 
