@@ -46,7 +46,7 @@ from spillway.protocol.messages import BlockHash
 from spillway.worker.block_invariants import check_invariants
 from spillway.worker.block_lru import Block, BlockLRU
 from spillway.worker.cpu_tier import CpuTier
-from spillway.worker.prefix_lookup import CachedPrefix, look_up
+from spillway.worker.prefix_lookup import CachedPrefix, current_prefix, look_up
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 
@@ -162,7 +162,8 @@ class BlockManager:
 
     def can_allocate(self, request_id: str, num_tokens: int,
                      cached_blocks: CachedPrefix | Sequence[int] = ()) -> bool:
-        return self._num_free_blocks_taken(request_id, num_tokens, self._prefix(cached_blocks)) <= self.num_free_blocks
+        prefix = current_prefix(cached_blocks, self.blocks, self._version)
+        return self._num_free_blocks_taken(request_id, num_tokens, prefix) <= self.num_free_blocks
 
     def allocate(self, request_id: str, num_tokens: int, cached_blocks: CachedPrefix | Sequence[int] = ()) -> bool:
         """Make the request's table cover `num_tokens` tokens; all or nothing.
@@ -176,7 +177,7 @@ class BlockManager:
         table = self._tables.get(request_id)
         if table is not None and not cached_blocks and len(table.blocks) * self.block_size >= num_tokens:
             return True  # covered already: a decode step's usual case, 15 times in 16
-        prefix = self._prefix(cached_blocks)
+        prefix = current_prefix(cached_blocks, self.blocks, self._version)
         if self._num_free_blocks_taken(request_id, num_tokens, prefix) > self.num_free_blocks:
             return False
         self._version += 1
@@ -263,19 +264,6 @@ class BlockManager:
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def _prefix(self, cached_blocks: CachedPrefix | Sequence[int]) -> CachedPrefix:
-        """The hits as a current `CachedPrefix`: a lookup's, checked for staleness; block ids,
-        checked still cached and counted."""
-        if isinstance(cached_blocks, CachedPrefix):
-            if cached_blocks.version != self._version:
-                raise ValueError("a prefix looked up before the last allocation or release: look it up again")
-            return cached_blocks
-        blocks = [self.blocks[block_id] for block_id in cached_blocks]
-        if any(block.block_hash is None for block in blocks):
-            raise ValueError("a cached prefix block was evicted since the lookup")
-        return look_up({block.block_hash: block for block in blocks}, [block.block_hash for block in blocks],
-                       len(blocks), self._version)
 
     def _num_free_blocks_taken(self, request_id: str, num_tokens: int, prefix: CachedPrefix) -> int:
         table = self._tables.get(request_id)

@@ -55,3 +55,17 @@ def look_up(cached: dict[BlockHash, Block], block_hashes: Sequence[BlockHash], c
             if block.load_batch > load_batch:  # still loading for a request that went first
                 load_batch = block.load_batch
     return CachedPrefix(blocks, version, num_on_cpu, num_unreferenced, load_batch)
+
+
+def current_prefix(cached: CachedPrefix | Sequence[int], blocks: list[Block], version: int) -> CachedPrefix:
+    """Hits as a `CachedPrefix` of `version`: a lookup's, refused when stale; block ids (indexes
+    of `blocks`), checked still cached and counted."""
+    if isinstance(cached, CachedPrefix):
+        if cached.version != version:
+            raise ValueError("a prefix looked up before the last allocation or release: look it up again")
+        return cached
+    hits = [blocks[block_id] for block_id in cached]
+    if any(block.block_hash is None for block in hits):
+        raise ValueError("a cached prefix block was evicted since the lookup")
+    return look_up({block.block_hash: block for block in hits}, [block.block_hash for block in hits], len(hits),
+                   version)
