@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spillway.protocol.config import WorkerConfig
+from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.engine import Engine
 from spillway.worker.kv_copies import block_runs, copy_blocks
@@ -34,9 +35,12 @@ def engine_for(model_dir, num_cpu_blocks: int) -> Engine:
     return engine
 
 
-def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
-    """The request's tokens and cached-token count, run to its end."""
-    assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[],
+def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams,
+        pack: bool = False) -> tuple[list[int], int]:
+    """The request's tokens and cached-token count, run to its end; `pack`: the prompt's ids
+    sent packed, as the gateway sends them."""
+    ids = pack_token_ids(prompt) if pack else prompt
+    assert engine.add_request(Generate(request_id=request_id, prompt_token_ids=ids, block_hashes=[],
                                        params=params)) is None
     tokens, cached = [], None
     while engine.has_work:
@@ -48,14 +52,24 @@ def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingPara
     return tokens, cached
 
 
-def conversation(engine: Engine, params: SamplingParams) -> dict[str, tuple[list[int], int]]:
+def conversation(engine: Engine, params: SamplingParams, pack: bool = False) -> dict[str, tuple[list[int], int]]:
     """Two turns with a filler between them that takes the whole GPU pool (4 blocks of 16)."""
     turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
-    results = {"turn-1": run(engine, "turn-1", turn_1, params)}
-    results["filler"] = run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], params)
+    results = {"turn-1": run(engine, "turn-1", turn_1, params, pack)}
+    results["filler"] = run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], params, pack)
     turn_2 = turn_1 + results["turn-1"][0] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    results["turn-2"] = run(engine, "turn-2", turn_2, params)
+    results["turn-2"] = run(engine, "turn-2", turn_2, params, pack)
     return results
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5)],
+                         ids=["greedy", "seeded", "penalized"])
+def test_packed_prompts_give_the_outputs_of_list_prompts_through_the_tier(model_dir, params):
+    """The worker keeps packed ids packed (worker/request.py): chunks, the hashes of blocks
+    that outputs complete, a penalty over the prompt and the tier's reloads see the same ids."""
+    as_lists = conversation(engine_for(model_dir, num_cpu_blocks=8), params)
+    assert as_lists["turn-2"][1] == 32
+    assert conversation(engine_for(model_dir, num_cpu_blocks=8), params, pack=True) == as_lists
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
