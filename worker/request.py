@@ -162,7 +162,9 @@ class Request:
         """`all_token_ids[start:stop]`, without making the whole list."""
         if self._all is not None:
             return self._all[start:stop]
-        ids = id_list(self.prompt[start:stop])
+        ids = self.prompt[start:stop]
+        if not isinstance(ids, list):
+            ids = ids.tolist()
         num_prompt = len(self.prompt)
         if stop > num_prompt:
             ids += self.outputs[max(start - num_prompt, 0):stop - num_prompt]
@@ -186,11 +188,6 @@ class Request:
         self.outputs.append(token_id)
         if self._all is not None:
             self._all.append(token_id)
-
-
-def id_list(ids: list[int] | np.ndarray) -> list[int]:
-    """Token ids as a list: a list as it is, an array's as Python ints."""
-    return ids if isinstance(ids, list) else ids.tolist()
 
 
 def refusal(request: Request, *, max_model_len: int, block_size: int, vocab_size: int | None = None,

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
 from spillway.worker.logprobs import token_logprobs
-from spillway.worker.request import has_penalties, id_list
+from spillway.worker.request import has_penalties
 
 __all__ = ["Sampler", "SamplingInput", "SampledToken", "has_penalties", "is_plain_greedy",
            "adjusted_logits", "apply_penalties", "filtered_logits", "mask_stop_tokens"]
@@ -75,7 +75,7 @@ def apply_penalties(logits: Tensor, inputs: Sequence[SamplingInput]) -> Tensor:
         output_cols += sampling_input.output_token_ids
         if sampling_input.params.repetition_penalty != 1.0:
             prompt_rows += [row] * len(sampling_input.prompt_token_ids)
-            prompt_cols += id_list(sampling_input.prompt_token_ids)
+            prompt_cols += sampling_input.prompt_token_ids
 
     device = logits.device
     output_counts = torch.zeros_like(logits)
