@@ -131,8 +131,12 @@ class BlockManager:
 
     def write_back_ahead(self, max_blocks: int, max_scan: int) -> int:
         """CPU copies for up to `max_blocks` cached GPU blocks from the LRU head, looking at
-        most `max_scan` deep (`CpuTier.write_back_ahead`); how many were planned."""
-        return self.tier.write_back_ahead(self._lru, max_blocks, max_scan) if self.tier else 0
+        most `max_scan` deep (`CpuTier.write_back_ahead`); how many were planned. Into a full
+        tier (replacing its oldest copies) only while fewer than `max_scan` GPU slots are free:
+        the next allocations then reach that deep into the LRU."""
+        if self.tier is None:
+            return 0
+        return self.tier.write_back_ahead(self._lru, max_blocks, max_scan, replace=len(self._free_slots) < max_scan)
 
     def free_gpu_slots(self) -> list[int]:
         """The allocatable GPU slots in the order they are taken: free slots, then the slots
@@ -303,6 +307,7 @@ class BlockManager:
 
     def _drop_cpu_only(self, block: Block) -> None:
         """A cached block without a GPU slot lost (or never got) its CPU copy: forget it."""
+        self._version += 1  # a lookup may hold it (write-back ahead drops outside `allocate`)
         del self._cached[block.block_hash]
         block.block_hash = None
         self._free_block(block)

@@ -16,10 +16,16 @@ drop them.
 Every CPU copy belongs to a hashed block: a block with a CPU copy and no GPU slot is cached
 on the CPU only; evicting its CPU copy then frees the block (`drop` callback).
 
-Write-back ahead (`store_ahead`): cached GPU blocks near the head of the GPU LRU get a CPU
-copy before they are evicted, into free CPU slots only (never at the expense of a CPU-only
-copy), so that the eviction that later takes their slot has no store to wait for: a load
-into that slot (a CPU hit) then runs alone instead of behind a store of the same size. Those
+Write-back ahead (`write_back_ahead`): cached GPU blocks near the head of the GPU LRU get a CPU
+copy before they are evicted, so that the eviction that later takes their slot has no store to
+wait for: a load into that slot (a CPU hit) then runs alone instead of behind a store of the
+same size. They take free CPU slots, and once none is free (a long-running tier is full) the
+slots of the least recently used copies of blocks on the CPU only, as the store at their
+eviction would: the copies dropped are the same, a little sooner. A copy whose block is on the
+GPU too is never replaced ahead (two blocks written back ahead would take each other's slot
+in turn); passed over, it goes to the LRU's tail. Only the GPU LRU's head is written back
+ahead, and into a full tier only while the GPU's free slots would not last through that
+head's depth (the caller says, `replace`), so a GPU with room to spare costs the tier no copy. Those
 copies run on the store stream without holding up any forward; a step that evicts a block
 whose ahead store may still run (`evicted`) makes its forward and its loads wait for it.
 """
@@ -106,40 +112,56 @@ class CpuTier:
         """Blocks whose ahead store was taken with a step's copies and may still run."""
         return len(self._ahead_pending)
 
-    def store_ahead(self, block: Block, gpu_slot: int) -> bool:
-        """Give the cached GPU `block` a CPU copy now, into a free CPU slot (module doc); False
-        when none is free."""
-        assert block.block_hash is not None and block.cpu_slot is None
-        if not self._free_slots:
-            return False
-        slot = self._free_slots.popleft()
-        block.cpu_slot = slot
-        self.slot_hashes[slot] = block.block_hash
-        self._pinned[block.block_id] = block
-        self._ahead.append((gpu_slot, slot))
-        self._ahead_ids.append(block.block_id)
-        self.num_stored += 1
-        return True
-
-    def write_back_ahead(self, gpu_lru: Iterable[Block], max_blocks: int, max_scan: int) -> int:
+    def write_back_ahead(self, gpu_lru: Iterable[Block], max_blocks: int, max_scan: int,
+                         replace: bool = False) -> int:
         """Plan CPU copies of up to `max_blocks` cached GPU blocks without one, in `gpu_lru`'s
-        order (the next evicted first), looking at most `max_scan` deep; into free CPU slots
-        only, and only once the ahead stores taken before have finished (one batch on the copy
+        order (the next evicted first), looking at most `max_scan` deep; into free CPU slots,
+        and with `replace` into those of the least recently used CPU-only copies too (module
+        doc); only once the ahead stores taken before have finished (one batch on the copy
         stream at a time). Returns how many."""
-        if self._ahead_pending or not self._free_slots:
+        room = len(self._free_slots) + (len(self._lru) if replace else 0)
+        if self._ahead_pending or not room:
             return 0
         chosen = []
-        wanted = min(max_blocks, len(self._free_slots))
+        wanted = min(max_blocks, room)
         for depth, block in enumerate(gpu_lru):
             if len(chosen) == wanted or depth == max_scan:
                 break
             if block.cpu_slot is None:
                 chosen.append(block)
-        # Ascending GPU slots take the free CPU slots in order: where both are consecutive,
-        # the stores copy as one run (`kv_copies.block_runs`), not a copy per block.
-        for block in sorted(chosen, key=lambda block: block.gpu_slot):
-            self.store_ahead(block, block.gpu_slot)
-        return len(chosen)
+        slots, moves = [], min(max_scan, len(self._lru))
+        for _ in chosen:
+            slot = self._free_slots.popleft() if self._free_slots else None
+            if slot is None and replace:
+                slot, moves = self._cold_slot(moves)
+            if slot is None:
+                break
+            slots.append(slot)
+        # The next evicted keep their place; ascending GPU slots take the slots in order: where
+        # both are consecutive, the stores copy as one run (`kv_copies.block_runs`).
+        for block, slot in zip(sorted(chosen[:len(slots)], key=lambda block: block.gpu_slot), slots):
+            block.cpu_slot = slot
+            self.slot_hashes[slot] = block.block_hash
+            self._pinned[block.block_id] = block
+            self._ahead.append((block.gpu_slot, slot))
+            self._ahead_ids.append(block.block_id)
+        self.num_stored += len(slots)
+        return len(slots)
+
+    def _cold_slot(self, moves: int) -> tuple[int | None, int]:
+        """The slot of the least recently used CPU copy of a block on the CPU only, and the
+        moves left: a copy whose block is on the GPU too goes to the LRU's tail instead (the
+        block is in use, and replacing it would only make it the next one written back), at
+        most `moves` of them."""
+        while self._lru:
+            block_id, victim = next(iter(self._lru.items()))
+            if victim.gpu_slot is None:
+                return self._take_slot(), moves
+            if not moves:
+                break
+            self._lru.move_to_end(block_id)
+            moves -= 1
+        return None, moves
 
     def evicted(self, block: Block) -> None:
         """The block's GPU slot goes to another block this step: if its ahead store may still

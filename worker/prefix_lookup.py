@@ -62,7 +62,8 @@ def current_prefix(cached: CachedPrefix | Sequence[int], blocks: list[Block], ve
     of `blocks`), checked still cached and counted."""
     if isinstance(cached, CachedPrefix):
         if cached.version != version:
-            raise ValueError("a prefix looked up before the last allocation or release: look it up again")
+            raise ValueError("a prefix looked up before the cache last changed (an allocation, a release, a dropped"
+                             " CPU copy): look it up again")
         return cached
     hits = [blocks[block_id] for block_id in cached]
     if any(block.block_hash is None for block in hits):

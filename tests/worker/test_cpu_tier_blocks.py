@@ -172,10 +172,8 @@ def test_cached_blocks_are_written_back_ahead_from_the_lru_head_into_free_cpu_sl
     # One batch at a time: nothing more until the device says the first one finished.
     assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 0
     manager.tier.ahead_stored()
-    assert manager.write_back_ahead(max_blocks=5, max_scan=8) == 1  # a1 into the last free slot
+    assert manager.write_back_ahead(max_blocks=1, max_scan=8) == 1  # a1 into the last free slot
     assert manager.take_copies() == KVCopies(ahead_to_cpu=((1, 2),))
-    manager.tier.ahead_stored()
-    assert manager.write_back_ahead(max_blocks=5, max_scan=8) == 0  # no free CPU slot: a0 waits
     # Evicting the blocks written back ahead needs no store; their CPU copies still serve hits.
     assert manager.allocate("b", 8)
     assert manager.slot_table("b") == [3, 2]
@@ -198,15 +196,55 @@ def test_a_step_that_reuses_a_slot_whose_ahead_store_may_still_run_waits_for_it(
     assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 1),))
 
 
-def test_write_back_ahead_never_takes_a_cpu_only_copy_slot():
+def test_a_full_tier_writes_back_ahead_into_its_oldest_copies_so_the_eviction_stores_nothing():
     manager = BlockManager(2, 4, True, num_cpu_blocks=2)
     cached_request(manager, "a", ["a0", "a1"])
     assert manager.allocate("b", 8)  # both evicted and written back: the tier is full
     manager.take_copies()
     manager.commit("b", [h("b0"), h("b1")])
     manager.free("b")
+    stale = manager.look_up([h("a0"), h("a1")])
+    assert len(stale) == 2 and stale.num_on_cpu == 2
+    # No free GPU slot: the next allocation evicts b's blocks, so they take a's CPU slots now,
+    # as the store at their eviction would, and a is gone from the cache.
+    assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 2
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (1, 1)))
+    assert manager.find_cached_prefix([h("a0"), h("a1")]) == []
+    with pytest.raises(ValueError, match="looked up before"):  # a lookup made before the drop is refused
+        manager.allocate("late", 8, stale)
+    manager.tier.ahead_stored()
+    assert manager.allocate("c", 8)  # evicts b0 and b1: their copies exist, nothing to store
+    assert not manager.take_copies().gpu_to_cpu
+    hits = manager.find_cached_prefix([h("b0"), h("b1")])
+    assert len(hits) == 2 and not any(map(manager.on_gpu, hits))
+    manager.check_invariants()
+
+
+def test_a_full_tier_keeps_its_copies_while_the_gpu_has_slots_to_spare():
+    manager = BlockManager(4, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1"])
+    assert manager.allocate("b", 16)  # two free slots and a's two, written back: the tier is full
+    manager.take_copies()
+    manager.commit("b", [h("b0"), h("b1")])
+    manager.free("b")  # b2, b3 unhashed: two free GPU slots; b0, b1 cached
+    # The next two allocations take the free slots: an LRU head 2 deep is not reached by them.
     assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 0
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0, 1]
+    assert manager.write_back_ahead(max_blocks=2, max_scan=4) == 2  # 4 deep: it is
+    assert manager.find_cached_prefix([h("a0"), h("a1")]) == []
+    manager.check_invariants()
+
+
+def test_write_back_ahead_never_replaces_the_copy_of_a_block_still_on_the_gpu():
+    manager = BlockManager(3, 4, True, num_cpu_blocks=2)
+    cached_request(manager, "a", ["a0", "a1", "a2"])  # LRU head first: a2, a1, a0
+    assert manager.write_back_ahead(max_blocks=3, max_scan=3) == 2  # a2 and a1 fill the tier
+    manager.take_copies()
+    manager.tier.ahead_stored()
+    # a0 would replace a2's or a1's copy, then that block the other's: a ring of stores.
+    assert manager.write_back_ahead(max_blocks=3, max_scan=3) == 0
+    assert manager.take_copies() is NO_KV_COPIES
+    assert sum(manager.blocks[i].cpu_slot is not None for i in manager.find_cached_prefix([h("a0"), h("a1"), h("a2")])) == 2
     manager.check_invariants()
 
 

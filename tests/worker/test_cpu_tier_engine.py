@@ -223,6 +223,30 @@ def test_an_idle_engine_writes_its_cached_blocks_back_so_a_later_hit_loads_witho
     manager.check_invariants()
 
 
+def test_an_idle_engine_writes_back_into_a_full_tier_so_a_later_hit_loads_without_stores(model_dir):
+    """A long-running tier is full: write-back ahead then replaces its oldest CPU-only copies
+    (those an eviction's store would replace), so evicting the blocks written back stores
+    nothing."""
+    engine = engine_for(model_dir, num_cpu_blocks=6)
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    expected = run(engine_for(model_dir, num_cpu_blocks=6), "turn-1", turn_1, GREEDY)[0]
+    for k in range(4):  # eight blocks of history for a GPU pool of four and a tier of six
+        run(engine, f"old-{k}", [(3 * i + k) % 90 + 3 for i in range(32)], GREEDY)
+    assert run(engine, "turn-1", turn_1, GREEDY)[0] == expected
+    manager = engine.block_manager
+    gpu_cached = list(manager._lru)
+    assert manager.tier.num_free == 0 and any(block.cpu_slot is None for block in gpu_cached)
+    while engine.idle_write_back():
+        pass
+    assert all(block.cpu_slot is not None for block in gpu_cached)
+    stored = engine.executor.kv_copier.bytes_to_cpu
+    run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], GREEDY)  # evicts them all: no store
+    assert engine.executor.kv_copier.bytes_to_cpu == stored
+    tokens, cached = run(engine, "again", turn_1, GREEDY)
+    assert (tokens, cached) == (expected, 16 * 1)
+    manager.check_invariants()
+
+
 def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
     """A turn whose history is only in the tier waits for its load; the engine says when that
     load has landed (on the CPU the copies ran when queued), which ends the worker's intake."""
