@@ -27,6 +27,12 @@ Rows (`--rows`):
 
 `--api-server-count N` serves both rows with N API server processes (`spillway serve
 --api-server-count N`): a burst of long prompts reaches the worker sooner.
+
+`--full-tier` runs the convoy row on a full tier, a long-running server's steady state: distinct
+prompts first, until `vllm:cpu_cache_usage_perc` reads 1 (a small `--cpu-offload-gb` keeps that
+short), and `--idle-s` of quiet after each push-out (the server's idle time between bursts).
+The note then gives the bytes stored to the CPU while the lone request and while the convoy ran:
+stores that a load waited behind.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from datetime import date
 from pathlib import Path
 
@@ -98,6 +105,17 @@ def cpu_cached_tokens(url: str) -> float:
 
 def cpu_cached_in(metrics_text: str) -> float:
     return parse_prometheus(metrics_text).get('spillway:cached_tokens_total{source="cpu"}', 0.0)
+
+
+def server_gauges(url: str) -> tuple[float, float]:
+    """The CPU tier's usage (0-1) and the bytes stored to it so far."""
+    return tier_gauges_in(httpx.get(url + "/metrics", timeout=10, trust_env=False).text)
+
+
+def tier_gauges_in(metrics_text: str) -> tuple[float, float]:
+    metrics = parse_prometheus(metrics_text)
+    return (metrics.get("vllm:cpu_cache_usage_perc", 0.0),
+            metrics.get('vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}', 0.0))
 
 
 # ---- rows -----------------------------------------------------------------------------------
@@ -162,22 +180,33 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
     def push_out(url: str) -> None:
         """Compute distinct prompts enough to evict every block the GPU pool holds."""
         asyncio.run(run_bounded(url, [(0, tokens(filler_len)) for _ in range(fillers)], 1, 1))
+        time.sleep(args.idle_s)
+
+    def fill_tier(url: str) -> int:
+        """Distinct prompts until every CPU slot holds a copy; how many."""
+        for count in range(1, 1000):
+            asyncio.run(run_bounded(url, [(0, tokens(filler_len))], 1, 1))
+            if server_gauges(url)[0] >= 1.0:
+                return count
+        raise SystemExit("the CPU tier did not fill: is it larger than the prompts can fill?")
 
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
     with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log) as server:
         url = server.url
+        filled = fill_tier(url) if args.full_tier else 0
         asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
         push_out(url)
-        before = cpu_cached_tokens(url)
+        before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
         single = asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))[0][1]
-        single_cpu = cpu_cached_tokens(url) - before
+        single_cpu, single_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
         push_out(url)
-        before = cpu_cached_tokens(url)
+        before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
         convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(args.convoy)], 1,
                                            SERVED_NAME))
-        convoy_cpu = cpu_cached_tokens(url) - before
+        convoy_cpu, convoy_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
     return {"single": single, "single_cpu": single_cpu, "convoy": convoy, "convoy_cpu": convoy_cpu,
-            "fillers": fillers, "filler_len": filler_len}
+            "fillers": fillers, "filler_len": filler_len, "filled": filled,
+            "stored": (single_stored, convoy_stored)}
 
 
 def report_convoy(results: dict, args, rows: Rows) -> None:
@@ -192,7 +221,16 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
                       f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
                       f"{spread}; "
                       f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens; "
-                      f"{args.api_server_count} API server process(es)"))
+                      f"{args.api_server_count} API server process(es)" + full_tier_note(results, args)))
+
+
+def full_tier_note(results: dict, args) -> str:
+    if not args.full_tier:
+        return ""
+    single, convoy = (stored / 1e9 for stored in results["stored"])
+    return (f"; a full {args.cpu_offload_gb:g} GiB tier (filled by {results['filled']} prompts first), {args.idle_s:g} s "
+            f"idle after each push-out; GB stored to the CPU while the lone request ran {single:.2f}, the convoy "
+            f"{convoy:.2f}")
 
 
 # ---- the command line -----------------------------------------------------------------------
@@ -229,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1, help="multiturn: runs of each server, alternating; "
                         "the figures are the runs' medians")
     parser.add_argument("--api-server-count", type=int, default=1, help="API server processes of every server")
+    parser.add_argument("--full-tier", action="store_true", help="convoy: fill the CPU tier first (module doc)")
+    parser.add_argument("--idle-s", type=float, default=0.0, help="convoy: seconds of quiet after each push-out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", type=Path, help="append each server's output here")
     parser.add_argument("--results", help="append every row here as a JSON line")

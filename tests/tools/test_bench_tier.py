@@ -35,6 +35,16 @@ def test_the_cpu_tier_hits_are_read_from_the_metrics_text():
     assert bench_tier.cpu_cached_in("") == 0.0
 
 
+def test_the_tier_usage_and_the_bytes_stored_are_read_from_the_metrics_text():
+    text = ('# TYPE vllm:cpu_cache_usage_perc gauge\n'
+            'vllm:cpu_cache_usage_perc{model_name="bench"} 1.0\n'
+            '# TYPE vllm:kv_offload_total_bytes counter\n'
+            'vllm:kv_offload_total_bytes_total{model_name="bench",transfer_type="GPU_to_CPU"} 4096.0\n'
+            'vllm:kv_offload_total_bytes_total{model_name="bench",transfer_type="CPU_to_GPU"} 512.0\n')
+    assert bench_tier.tier_gauges_in(text) == (1.0, 4096.0)
+    assert bench_tier.tier_gauges_in("") == (0.0, 0.0)
+
+
 def test_sizes_are_checked_before_any_server_starts():
     args = bench_tier.build_parser().parse_args(["--quick", "--concurrency", "9"])
     with pytest.raises(SystemExit, match="--concurrency"):
