@@ -14,7 +14,8 @@
                   same spans on two streams at once
     interference  a decode step (its captured graph at batch --decode-batch, --decode-context
                   tokens each, dummy weights) while stores and loads of --blocks blocks run
-                  without pause on the copier's streams, against the same step alone
+                  without pause on the copier's streams, against the same step alone; with
+                  --paced-load-gb-s, also beside loads paced to those rates by a host thread
     reload        restoring a --prefix-tokens prefix's blocks from the CPU pool through the
                   copier, against recomputing it: eager prefill forwards of --chunk-tokens tokens
                   each (the engine's steps of max_num_batched_tokens), host time included
@@ -64,6 +65,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def gb_rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated numbers: {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive GB/s, got {text!r}")
+    return rates
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=row_names, default=ROW_NAMES, help=f"comma-separated: {','.join(ROW_NAMES)}")
@@ -74,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-batch", type=positive_int, default=64)
     parser.add_argument("--decode-context", type=positive_int, default=2048, help="tokens of each decoding sequence")
     parser.add_argument("--decode-steps", type=positive_int, default=50, help="graph replays timed together")
+    parser.add_argument("--paced-load-gb-s", type=gb_rates, default=(), help="interference: also the step beside "
+                        "loads paced to these rates, comma-separated GB/s (does a lower rate cost it less?)")
     parser.add_argument("--prefix-tokens", type=positive_int, default=32768)
     parser.add_argument("--chunk-tokens", type=positive_int, default=8192, help="tokens per recompute step")
     parser.add_argument("--results", help="append every row here as a JSON line")

@@ -67,6 +67,55 @@ def run_interference(args, rows: Rows) -> None:
                      f"{TARGET_INTERFERENCE:.2f}); graph replay, batch {args.decode_batch} x {args.decode_context} "
                      f"tokens, {args.model} dummy weights; traffic: {n}-block copies repeated {rounds}x on the "
                      f"copier's streams, {flows} meanwhile; traffic ran through every timed step: {covered}"))
+    for gb_s in args.paced_load_gb_s:  # would loads at a lower rate cost the step less?
+        seconds, rate = sorted(step_seconds_beside_paced_loads(replays, args.decode_steps, copier, loads,
+                                                               gb_s * 1e9) for _ in range(3))[1]
+        rows.add(row(f"decode step beside loads paced to {gb_s:g} GB/s", seconds * 1e3, "ms/step", "the step alone",
+                     alone * 1e3, seconds / alone, note=f"ratio with / without; loads of {PACED_CHUNK_BLOCKS} blocks "
+                     f"queued by a host thread, each once the one before has landed and no sooner than the rate "
+                     f"allows: {rate / 1e9:.1f} GB/s reached while the steps ran; graph replay, batch "
+                     f"{args.decode_batch} x {args.decode_context} tokens, {args.model} dummy weights"))
+
+
+PACED_CHUNK_BLOCKS = 32
+
+
+def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate: float) -> tuple[float, float]:
+    """Seconds per step of `replays` while a host thread queues `loads` over and over on the
+    copier's load stream, PACED_CHUNK_BLOCKS blocks at a time, each chunk once the one before
+    has landed and no sooner than `rate` bytes/s allows; and the bytes/s loaded meanwhile."""
+    import threading
+
+    from spillway.worker.kv_copies import copy_blocks
+
+    chunks = [loads[i:i + PACED_CHUNK_BLOCKS] for i in range(0, len(loads), PACED_CHUNK_BLOCKS)]
+    stop, loaded = threading.Event(), [0]
+
+    def load() -> None:
+        due = time.perf_counter()
+        with torch.cuda.stream(copier.load_stream):
+            while not stop.is_set():
+                for chunk in chunks:
+                    time.sleep(max(0.0, due - time.perf_counter()))
+                    if stop.is_set():
+                        return
+                    copy_blocks(copier.cpu_pool, copier.gpu_pool, chunk)
+                    torch.cuda.current_stream().synchronize()
+                    loaded[0] += len(chunk) * copier.block_bytes
+                    due = max(due + len(chunk) * copier.block_bytes / rate, time.perf_counter())
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.05)  # under way
+        started, loaded_before = time.perf_counter(), loaded[0]
+        seconds = step_seconds(replays, num_steps)
+        rate_reached = (loaded[0] - loaded_before) / (time.perf_counter() - started)
+    finally:
+        stop.set()
+        thread.join()
+    torch.cuda.synchronize()
+    return seconds, rate_reached
 
 
 def step_seconds(replays, num_steps: int) -> float:

@@ -33,6 +33,8 @@ def test_rows_are_taken_in_the_order_given_once_each():
     (["--rows", ","], "argument --rows: no rows given"),
     (["--blocks", "0"], "argument --blocks: must be at least 1, got 0"),
     (["--prefix-tokens", "32k"], "argument --prefix-tokens: not an integer: '32k'"),
+    (["--paced-load-gb-s", "40,fast"], "argument --paced-load-gb-s: not comma-separated numbers: '40,fast'"),
+    (["--paced-load-gb-s", "40,0"], "argument --paced-load-gb-s: rates must be positive GB/s, got '40,0'"),
 ])
 def test_a_bad_flag_exits_2_naming_it(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
