@@ -31,8 +31,9 @@ Rows (`--rows`):
 `--full-tier` runs the convoy row on a full tier, a long-running server's steady state: distinct
 prompts first, until `vllm:cpu_cache_usage_perc` reads 1 (a small `--cpu-offload-gb` keeps that
 short), and `--idle-s` of quiet after each push-out (the server's idle time between bursts).
-The note then gives the bytes stored to the CPU while the lone request and while the convoy ran:
-stores that a load waited behind.
+The note then gives the bytes stored to the CPU from the lone request's send until its end, and
+the convoy's: stores at eviction and write-back ahead alike (the counter does not tell them apart;
+the TTFTs tell whether a load waited behind stores).
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ def full_tier_note(results: dict, args) -> str:
         return ""
     single, convoy = (stored / 1e9 for stored in results["stored"])
     return (f"; a full {args.cpu_offload_gb:g} GiB tier (filled by {results['filled']} prompts first), {args.idle_s:g} s "
-            f"idle after each push-out; GB stored to the CPU while the lone request ran {single:.2f}, the convoy "
-            f"{convoy:.2f}")
+            f"idle after each push-out; GB stored to the CPU (at eviction or ahead) while the lone request ran "
+            f"{single:.2f}, the convoy {convoy:.2f}")
 
 
 # ---- the command line -----------------------------------------------------------------------
