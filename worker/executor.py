@@ -178,13 +178,13 @@ class Executor:
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")
 
-    def copy_kv(self, copies: KVCopies) -> None:
+    def copy_kv(self, copies: KVCopies, pace: bool = False) -> None:
         """Start a step's copies between the tiers (worker/kv_copies.py); `execute` does this
-        itself, a step without chunks calls it alone."""
+        itself (`pace`: its forward runs beside the loads), a step without chunks calls it alone."""
         if self.kv_copier is None:
             # Only the CPU tier plans copies; a plan with some cannot be run without it.
             raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
-        self.kv_copier.run(copies)
+        self.kv_copier.run(copies, pace)
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs(self.max_num_seqs, verify=self.speculative)
@@ -204,7 +204,7 @@ class Executor:
         if self.step_sender is not None:
             self.step_sender(step, fed_tokens if step.feed_rows else None)
         if step.kv_copies != NO_KV_COPIES:
-            self.copy_kv(step.kv_copies)
+            self.copy_kv(step.kv_copies, pace=True)
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         if step.logits_rows:
             return self.runner.execute(step.chunks, feed, step.logits_rows)

@@ -32,6 +32,11 @@ stream after the step's stores, behind an event of their own that compute does n
 a later step that reuses one of their GPU slots (`wait_for_ahead`) makes its forward and its
 loads wait for that event. `ahead_stored` asks the device whether they have finished.
 
+While other requests compute, loads are queued in chunks no faster than a set rate
+(worker/paced_loads.py): their events (compute's queue when their step was planned, the step's
+stores) are recorded at `run`, and `pump` queues what the rate allows since. A step that waits
+for loads (`wait_for_loads`) first queues every chunk still pending, as does waiting for them all.
+
 Each direction is timed by events on its own stream (a load's time starts after its wait).
 On the CPU device the same copies run in order, synchronously.
 """
@@ -47,6 +52,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spillway.worker.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
 from spillway.worker.step_plan import KVCopies
 
 logger = logging.getLogger(__name__)
@@ -135,13 +141,15 @@ class KVCopier:
     """Runs each step's `KVCopies` between the GPU pool and the CPU pool (module doc), and
     counts the bytes and the time they took."""
 
-    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor) -> None:
+    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor,
+                 load_bytes_per_s: float = LOAD_BYTES_PER_S) -> None:
         self.gpu_pool = gpu_pool
         self.cpu_pool = cpu_pool
         self.block_bytes = gpu_pool[0].nbytes
         on_cuda = gpu_pool.device.type == "cuda"
         self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
+        self.pending_loads = PacedLoads(self.block_bytes, load_bytes_per_s)  # load_bytes_per_s 0: never paced
         self._last_loads: torch.cuda.Event | None = None  # after every load queued so far
         # (load batch, event after its loads) of the batches not known to have landed, in order
         self._load_events: deque[tuple[int, torch.cuda.Event]] = deque()
@@ -155,9 +163,10 @@ class KVCopier:
         self._seconds_to_cpu = 0.0
         self._seconds_to_gpu = 0.0
 
-    def run(self, copies: KVCopies) -> None:
+    def run(self, copies: KVCopies, pace: bool = False) -> None:
         """Start the step's copies: stores on the store stream, loads on the load stream (after
-        the stores when a load fills a GPU slot a store reads). Call before the step's forward."""
+        the stores when a load fills a GPU slot a store reads). Call before the step's forward.
+        `pace`: other requests compute, so loads go no faster than the set rate (module doc)."""
         self.seconds()  # fold the finished timings: the lists stay short without stats reads
         self.bytes_to_cpu += (len(copies.gpu_to_cpu) + len(copies.ahead_to_cpu)) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
@@ -176,38 +185,55 @@ class KVCopier:
             # and a load may fill it.
             compute.wait_event(self._ahead_stored)
             self.load_stream.wait_event(self._ahead_stored)
-        if copies.wait_for_loads and self._last_loads is not None:
-            compute.wait_event(self._last_loads)  # it reuses the GPU slot of a block still landing
+        if copies.wait_for_loads:
+            self.pump(pace=False)
+            if self._last_loads is not None:
+                compute.wait_event(self._last_loads)  # it reuses the GPU slot of a block still landing
         # Stores never wait for loads: the CPU slot a load reads is held out of the CPU LRU until
         # it lands (worker/cpu_tier.py), and a block still loading has its CPU copy, so it is
         # never stored. A direction with nothing to copy queues nothing: an empty batch of
         # stores would make the forward wait for whatever the store stream still runs (the
         # ahead stores of a step before).
         stored = None
+        if copies.gpu_to_cpu or copies.ahead_to_cpu:
+            self.store_stream.wait_stream(compute)
         if copies.gpu_to_cpu:
-            stored = self._queue(self.store_stream, compute, None, self.gpu_pool, self.cpu_pool,
-                                 copies.gpu_to_cpu, self._store_timings)
+            stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu,
+                                 self._store_timings)
         if copies.ahead_to_cpu:
-            self._ahead_stored = self._queue(self.store_stream, compute, None, self.gpu_pool,
-                                             self.cpu_pool, copies.ahead_to_cpu, self._store_timings)
+            self._ahead_stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool, copies.ahead_to_cpu,
+                                             self._store_timings)
         start, after = 0, stored if _overlap(copies) else None
-        for batch, end in copies.load_batches():  # an event per batch: each request's loads land on their own
-            self._last_loads = self._queue(self.load_stream, compute, after, self.cpu_pool, self.gpu_pool,
-                                           copies.cpu_to_gpu[start:end], self._load_timings)
-            self._load_events.append((batch, self._last_loads))
-            start, after = end, None
+        if copies.cpu_to_gpu:
+            ready = torch.cuda.Event()
+            ready.record(compute)
+            for batch, end in copies.load_batches():  # an event per batch: each request's loads land on their own
+                self.pending_loads.add(copies.cpu_to_gpu[start:end], ready, after, batch)
+                start, after = end, None
+            self.pump(pace)
         if stored is not None:
             compute.wait_event(stored)
 
+    def pump(self, pace: bool) -> None:
+        """Queue the pending loads that the rate allows by now (all of them unless `pace`)."""
+        for chunk in self.pending_loads.take(pace):
+            self._queue_load(chunk)
+
+    def _queue_load(self, chunk: LoadChunk) -> None:
+        """Queue one chunk of loads after the compute its step came after (and its stores)."""
+        self.load_stream.wait_event(chunk.ready)
+        if chunk.after is not None:
+            self.load_stream.wait_event(chunk.after)
+        self._last_loads = self._queue(self.load_stream, self.cpu_pool, self.gpu_pool, chunk.pairs,
+                                       self._load_timings)
+        if chunk.batch:
+            self._load_events.append((chunk.batch, self._last_loads))
+
     @staticmethod
-    def _queue(stream: torch.cuda.Stream, compute: torch.cuda.Stream, after: torch.cuda.Event | None,
-               src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]],
+    def _queue(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]],
                timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> torch.cuda.Event:
-        """Queue `copy_blocks(src, dst, pairs)` on `stream` after all compute has queued (and
-        after `after`), between two timing events; returns the one after the copies."""
-        stream.wait_stream(compute)
-        if after is not None:
-            stream.wait_event(after)
+        """Queue `copy_blocks(src, dst, pairs)` on `stream` (after what it waits for already),
+        between two timing events; returns the one after the copies."""
         started, finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             started.record()
@@ -223,15 +249,17 @@ class KVCopier:
 
     def landed_through(self, wait: bool = False) -> int:
         """The last load batch (`KVCopies.load_batch`) that has landed: batches land in
-        order, on one stream. Asks the device without waiting (`wait`: waits for every load
-        queued); on the CPU the copies ran when queued."""
+        order, on one stream. Asks the device without waiting (`wait`: queues every pending
+        load and waits for them all); on the CPU the copies ran when queued."""
+        if wait:
+            self.pump(pace=False)
         events = self._load_events
         while events and (wait or events[0][1].query()):
             batch, event = events.popleft()
             if wait:
                 event.synchronize()
             self._landed_through = max(self._landed_through, batch)
-        if not events:
+        if not events and not self.pending_loads:
             self._last_loads = None  # nothing in flight: a reused slot need not wait
         return self._landed_through
 

@@ -41,7 +41,10 @@ class TierDriver:
 
     def before_step(self) -> None:
         """What the device finished since the last step: load batches that landed (their
-        requests compute from this step on), ahead stores that are done."""
+        requests compute from this step on), ahead stores that are done; and the loads still
+        pending that may go now: at the paced rate while some request computes, else all."""
+        if self.copier.pending_loads:
+            self.copier.pump(pace=self.scheduler.num_running > self.scheduler.num_awaiting_load)
         if self.tier.num_loading:
             self.scheduler.loads_landed(self.copier.landed_through())
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
@@ -57,7 +60,9 @@ class TierDriver:
         """With no request to run: give cached GPU blocks without a CPU copy one, a batch at a
         time (the GPU LRU's head first, free CPU slots only), so that a later burst on CPU hits
         loads into their slots without stores in its way. Whether to call again soon: a batch
-        is on its way, or was just started."""
+        is on its way, or was just started. Loads still pending (their requests were aborted)
+        go first, at once: nothing computes."""
+        self.copier.pump(pace=False)
         if self.tier.num_ahead_pending:
             if not self.copier.ahead_stored():
                 return True

@@ -11,6 +11,7 @@ from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.engine import Engine
 from spillway.worker.kv_copies import block_runs, copy_blocks
+from spillway.worker.paced_loads import PacedLoads
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
@@ -122,13 +123,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
-def busy_conversation(model_dir, device: str, num_gpu_blocks: int, num_cpu_blocks: int,
-                      params: SamplingParams) -> tuple[dict[str, list[int]], dict[str, int], Engine]:
+def busy_conversation(model_dir, device: str, num_gpu_blocks: int, num_cpu_blocks: int, params: SamplingParams,
+                      load_bytes_per_s: float | None = None) -> tuple[dict[str, list[int]], dict[str, int], Engine]:
     """Turn 1, two fillers that evict it, then turn 2 arriving while a long request decodes
-    (on CUDA its loads are planned ahead, during the decode steps)."""
+    (on CUDA its loads are planned ahead, during the decode steps, and paced meanwhile:
+    `load_bytes_per_s` sets the rate, in chunks of a block)."""
     engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
                                  num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
     engine.debug_invariants = True
+    if load_bytes_per_s is not None:
+        copier = engine.executor.kv_copier
+        copier.pending_loads = PacedLoads(copier.block_bytes, load_bytes_per_s)
+        copier.pending_loads.chunk_blocks = 1
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
 
@@ -174,6 +180,19 @@ def test_loads_planned_beside_a_decoding_request_give_what_a_pool_that_kept_the_
     assert (stats.cached_tokens_gpu, stats.cached_tokens_cpu) == (0, 32)
     assert stats.kv_offload_bytes_cpu_to_gpu == 2 * engine.runner.kv_cache[0].nbytes
     assert tokens == reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_loads_paced_beside_a_decoding_request_land_once_nothing_else_computes(model_dir):
+    """At a rate too low to move a second block, turn 2's loads wait while the long request
+    decodes, then go at once when it is the only request left, waiting for them."""
+    tokens, cached, engine = busy_conversation(model_dir, "cuda", 6, 16, GREEDY, load_bytes_per_s=1.0)
+    reference, reference_cached, _ = busy_conversation(model_dir, "cuda", 64, 0, GREEDY)
+    assert cached["turn-2"] == reference_cached["turn-2"] == 32
+    assert engine.stats().cached_tokens_cpu == 32
+    assert tokens == reference
+    assert not engine.executor.kv_copier.pending_loads
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -158,3 +158,34 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
     assert copier.ahead_stored()
     assert bool((cpu[:half] == 1.0).all())
     assert bool((gpu[:half // 2] == 4.0).all()) and bool((gpu[half // 2:half] == 2.0).all())
+
+
+def test_paced_loads_wait_to_be_pumped_and_land_after_the_compute_before_their_step():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)  # 128 blocks a chunk; one goes at once
+    cpu.fill_(3.0)
+    torch.cuda._sleep(50_000_000)  # compute is busy when the loads are planned
+    gpu.fill_(1.0)  # written by the steps before: the loads must land after it
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(NUM_BLOCKS)), load_batch=1), pace=True)
+    assert len(copier.pending_loads) == NUM_BLOCKS // 128 - 1
+    torch.cuda.synchronize()
+    assert copier.landed_through() == 0  # its last chunk is not even queued
+    assert bool((gpu[:128] == 3.0).all()) and bool((gpu[128:] == 1.0).all())
+    copier.pump(pace=False)
+    assert not copier.pending_loads
+    assert copier.landed_through(wait=True) == 1
+    assert bool((gpu == 3.0).all())
+
+
+def test_a_step_reusing_a_slot_still_loading_waits_for_the_paced_loads_too():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)
+    cpu.fill_(3.0)
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(NUM_BLOCKS)), load_batch=1), pace=True)
+    assert copier.pending_loads
+    copier.run(KVCopies(wait_for_loads=True), pace=True)  # queues them all first, then waits
+    assert not copier.pending_loads
+    gpu.fill_(9.0)  # the forward that reuses the slots
+    torch.cuda.synchronize()
+    assert bool((gpu == 9.0).all())
+    assert copier.landed_through() == 1

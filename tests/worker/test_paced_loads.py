@@ -1,0 +1,69 @@
+"""PacedLoads: the chunks of the CPU tier's loads and the bucket that paces them (host only;
+the copier's use of it on CUDA is in test_kv_copies_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spillway.worker import paced_loads
+from spillway.worker.paced_loads import PacedLoads
+
+MiB = 2**20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(paced_loads.time, "monotonic", clock)
+    return clock
+
+
+def pairs(count: int, first: int = 0) -> tuple[tuple[int, int], ...]:
+    return tuple((first + i, first + i) for i in range(count))
+
+
+def test_a_batch_is_cut_into_chunks_and_only_its_last_names_the_batch(clock):
+    loads = PacedLoads(block_bytes=16 * MiB)  # 4 blocks a chunk
+    loads.add(pairs(10), "ready", None, batch=7)
+    loads.add(pairs(2, first=10), "ready-2", "stored", batch=8)
+    assert len(loads) == 4
+    chunks = loads.take(pace=False)
+    assert [len(chunk.pairs) for chunk in chunks] == [4, 4, 2, 2]
+    assert [chunk.batch for chunk in chunks] == [0, 0, 7, 8]
+    assert [pair for chunk in chunks[:3] for pair in chunk.pairs] == list(pairs(10))
+    assert (chunks[3].ready, chunks[3].after) == ("ready-2", "stored")
+    assert len(loads) == 0
+
+
+def test_paced_chunks_go_no_faster_than_the_rate_after_the_first_burst(clock):
+    loads = PacedLoads(block_bytes=MiB, bytes_per_s=1e9)  # 64 blocks a chunk; the bucket holds one (> 10 ms)
+    loads.add(pairs(64 * 20), "ready", None, batch=1)
+    assert len(loads.take(pace=True)) == 1  # a full bucket: one chunk at once
+    assert loads.take(pace=True) == []  # nothing has accrued
+    clock.now += 0.5 * 64 * MiB / 1e9
+    assert loads.take(pace=True) == []  # half a chunk's worth
+    clock.now += 0.5 * 64 * MiB / 1e9
+    assert len(loads.take(pace=True)) == 1
+    clock.now += 10.0  # a long wait fills the bucket to its capacity only
+    assert len(loads.take(pace=True)) == 1
+    taken = 3
+    assert len(loads.take(pace=False)) == 20 - taken  # unpaced: everything left, at once
+    clock.now += 64 * MiB / 1e9
+    loads.add(pairs(64, first=2000), "ready", None, batch=2)
+    assert len(loads.take(pace=True)) == 1  # the unpaced burst drained the bucket; it refilled since
+
+
+def test_a_rate_of_zero_never_paces_and_a_negative_one_is_refused(clock):
+    loads = PacedLoads(block_bytes=MiB, bytes_per_s=0)
+    loads.add(pairs(64 * 5), "ready", None, batch=1)
+    assert len(loads.take(pace=True)) == 5
+    with pytest.raises(ValueError, match="must not be negative"):
+        PacedLoads(block_bytes=MiB, bytes_per_s=-1)
