@@ -14,8 +14,11 @@
                   same spans on two streams at once
     interference  a decode step (its captured graph at batch --decode-batch, --decode-context
                   tokens each, dummy weights) while stores and loads of --blocks blocks run
-                  without pause on the copier's streams, against the same step alone; with
-                  --paced-load-gb-s, also beside loads paced to those rates by a host thread
+                  without pause on the copier's streams, against the same step alone; then
+                  steps queued one at a time (as the engine runs) beside a CPU hit's loads,
+                  with and without stores ahead of eviction, at full speed and paced by the
+                  copier (worker/paced_loads.py); with --paced-load-gb-s, also beside loads
+                  paced to those rates by a host thread
     reload        restoring a --prefix-tokens prefix's blocks from the CPU pool through the
                   copier, against recomputing it: eager prefill forwards of --chunk-tokens tokens
                   each (the engine's steps of max_num_batched_tokens), host time included

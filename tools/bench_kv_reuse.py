@@ -68,19 +68,24 @@ def run_interference(args, rows: Rows) -> None:
                      f"tokens, {args.model} dummy weights; traffic: {n}-block copies repeated {rounds}x on the "
                      f"copier's streams, {flows} meanwhile; traffic ran through every timed step: {covered}"))
     # The copier's own pacing (worker/paced_loads.py), the engine's way: a step at a time, the
-    # host at most two steps ahead, the loads planned again whenever the last batch has landed.
+    # host at most two steps ahead, the loads planned again whenever the last batch has landed
+    # (and the stores, ahead of eviction as the engine writes them, whenever the last are done).
     stepped_alone = sorted(stepped_seconds(bucket, runner, args.decode_steps)[0] for _ in range(3))[1]
-    for label, pace in (("at full speed", False), ("paced by the copier", True)):
-        seconds, rate = sorted(stepped_seconds(bucket, runner, args.decode_steps, copier, loads, pace)
-                               for _ in range(3))[1]
-        rows.add(row(f"decode step beside a CPU hit's loads, {label}", seconds * 1e3, "ms/step", "the step alone",
+    for label, pace, with_stores in (("a CPU hit's loads at full speed", False, False),
+                                     ("a CPU hit's loads paced by the copier", True, False),
+                                     ("stores and a CPU hit's loads at full speed", False, True),
+                                     ("stores, and a CPU hit's loads paced by the copier", True, True)):
+        seconds, rates = sorted(stepped_seconds(bucket, runner, args.decode_steps, copier, loads, pace,
+                                                stores if with_stores else ()) for _ in range(3))[1]
+        flows = ", ".join(f"{rate / 1e9:.1f} GB/s {way}" for way, rate in rates.items())
+        rows.add(row(f"decode step beside {label}", seconds * 1e3, "ms/step", "the step alone",
                      stepped_alone * 1e3, seconds / stepped_alone,
                      note=f"ratio with / without (target <= {TARGET_INTERFERENCE:.2f}); {n}-block loads through "
                      f"KVCopier.run, planned again as each lands, pumped before every step"
-                     f"{f' (paced to {copier.pending_loads.bytes_per_s / 1e9:g} GB/s)' if pace else ''}: "
-                     f"{rate / 1e9:.1f} GB/s landed; "
-                     f"graph replays queued a step at a time, batch {args.decode_batch} x {args.decode_context} "
-                     f"tokens, {args.model} dummy weights"))
+                     f"{f' (paced to {copier.pending_loads.bytes_per_s / 1e9:g} GB/s)' if pace else ''}"
+                     f"{f'; {n}-block stores ahead of eviction, planned again as each batch is done' if with_stores else ''}"
+                     f": {flows} queued while the steps ran; graph replays queued a step at a time, batch "
+                     f"{args.decode_batch} x {args.decode_context} tokens, {args.model} dummy weights"))
     for gb_s in args.paced_load_gb_s:  # would loads at a lower rate cost the step less?
         seconds, rate = sorted(step_seconds_beside_paced_loads(replays, args.decode_steps, copier, loads,
                                                                gb_s * 1e9) for _ in range(3))[1]
@@ -94,28 +99,35 @@ def run_interference(args, rows: Rows) -> None:
 PACED_CHUNK_BLOCKS = 32
 
 
-def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), pace: bool = False
-                    ) -> tuple[float, float]:
+def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), pace: bool = False,
+                    stores=()) -> tuple[float, dict[str, float]]:
     """Seconds per step of `num_steps` graph replays queued one at a time, the host at most two
     steps ahead (as the engine's loop runs); with `copier`, `loads` planned through it as one
     batch again each time the last has landed (`pace`: at the copier's rate, pumped before every
-    step). Returns the seconds and the bytes/s of the batches landed by the end."""
+    step), and `stores` as stores ahead of eviction again each time the last are done. Returns the
+    seconds and the bytes/s queued each way while the steps ran (loads still pending excluded)."""
     from collections import deque
 
     from spillway.worker.step_plan import KVCopies
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    started = time.perf_counter()
-    first = batch = copier.landed_through(wait=True) if copier is not None else 0
+    batch = copier.landed_through(wait=True) if copier is not None else 0
+    to_gpu, to_cpu = (copier.bytes_to_gpu, copier.bytes_to_cpu) if copier is not None else (0, 0)
     in_flight = deque()
+    started = time.perf_counter()
     start.record()
     for _ in range(num_steps):
         if copier is not None:
             copier.pump(pace)
-            if copier.landed_through() >= batch:
+            planned = KVCopies()
+            if loads and copier.landed_through() >= batch:
                 batch += 1
-                copier.run(KVCopies(cpu_to_gpu=loads, load_batch=batch), pace)
+                planned = KVCopies(cpu_to_gpu=loads, load_batch=batch)
+            if stores and copier.ahead_stored():
+                planned = KVCopies(cpu_to_gpu=planned.cpu_to_gpu, ahead_to_cpu=stores, load_batch=planned.load_batch)
+            if planned.cpu_to_gpu or planned.ahead_to_cpu:
+                copier.run(planned, pace)
         runner.graphs.replay(bucket)
         stepped = torch.cuda.Event()
         stepped.record()
@@ -125,11 +137,15 @@ def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), 
     end.record()
     end.synchronize()
     seconds = time.perf_counter() - started
-    rate = 0.0
+    rates = {}
     if copier is not None:
-        rate = (copier.landed_through() - first) * len(loads) * copier.block_bytes / seconds
+        if loads:
+            rates["to GPU"] = (copier.bytes_to_gpu - to_gpu - copier.pending_loads.pending_bytes) / seconds
+        if stores:
+            rates["to host"] = (copier.bytes_to_cpu - to_cpu) / seconds
         copier.landed_through(wait=True)
-    return start.elapsed_time(end) / 1e3 / num_steps, rate
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / num_steps, rates
 
 
 def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate: float) -> tuple[float, float]:

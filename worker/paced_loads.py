@@ -54,6 +54,10 @@ class PacedLoads:
         """Chunks not queued yet."""
         return len(self._pending)
 
+    @property
+    def pending_bytes(self) -> int:
+        return sum(len(chunk.pairs) for chunk in self._pending) * self.block_bytes
+
     def add(self, pairs: Sequence[tuple[int, int]], ready: object, after: object | None, batch: int) -> None:
         """One load batch's copies, cut into chunks behind those pending."""
         step = self.chunk_blocks

@@ -35,12 +35,13 @@ def test_a_batch_is_cut_into_chunks_and_only_its_last_names_the_batch(clock):
     loads.add(pairs(10), "ready", None, batch=7)
     loads.add(pairs(2, first=10), "ready-2", "stored", batch=8)
     assert len(loads) == 4
+    assert loads.pending_bytes == 12 * 16 * MiB
     chunks = loads.take(pace=False)
     assert [len(chunk.pairs) for chunk in chunks] == [4, 4, 2, 2]
     assert [chunk.batch for chunk in chunks] == [0, 0, 7, 8]
     assert [pair for chunk in chunks[:3] for pair in chunk.pairs] == list(pairs(10))
     assert (chunks[3].ready, chunks[3].after) == ("ready-2", "stored")
-    assert len(loads) == 0
+    assert len(loads) == 0 and loads.pending_bytes == 0
 
 
 def test_paced_chunks_go_no_faster_than_the_rate_after_the_first_burst(clock):
