@@ -6,9 +6,11 @@ at full speed (~54 GB/s), 1.032x at 40 GB/s, 1.019x at 24 and 1.010x at 12 (docs
 stores, which read HBM, cost it 1.009x at full speed). So while other requests compute, the
 copier queues a step's loads in chunks of about CHUNK_BYTES, on average no faster than
 `bytes_per_s`: a token bucket on the host clock, topped up each time the engine looks (every
-step, and every poll while requests wait for their loads), holding at most BURST_S of it. While
-nothing computes (every request waits for loads) or a step must wait for the loads, what is
-pending is queued at once. Loads still land in order (one stream), a batch's landing event after
+step, and every poll while requests wait for their loads). While loads are pending the bucket
+fills without a bound, so a step longer than usual (a long prefill) costs them no rate: what
+accrued during it goes when it ends. While none are pending it fills to BURST_S of the rate at
+most: the first chunks after a quiet spell go at once. While nothing computes (every request
+waits for loads) or a step must wait for the loads, what is pending is queued at once. Loads still land in order (one stream), a batch's landing event after
 its last chunk.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 # ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s).
 LOAD_BYTES_PER_S = 32e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
-BURST_S = 0.01  # the most the bucket holds: loads at full speed for ~6 ms after a quiet spell
+BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms
 
 
 @dataclass(slots=True)
@@ -60,6 +62,8 @@ class PacedLoads:
 
     def add(self, pairs: Sequence[tuple[int, int]], ready: object, after: object | None, batch: int) -> None:
         """One load batch's copies, cut into chunks behind those pending."""
+        if not self._pending:
+            self._refill(bound=True)  # the quiet spell since the last chunk went
         step = self.chunk_blocks
         for start in range(0, len(pairs), step):
             last = start + step >= len(pairs)
@@ -68,9 +72,7 @@ class PacedLoads:
     def take(self, pace: bool) -> list[LoadChunk]:
         """The chunks to queue now, in order: all of them unless `pace`, else as many as the
         bucket pays for (the next one waits for the bucket to hold its bytes)."""
-        now = time.monotonic()
-        self._bucket = min(self._capacity, self._bucket + (now - self._filled_at) * self.bytes_per_s)
-        self._filled_at = now
+        self._refill(bound=False)  # loads have been pending since the last refill
         taken = []
         while self._pending:
             size = len(self._pending[0].pairs) * self.block_bytes
@@ -79,3 +81,10 @@ class PacedLoads:
             self._bucket = max(0.0, self._bucket - size)
             taken.append(self._pending.popleft())
         return taken
+
+    def _refill(self, bound: bool) -> None:
+        now = time.monotonic()
+        self._bucket += (now - self._filled_at) * self.bytes_per_s
+        if bound:
+            self._bucket = min(self._bucket, self._capacity)
+        self._filled_at = now

@@ -22,16 +22,28 @@ def test_packed_linear_matches_functional_linear(rows, bias):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_linear_takes_leading_batch_dims_and_bfloat16():
+def test_packed_linear_takes_leading_batch_dims():
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
-    bf16 = nn.Linear(64, 48, dtype=torch.bfloat16)
-    xb = torch.randn(7, 64, dtype=torch.bfloat16)
+
+
+def test_bfloat16_is_packed_where_onednn_has_it_and_left_dense_elsewhere():
+    # oneDNN's bf16 linear needs avx512bw/vl/dq or avx_ne_convert: some CPU machines lack both.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16), nn.Linear(48, 16, dtype=torch.bfloat16))
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
     with torch.no_grad():
-        torch.testing.assert_close(PackedLinear(bf16)(xb).float(), bf16(xb).float(), rtol=0.02, atol=0.05)
+        expected = model(x).float()
+        packed = pack_linear_layers(model)
+        got = model(x).float()
+    if onednn_linear_works(torch.bfloat16):
+        assert packed == 2 and all(type(m) is PackedLinear for m in model)
+    else:
+        assert packed == 0 and all(type(m) is nn.Linear for m in model)
+    torch.testing.assert_close(got, expected, rtol=0.02, atol=0.05)
 
 
 class _Tied(nn.Module):

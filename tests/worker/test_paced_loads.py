@@ -53,13 +53,25 @@ def test_paced_chunks_go_no_faster_than_the_rate_after_the_first_burst(clock):
     assert loads.take(pace=True) == []  # half a chunk's worth
     clock.now += 0.5 * 64 * MiB / 1e9
     assert len(loads.take(pace=True)) == 1
-    clock.now += 10.0  # a long wait fills the bucket to its capacity only
-    assert len(loads.take(pace=True)) == 1
-    taken = 3
+    clock.now += 5 * 64 * MiB / 1e9  # a long step while loads wait: the rate holds over all of it
+    assert len(loads.take(pace=True)) == 5
+    taken = 7
     assert len(loads.take(pace=False)) == 20 - taken  # unpaced: everything left, at once
     clock.now += 64 * MiB / 1e9
     loads.add(pairs(64, first=2000), "ready", None, batch=2)
     assert len(loads.take(pace=True)) == 1  # the unpaced burst drained the bucket; it refilled since
+
+
+def test_after_a_quiet_spell_the_first_chunks_go_at_once_up_to_the_burst_only(clock):
+    loads = PacedLoads(block_bytes=MiB, bytes_per_s=1e9)
+    loads.take(pace=True)  # the engine looks while nothing is pending
+    clock.now += 10.0
+    loads.take(pace=True)
+    clock.now += 10.0
+    loads.add(pairs(64 * 5), "ready", None, batch=1)
+    assert len(loads.take(pace=True)) == 1  # 20 s of quiet: the bucket's one chunk, no more
+    clock.now += 64 * MiB / 1e9
+    assert len(loads.take(pace=True)) == 1
 
 
 def test_a_rate_of_zero_never_paces_and_a_negative_one_is_refused(clock):
