@@ -14,7 +14,10 @@ Per run: delivered output tok/s, its ratio to the fake engine's rate (streams / 
 1.0 means the served path kept up), the gateway process's CPU (cores, microseconds per token
 and per request), the client's CPU, tokens per SSE event, and per burst (medians over
 `--bursts`) the time from the first request's arrival at the fake worker to the last's and the
-slowest time to first token.
+slowest time to first token; with `--hold-ms`, the first token and the time from the first send
+to the first arrival at the worker (the way in), against a lone request's. `--preconnect` opens
+every connection before the sends (tools/serve_stream.py: the clocks then leave out this one
+client's connects).
 """
 
 from __future__ import annotations
@@ -117,24 +120,30 @@ def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all
     os.close(handle)
     arrivals = Path(name)
     child, url = start_gateway(tree, folder, args, arrivals)
+    connect = {"preconnect": True} if args.preconnect else {}  # a client from before the option takes none
     try:
         asyncio.run(client(url, prompts[:2], 4, SERVED_NAME))  # warm-up
         gateway_cpu = client_cpu = wall = 0.0
         timings, spreads, slowest_ttft, median_ttft, alone_ttft = [], [], [], [], []
+        way_in, alone_way_in = [], []  # the first send to the first arrival at the worker
         for _ in range(args.bursts):
             seen = len(read_arrivals(arrivals))
             gateway_before, client_before = cpu_seconds(child.pid), time.process_time()
-            burst, burst_wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME))
+            burst, burst_wall = asyncio.run(client(url, prompts, args.output_len, SERVED_NAME, **connect))
             gateway_cpu += cpu_seconds(child.pid) - gateway_before
             client_cpu += time.process_time() - client_before
             wall += burst_wall
             timings += burst
             arrived = read_arrivals(arrivals)[seen:]
             spreads.append(max(arrived) - min(arrived))
+            way_in.append(min(arrived) - min(t.start for t in burst))
             slowest_ttft.append(max(t.ttft for t in burst))
             median_ttft.append(statistics.median(t.ttft for t in burst))
             if args.hold_ms:  # one request alone on the idle fake worker, held the same
-                alone_ttft.append(asyncio.run(client(url, prompts[:1], args.output_len, SERVED_NAME))[0][0].ttft)
+                seen = len(read_arrivals(arrivals))
+                alone = asyncio.run(client(url, prompts[:1], args.output_len, SERVED_NAME, **connect))[0][0]
+                alone_ttft.append(alone.ttft)
+                alone_way_in.append(read_arrivals(arrivals)[seen] - alone.start)
     finally:
         child.terminate()
         child.wait(20)
@@ -148,12 +157,15 @@ def measure(label: str, tree: Path | None, folder: Path, args, client=stream_all
               "client_cores": client_cpu / wall, "tokens_per_event": sum(events) / len(events), "wall_s": wall,
               "arrival_spread_ms": statistics.median(spreads) * 1e3,
               "slowest_ttft_ms": statistics.median(slowest_ttft) * 1e3,
-              "median_ttft_ms": statistics.median(median_ttft) * 1e3}
+              "median_ttft_ms": statistics.median(median_ttft) * 1e3,
+              "way_in_ms": statistics.median(way_in) * 1e3}
     held = ""
     if alone_ttft:
         result["alone_ttft_ms"] = statistics.median(alone_ttft) * 1e3
+        result["alone_way_in_ms"] = statistics.median(alone_way_in) * 1e3
         held = (f", first token p50 {result['median_ttft_ms']:.1f} ms against {result['alone_ttft_ms']:.1f} alone "
-                f"(alone/burst {result['alone_ttft_ms'] / result['median_ttft_ms']:.3f})")
+                f"(alone/burst {result['alone_ttft_ms'] / result['median_ttft_ms']:.3f}); first send to first "
+                f"arrival {result['way_in_ms']:.1f} ms against {result['alone_way_in_ms']:.1f} alone")
     print(f"{label:>10}: {result['tok_s']:>9,.1f} tok/s ({result['of_engine']:.3f} of the fake engine's "
           f"{engine_rate:,.0f}), gateway {result['gateway_cores']:.2f} cores = "
           f"{result['gateway_us_per_token']:.1f} us/token = {result['gateway_us_per_request']:.0f} us/request, "
@@ -184,6 +196,8 @@ def main() -> int:
                         help="the fake worker holds a burst's first step this long after its first arrival (a "
                         "shared prefix loading from the CPU tier); adds a lone request per burst, held the same, "
                         "and the ratio of its first token to the burst's median")
+    parser.add_argument("--preconnect", action="store_true", help="open every request's connection before the "
+                        "sends, each clock started at its send (tools/serve_stream.py)")
     parser.add_argument("--tokenizer-dir", type=Path, help="the tokenizer files (default: the default model's)")
     parser.add_argument("--results", type=Path, help="append each run as a JSON line")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)

@@ -34,6 +34,11 @@ short), and `--idle-s` of quiet after each push-out (the server's idle time betw
 The note then gives the bytes stored to the CPU from the lone request's send until its end, and
 the convoy's: stores at eviction and write-back ahead alike (the counter does not tell them apart;
 the TTFTs tell whether a load waited behind stores).
+
+`--preconnect` opens the convoy's connections (and the lone request's) before sending, each
+clock started at its send: from this one client process, 50 connects opened as the requests
+start put its first send ~11-24 ms after its clock started on a 2-core machine, a cost of the
+client's (a real convoy's users connect each on their own; tools/serve_stream.py).
 """
 
 from __future__ import annotations
@@ -198,12 +203,13 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
         asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
         push_out(url)
         before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
-        single = asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))[0][1]
+        single = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len)], 1, SERVED_NAME,
+                                        preconnect=args.preconnect))[0][0]
         single_cpu, single_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
         push_out(url)
         before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
         convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(args.convoy)], 1,
-                                           SERVED_NAME))
+                                           SERVED_NAME, preconnect=args.preconnect))
         convoy_cpu, convoy_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
     return {"single": single, "single_cpu": single_cpu, "convoy": convoy, "convoy_cpu": convoy_cpu,
             "fillers": fillers, "filler_len": filler_len, "filled": filled,
@@ -222,7 +228,9 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
                       f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
                       f"{spread}; "
                       f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens; "
-                      f"{args.api_server_count} API server process(es)" + full_tier_note(results, args)))
+                      f"{args.api_server_count} API server process(es)" + full_tier_note(results, args)
+                      + ("; connections opened before the sends, each clock started at its send" if args.preconnect
+                         else "")))
 
 
 def full_tier_note(results: dict, args) -> str:
@@ -270,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-server-count", type=int, default=1, help="API server processes of every server")
     parser.add_argument("--full-tier", action="store_true", help="convoy: fill the CPU tier first (module doc)")
     parser.add_argument("--idle-s", type=float, default=0.0, help="convoy: seconds of quiet after each push-out")
+    parser.add_argument("--preconnect", action="store_true", help="convoy: open the connections (the lone request's "
+                        "too) before sending, and start each clock at its send (tools/serve_stream.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", type=Path, help="append each server's output here")
     parser.add_argument("--results", help="append every row here as a JSON line")

@@ -137,6 +137,33 @@ def test_the_client_reads_events_split_anywhere_across_chunks():
     assert json.loads(received[0]) == completion_body([5, 6], 3, "m")
 
 
+@pytest.mark.parametrize("preconnect", [False, True])
+def test_a_preconnected_burst_opens_every_connection_before_its_first_clock_starts(monkeypatch, preconnect):
+    from tools import serve_stream
+
+    raw = "".join(f"data: {e}\n\n" for e in [chunk("a", 1), "[DONE]"]).encode()
+    received: list[bytes] = []
+    opened: list[float] = []
+    open_connection = serve_stream.open_connection
+
+    async def traced(url):
+        opened.append(time.perf_counter())
+        return await open_connection(url)
+
+    monkeypatch.setattr(serve_stream, "open_connection", traced)
+
+    async def run():
+        server = await serve_once(b"200 OK", [raw], received)
+        async with server:
+            url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            return await serve_stream.stream_all(url, [[5, 6]] * 8, 1, "m", preconnect=preconnect)
+
+    timings, _ = asyncio.run(run())
+    assert len(received) == len(opened) == 8 and all(t.done and t.completion_tokens == 1 for t in timings)
+    first_clock = min(t.start for t in timings)
+    assert (max(opened) < first_clock) == preconnect  # else each request's clock runs through its connect
+
+
 def test_the_client_raises_on_an_error_status():
     async def run() -> None:
         server = await serve_once(b"429 Too Many Requests", [b'{"error": {}}'], [])
@@ -267,7 +294,7 @@ def test_a_burst_is_encoded_before_any_request_is_sent(monkeypatch):
     encode = serve_stream.encode_body
     monkeypatch.setattr(serve_stream, "encode_body", lambda *a: (events.append("encode"), encode(*a))[1])
 
-    async def refuse(url, method, path, body=None):
+    async def refuse(url, method, path, body=None, connection=None):
         events.append("send")
         raise ValueError("no server here")
 
