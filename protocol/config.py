@@ -93,6 +93,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # block count, wins (tests, benchmarks).
     cpu_offload_gb: float = 0.0
     num_cpu_blocks_override: int | None = None
+    # GB/s the tier's loads take at most while other requests compute (worker/paced_loads.py;
+    # SPILLWAY_KV_LOAD_GB_S, read by `worker_config_from_env`); 0: full speed always.
+    kv_load_gb_s: float = 32.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # Plan the next decode step while the device runs this one; None: on for CUDA.
@@ -112,6 +115,8 @@ def worker_config_from_env(**settings) -> WorkerConfig:
     configures the worker; explicit `settings` win. The worker uses its config's fields only."""
     switches = {"programmatic_launch": envs.programmatic_launch(),
                 "input_major_weights": envs.input_major_weights()}
+    if (rate := envs.kv_load_gb_s()) is not None:
+        switches["kv_load_gb_s"] = rate
     return WorkerConfig(**{**switches, **settings})
 
 

@@ -32,6 +32,22 @@ def cpu_kvcache_space_gb() -> float | None:
     return None
 
 
+def kv_load_gb_s() -> float | None:
+    """SPILLWAY_KV_LOAD_GB_S: the most GB/s the CPU tier's loads take while other requests
+    compute (worker/paced_loads.py); 0 loads at full speed always. None when unset. Read into
+    WorkerConfig by `worker_config_from_env`."""
+    value = os.environ.get("SPILLWAY_KV_LOAD_GB_S")
+    if not value:
+        return None
+    try:
+        rate = float(value)
+    except ValueError:
+        raise ValueError(f"SPILLWAY_KV_LOAD_GB_S={value!r} is not a rate in GB/s") from None
+    if not rate >= 0:
+        raise ValueError(f"SPILLWAY_KV_LOAD_GB_S={value!r}: a load rate must be >= 0 GB/s (0: never paced)")
+    return rate
+
+
 def programmatic_launch() -> bool:
     """Launch the Triton kernels with programmatic dependent launch where the GPU supports it
     (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves). Read into WorkerConfig by

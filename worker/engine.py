@@ -76,7 +76,7 @@ class Engine:
         self.executor.allocate_kv_cache(num_blocks)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
         if num_cpu_blocks:
-            self.executor.allocate_cpu_kv_cache(num_cpu_blocks)
+            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, config.kv_load_gb_s * 1e9)
         finish_start(self.executor, config)
         if self.group is not None:
             self.executor.step_sender = self.group.send_step

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
+from spillway.worker.paced_loads import LOAD_BYTES_PER_S
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
@@ -168,13 +169,13 @@ class Executor:
         logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
-    def allocate_cpu_kv_cache(self, num_blocks: int) -> None:
+    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float = LOAD_BYTES_PER_S) -> None:
         """The CPU tier's pool (pinned on CUDA), after the GPU pool; ValueError beyond the
-        host's available memory."""
+        host's available memory. `load_bytes_per_s`: the loads' pace while others compute."""
         runner = self.runner
         cpu_pool = allocate_cpu_pool(num_blocks, runner.kv_cache_shape, runner.kv_cache_dtype,
                                      pinned=self.device.type == "cuda")
-        self.kv_copier = KVCopier(runner.kv_cache, cpu_pool)
+        self.kv_copier = KVCopier(runner.kv_cache, cpu_pool, load_bytes_per_s)
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")
 

@@ -21,7 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s).
+# ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s). The engine takes
+# its rate from WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
 LOAD_BYTES_PER_S = 32e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
 BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms

@@ -63,6 +63,23 @@ def test_a_bad_environment_value_is_refused(monkeypatch):
         cpu_tier_gib()
 
 
+def test_the_load_pace_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("SPILLWAY_KV_LOAD_GB_S", raising=False)
+    assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 32.0
+    monkeypatch.setenv("SPILLWAY_KV_LOAD_GB_S", "12.5")
+    assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 12.5
+    monkeypatch.setenv("SPILLWAY_KV_LOAD_GB_S", "0")  # full speed always
+    assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 0.0
+
+
+@pytest.mark.parametrize("value, message", [("fast", "'fast' is not a rate in GB/s"), ("-5", "must be >= 0"),
+                                            ("nan", "must be >= 0")])
+def test_a_bad_load_pace_is_refused(monkeypatch, value, message):
+    monkeypatch.setenv("SPILLWAY_KV_LOAD_GB_S", value)
+    with pytest.raises(ValueError, match=message):
+        engine_config(None, cpu_offload_gb=4)
+
+
 def test_the_cli_reports_a_bad_size(capsys):
     assert main(["serve", "--cpu-offload-gb", "4", "--kv-offloading-size", "5"]) == 1
     assert "two sizes" in capsys.readouterr().err

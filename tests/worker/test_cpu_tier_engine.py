@@ -36,6 +36,13 @@ def engine_for(model_dir, num_cpu_blocks: int) -> Engine:
     return engine
 
 
+def test_the_copier_paces_loads_at_the_configured_rate(model_dir):
+    engine = Engine(WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=4, num_cpu_blocks_override=4, kv_load_gb_s=12.5))
+    assert engine.executor.kv_copier.pending_loads.bytes_per_s == 12.5e9
+    assert engine_for(model_dir, 4).executor.kv_copier.pending_loads.bytes_per_s == 32e9
+
+
 def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams,
         pack: bool = False) -> tuple[list[int], int]:
     """The request's tokens and cached-token count, run to its end; `pack`: the prompt's ids
