@@ -120,14 +120,12 @@ def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), 
     for _ in range(num_steps):
         if copier is not None:
             copier.pump(pace)
-            planned = KVCopies()
-            if loads and copier.landed_through() >= batch:
-                batch += 1
-                planned = KVCopies(cpu_to_gpu=loads, load_batch=batch)
-            if stores and copier.ahead_stored():
-                planned = KVCopies(cpu_to_gpu=planned.cpu_to_gpu, ahead_to_cpu=stores, load_batch=planned.load_batch)
-            if planned.cpu_to_gpu or planned.ahead_to_cpu:
-                copier.run(planned, pace)
+            load = bool(loads) and copier.landed_through() >= batch
+            store = bool(stores) and copier.ahead_stored()
+            batch += load
+            if load or store:
+                copier.run(KVCopies(cpu_to_gpu=loads if load else (), ahead_to_cpu=stores if store else (),
+                                    load_batch=batch if load else 0), pace)
         runner.graphs.replay(bucket)
         stepped = torch.cuda.Event()
         stepped.record()

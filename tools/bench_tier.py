@@ -35,10 +35,8 @@ The note then gives the bytes stored to the CPU from the lone request's send unt
 the convoy's: stores at eviction and write-back ahead alike (the counter does not tell them apart;
 the TTFTs tell whether a load waited behind stores).
 
-`--preconnect` opens the convoy's connections (and the lone request's) before sending, each
-clock started at its send: from this one client process, 50 connects opened as the requests
-start put its first send ~11-24 ms after its clock started on a 2-core machine, a cost of the
-client's (a real convoy's users connect each on their own; tools/serve_stream.py).
+`--preconnect` opens the convoy's connections (the lone request's too) before sending, each
+clock started at its send (why: tools/serve_stream.py's `stream_all`).
 """
 
 from __future__ import annotations
@@ -55,19 +53,18 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
-import httpx  # noqa: E402
-
 from tools import bench_table  # noqa: E402
 from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
-from tools.loadgen.server_metrics import parse_prometheus  # noqa: E402
 from tools.serve_process import (  # noqa: E402
     Server, default_tokenizer_dir, dummy_model_args, machine, raise_open_files_limit, temporary_model_folder,
 )
-from tools.serve_stream import StreamTiming, stream_all, stream_completion  # noqa: E402
+from tools.serve_stream import StreamTiming, stream_all  # noqa: E402
+from tools.served_tier import (  # noqa: E402
+    SERVED_NAME, cpu_cached_tokens, round_robin, run_bounded, server_gauges,
+)
 
 ROWS = ("multiturn", "convoy")
-SERVED_NAME = "bench"
 
 
 # ---- the workloads: token-id prompts, seeded -----------------------------------------------
@@ -84,44 +81,6 @@ def conversation_turns(rng: random.Random, vocab: int, turns: int, user_len: int
     for _ in range(turns - 1):
         prompts.append(prompts[-1] + tokens(reply_len) + tokens(user_len))
     return prompts
-
-
-def round_robin(conversations: list[list[list[int]]]) -> list[tuple[int, list[int]]]:
-    """(turn index, prompt) of turn 1 of every conversation, then turn 2 of every one, ..."""
-    return [(turn, conversation[turn]) for turn in range(len(conversations[0])) for conversation in conversations]
-
-
-async def run_bounded(url: str, requests: list[tuple[int, list[int]]], output_len: int,
-                      concurrency: int) -> list[tuple[int, StreamTiming]]:
-    """Every request, at most `concurrency` at once, in order of submission (a conversation's
-    turn t + 1 is submitted after its turn t, `concurrency` <= conversations keeps that true)."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(turn: int, prompt: list[int]) -> tuple[int, StreamTiming]:
-        async with gate:
-            return turn, await stream_completion(url, prompt, output_len, SERVED_NAME)
-
-    return list(await asyncio.gather(*(one(turn, prompt) for turn, prompt in requests)))
-
-
-def cpu_cached_tokens(url: str) -> float:
-    """The server's prompt tokens served from the CPU tier so far (0 without the tier)."""
-    return cpu_cached_in(httpx.get(url + "/metrics", timeout=10, trust_env=False).text)
-
-
-def cpu_cached_in(metrics_text: str) -> float:
-    return parse_prometheus(metrics_text).get('spillway:cached_tokens_total{source="cpu"}', 0.0)
-
-
-def server_gauges(url: str) -> tuple[float, float]:
-    """The CPU tier's usage (0-1) and the bytes stored to it so far."""
-    return tier_gauges_in(httpx.get(url + "/metrics", timeout=10, trust_env=False).text)
-
-
-def tier_gauges_in(metrics_text: str) -> tuple[float, float]:
-    metrics = parse_prometheus(metrics_text)
-    return (metrics.get("vllm:cpu_cache_usage_perc", 0.0),
-            metrics.get('vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}', 0.0))
 
 
 # ---- rows -----------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
-from spillway.worker.paced_loads import LOAD_BYTES_PER_S
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
@@ -169,7 +168,7 @@ class Executor:
         logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
-    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float = LOAD_BYTES_PER_S) -> None:
+    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float) -> None:
         """The CPU tier's pool (pinned on CUDA), after the GPU pool; ValueError beyond the
         host's available memory. `load_bytes_per_s`: the loads' pace while others compute."""
         runner = self.runner

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools import bench_tier  # noqa: E402
+from tools import bench_tier, served_tier  # noqa: E402
 
 
 def test_each_turn_extends_the_one_before_by_a_reply_and_a_user_message():
@@ -24,15 +24,15 @@ def test_each_turn_extends_the_one_before_by_a_reply_and_a_user_message():
 
 def test_turns_go_round_robin_over_the_conversations():
     a, b = [[1], [1, 2]], [[3], [3, 4]]
-    assert bench_tier.round_robin([a, b]) == [(0, [1]), (0, [3]), (1, [1, 2]), (1, [3, 4])]
+    assert served_tier.round_robin([a, b]) == [(0, [1]), (0, [3]), (1, [1, 2]), (1, [3, 4])]
 
 
 def test_the_cpu_tier_hits_are_read_from_the_metrics_text():
     text = ('# TYPE spillway:cached_tokens counter\n'
             'spillway:cached_tokens_total{model_name="bench",source="gpu"} 12.0\n'
             'spillway:cached_tokens_total{model_name="bench",source="cpu"} 4096.0\n')
-    assert bench_tier.cpu_cached_in(text) == 4096.0
-    assert bench_tier.cpu_cached_in("") == 0.0
+    assert served_tier.cpu_cached_in(text) == 4096.0
+    assert served_tier.cpu_cached_in("") == 0.0
 
 
 def test_the_tier_usage_and_the_bytes_stored_are_read_from_the_metrics_text():
@@ -41,8 +41,8 @@ def test_the_tier_usage_and_the_bytes_stored_are_read_from_the_metrics_text():
             '# TYPE vllm:kv_offload_total_bytes counter\n'
             'vllm:kv_offload_total_bytes_total{model_name="bench",transfer_type="GPU_to_CPU"} 4096.0\n'
             'vllm:kv_offload_total_bytes_total{model_name="bench",transfer_type="CPU_to_GPU"} 512.0\n')
-    assert bench_tier.tier_gauges_in(text) == (1.0, 4096.0)
-    assert bench_tier.tier_gauges_in("") == (0.0, 0.0)
+    assert served_tier.tier_gauges_in(text) == (1.0, 4096.0)
+    assert served_tier.tier_gauges_in("") == (0.0, 0.0)
 
 
 def test_sizes_are_checked_before_any_server_starts():
