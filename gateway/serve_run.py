@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from spillway.gateway.shared_accept import SharedSocketServer
 from spillway.gateway.worker_process import WorkerProcess
 
 logger = logging.getLogger("spillway.gateway")
@@ -57,13 +58,14 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-class BannerServer(uvicorn.Server):
+class BannerServer(SharedSocketServer):
     """uvicorn's server, which says once it serves where and what. With `api_servers` (the
-    other API servers on its port) its shutdown waits for theirs before its own, which closes
+    other API servers on its port) it takes its connections one at a time, as they do
+    (gateway/shared_accept.py), and its shutdown waits for theirs before its own, which closes
     the worker they use."""
 
     def __init__(self, config: uvicorn.Config, model_name: str, api_servers=None) -> None:
-        super().__init__(config)
+        super().__init__(config, shared=api_servers is not None)
         self.model_name = model_name
         self.api_servers = api_servers
 
@@ -127,7 +129,7 @@ def serve_api_server(args: argparse.Namespace, sock, settings, index: int, link:
     try:
         settings = dataclasses.replace(settings, worker_link=link, api_server_index=index,
                                        serve_after=api_servers_serving)
-        server = uvicorn.Server(uvicorn_config(args, build_app(settings)))
+        server = SharedSocketServer(uvicorn_config(args, build_app(settings)))
         server.run(sockets=[sock])
     except (KeyboardInterrupt, Stopped):
         return 0

@@ -1,0 +1,107 @@
+"""Connections on a listening socket that several API server processes share, taken one per
+event-loop turn (`spillway serve --api-server-count N`, gateway/api_servers.py).
+
+The event loops' own servers (asyncio's and uvloop's) accept every pending connection each time
+the socket is ready, so the first process to wake took most of a burst: 50 connections made at
+once went 30-50 to one of four servers, whose intake (~0.6-1.5 ms a 10k-id request) then held
+the burst's last requests back by tens of milliseconds while the other servers had nothing to
+do. Here a server accepts one connection per turn of its loop and handles whatever else is
+ready before the next, so a server busy reading or checking a request leaves the next
+connection to an idle one: a burst spreads over the servers by how busy each is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+
+import uvicorn
+
+logger = logging.getLogger("spillway.gateway")
+
+# accept() errors that mean "nothing for this process now": another server took it, or the
+# client gave up before it was taken.
+_NOT_NOW = {errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED, errno.EINTR, errno.EPROTO}
+# After taking a connection a server leaves the socket to the others this long: a burst of
+# connections made before their requests are sent (a client's pool) spreads over the idle
+# servers too, rather than going to whichever woke first (at most 5,000 new connections a
+# second per server). uvloop's timers count whole milliseconds: under it the pause is one turn.
+ACCEPT_INTERVAL_S = 0.0002
+
+
+class OneAtATime:
+    """Accepts one connection from `sock` per turn of `loop` and hands it to `protocol_factory`
+    (uvicorn's HTTP protocol). Stands in for the `asyncio.Server` uvicorn keeps: `close()`
+    stops accepting, `wait_closed()` returns once the connections taken are set up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol_factory,
+                 backlog: int) -> None:
+        self._loop, self._sock, self._factory = loop, sock, protocol_factory
+        self._starting: set[asyncio.Task] = set()
+        sock.setblocking(False)
+        sock.listen(backlog)
+        loop.add_reader(sock.fileno(), self._accept_one)
+        self._open = True
+        self.num_accepted = 0
+
+    def _accept_one(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError as exc:
+            if exc.errno not in _NOT_NOW:  # out of descriptors, say: the connection waits in the backlog
+                logger.warning("accepting a connection failed: %s", exc)
+            return
+        self.num_accepted += 1
+        self._loop.remove_reader(self._sock.fileno())
+        self._loop.call_later(ACCEPT_INTERVAL_S, self._resume)
+        conn.setblocking(False)
+        if conn.family in (socket.AF_INET, socket.AF_INET6):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        task = self._loop.create_task(self._start(conn))
+        self._starting.add(task)
+        task.add_done_callback(self._starting.discard)
+
+    def _resume(self) -> None:
+        if self._open:
+            self._loop.add_reader(self._sock.fileno(), self._accept_one)
+
+    async def _start(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(self._factory, conn)
+        except OSError as exc:  # the client went away between the accept and the set-up
+            logger.debug("a connection closed while being set up: %s", exc)
+            conn.close()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._loop.remove_reader(self._sock.fileno())
+
+    async def wait_closed(self) -> None:
+        if self._starting:
+            await asyncio.gather(*self._starting, return_exceptions=True)
+
+
+class SharedSocketServer(uvicorn.Server):
+    """uvicorn's server; with `shared` (other processes accept from its sockets too) it takes
+    their connections one per turn (`OneAtATime`) instead of through the loop's own server."""
+
+    def __init__(self, config: uvicorn.Config, shared: bool = True) -> None:
+        super().__init__(config)
+        self.shared = shared
+
+    async def startup(self, sockets=None) -> None:
+        if not sockets or not self.shared:
+            return await super().startup(sockets)
+        await super().startup([])  # the lifespan and the server's state; no socket served yet
+        if not self.started:
+            return
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def create_protocol(_loop=None) -> asyncio.Protocol:  # as uvicorn's own startup makes them
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        self.servers = [OneAtATime(loop, sock, create_protocol, config.backlog) for sock in sockets]

@@ -1,0 +1,115 @@
+"""API servers sharing one listening socket take its connections one per turn of their event
+loop (gateway/shared_accept.py): a server takes one and leaves the next to the others, a burst
+of connections spreads over the servers instead of going to whichever woke first, and a closed
+server takes no more."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing
+import os
+import socket
+import time
+
+import uvicorn
+
+from spillway.gateway import shared_accept
+from spillway.gateway.shared_accept import OneAtATime, SharedSocketServer
+
+
+def listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def test_one_connection_per_turn_then_a_pause(monkeypatch):
+    monkeypatch.setattr(shared_accept, "ACCEPT_INTERVAL_S", 0.2)  # long enough to see the turns in it
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        sock = listening_socket()
+        clients = [socket.create_connection(sock.getsockname()) for _ in range(3)]  # all in the backlog
+        server = OneAtATime(loop, sock, asyncio.Protocol, backlog=128)
+        counts = []
+        for _ in range(5):  # the first turns: the socket polled, one taken, then the pause
+            await asyncio.sleep(0)
+        counts.append(server.num_accepted)
+        await asyncio.sleep(0.25)
+        counts.append(server.num_accepted)  # one more after the pause
+        await asyncio.sleep(0.25)
+        counts.append(server.num_accepted)
+        server.close()
+        late = socket.create_connection(sock.getsockname())
+        await asyncio.sleep(0.45)
+        counts.append(server.num_accepted)  # closed: the late one stays in the backlog
+        await server.wait_closed()
+        for client in [*clients, late]:
+            client.close()
+        sock.close()
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 2, 3, 3]
+
+
+async def answer_with_pid(scope, receive, send):
+    """An intake's worth of CPU (1 ms), then the process id: which server took the request."""
+    while (await receive()).get("more_body"):
+        pass
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < 0.001:
+        pass
+    body = str(os.getpid()).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def serve(sock: socket.socket) -> None:
+    config = uvicorn.Config(answer_with_pid, loop="asyncio", lifespan="off", log_level="warning")
+    SharedSocketServer(config).run(sockets=[sock])
+
+
+async def burst(port: int, count: int) -> collections.Counter:
+    """`count` connections opened first (a client's pool), then one request on each at once."""
+    connections = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(count)))
+    await asyncio.sleep(0.05)
+
+    async def ask(reader, writer) -> int:
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
+        reply = await reader.read()
+        writer.close()
+        return int(reply.rsplit(b"\r\n\r\n", 1)[1])
+
+    return collections.Counter(await asyncio.gather(*(ask(*connection) for connection in connections)))
+
+
+def test_a_burst_spreads_over_the_servers():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    servers = [context.Process(target=serve, args=(sock,), daemon=True) for _ in range(4)]
+    for server in servers:
+        server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # every server listening: one answer from each pid seen is not needed, a connect is
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the servers did not start"
+                time.sleep(0.1)
+        time.sleep(1)
+        for _ in range(2):
+            taken = asyncio.run(burst(port, 40))
+            assert sum(taken.values()) == 40
+            # The loops' own servers gave 20-40 of such a burst to one process on a 2-core machine.
+            assert len(taken) >= 3 and max(taken.values()) <= 20, taken
+    finally:
+        for server in servers:
+            server.terminate()
+            server.join(10)
+        sock.close()
