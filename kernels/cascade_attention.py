@@ -14,7 +14,8 @@ after it, so it sees the whole prefix: no causal mask there. Two launches:
                   over the sequence's own keys [P, seq_len) (causal); then it folds in the
                   prefix splits' partials, an online-softmax step each, and stores the output
 
-P is `prefix_len` rounded down to whole tiles of BLOCK_N keys, so the prefix pass reads only
+P is `prefix_len` rounded down to whole tiles of the prefix pass (PREFIX_N keys, a multiple of
+the suffix pass's BLOCK_N), so the prefix pass reads only
 whole, unmasked tiles and the suffix starts on a tile; the few keys between P and
 `prefix_len` are read per sequence. Scores are in log2 units, as in the other attention
 kernels; a float8 cache is read as they read it (kernels/fp8.py).
@@ -45,15 +46,18 @@ _LOG2E = 1.4426950408889634
 # 139.3 us with 128 rows and 8 splits against 184.8 us with 64 rows and 3 splits
 # (`tools/bench_attention.py --convoy --tune`, docs/performance.md).
 PREFIX_ROWS = 128
+PREFIX_N = 64
+PREFIX_WARPS = 4
+PREFIX_STAGES = 2
 SPLIT_WAVES = 3
 
 
 @triton.jit
-def _prefix_splits(prefix_len_ptr, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
-    """(P, L, the splits holding keys): the prefix in whole tiles, the split length (module
-    docstring) and ceil(P / L), from the prefix length in memory."""
-    prefix_end = tl.load(prefix_len_ptr) // BLOCK_N * BLOCK_N
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(prefix_end, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT_LEN)
+def _prefix_splits(prefix_len_ptr, num_splits, PREFIX_N: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    """(P, L, the splits holding keys): the prefix in whole tiles of the prefix pass (PREFIX_N
+    keys), the split length (module docstring) and ceil(P / L), from the prefix length in memory."""
+    prefix_end = tl.load(prefix_len_ptr) // PREFIX_N * PREFIX_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(prefix_end, num_splits), PREFIX_N) * PREFIX_N, MIN_SPLIT_LEN)
     return prefix_end, split_len, tl.cdiv(prefix_end, split_len)
 
 
@@ -104,7 +108,7 @@ def _suffix_kernel(
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head, stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PREFIX_N: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     q_tile = tl.program_id(0)
@@ -116,7 +120,7 @@ def _suffix_kernel(
     if first_token >= query_len:
         return
     cached_len = tl.load(seq_lens_ptr + seq) - query_len
-    prefix_end, _, num_parts = _prefix_splits(prefix_len_ptr, num_splits, BLOCK_N, MIN_SPLIT_LEN)
+    prefix_end, _, num_parts = _prefix_splits(prefix_len_ptr, num_splits, PREFIX_N, MIN_SPLIT_LEN)
 
     q, token, head, row_valid, q_rows, dims = load_query_rows(
         q_ptr, cache_ptr, query_start, first_token, query_len, kv_head, stride_q_t, stride_q_h,
@@ -204,36 +208,45 @@ def cascade_attention(
 
 
 def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-            num_splits, out, prefix_rows=PREFIX_ROWS, rows=64, num_warps=4, num_stages=2) -> torch.Tensor:
-    """Both passes on checked arguments; tile sizes and warps are open for tuning runs."""
+            num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
+            prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=64, num_warps=4,
+            num_stages=2) -> torch.Tensor:
+    """Both passes (or those named in `passes`, for timing one alone) on checked arguments; tile
+    sizes, warps and stages are open for tuning runs."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     device = kv_cache.device
-    block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, prefix_rows)
     part_rows = num_tokens * num_heads * num_splits
     parts = (torch.empty(part_rows, dtype=torch.float32, device=device),
              torch.empty(part_rows, dtype=torch.float32, device=device),
              torch.empty(part_rows * head_dim, dtype=torch.float32, device=device))
     cache_strides = (kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4))
-    shapes = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-                  PIECE=tile_piece(block_size, block_n), NUM_HEADS=num_heads,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_SPLIT_LEN=MIN_SPLIT,
-                  num_warps=num_warps, num_stages=num_stages)
+    shapes = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_HEADS=num_heads,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MIN_SPLIT_LEN=MIN_SPLIT)
     num_seqs = block_tables.shape[0]
-    grid = (triton.cdiv(num_tokens, block_q), num_kv_heads, num_splits)
-    for_device(_prefix_kernel, device)[grid](
-        q, kv_cache, block_tables, query_start_loc, prefix_len, *parts, num_seqs, num_splits,
-        q.stride(0), q.stride(1), *cache_strides, layer * kv_cache.stride(1), scale * _LOG2E,
-        BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
-    )
-    block_q, block_m, _ = prefill_tile_sizes(group, head_dim, rows)
-    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-    for_device(_suffix_kernel, device)[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
-        layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, **shapes,
-    )
+    suffix_n = prefill_tile_sizes(group, head_dim, rows)[2]
+    # The suffix starts at P, a whole number of the prefix pass's tiles: one of its own too.
+    check(prefix_n % suffix_n == 0, f"the prefix pass's {prefix_n}-key tiles are not whole {suffix_n}-key tiles")
+    if "prefix" in passes:
+        block_q, block_m, _ = prefill_tile_sizes(group, head_dim, prefix_rows)
+        grid = (triton.cdiv(num_tokens, block_q), num_kv_heads, num_splits)
+        for_device(_prefix_kernel, device)[grid](
+            q, kv_cache, block_tables, query_start_loc, prefix_len, *parts, num_seqs, num_splits,
+            q.stride(0), q.stride(1), *cache_strides, layer * kv_cache.stride(1), scale * _LOG2E,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=prefix_n, PIECE=tile_piece(block_size, prefix_n),
+            num_warps=prefix_warps, num_stages=prefix_stages, **shapes,
+        )
+    if "suffix" in passes:
+        block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, rows)
+        grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
+        for_device(_suffix_kernel, device)[grid](
+            q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
+            layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+            PIECE=tile_piece(block_size, block_n), PREFIX_N=prefix_n, num_warps=num_warps,
+            num_stages=num_stages, **shapes,
+        )
     return out
 
 

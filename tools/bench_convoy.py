@@ -128,10 +128,10 @@ def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
 
 
 def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
-    """Cascade attention's tile rows, warps, pipeline stages and key splits on one convoy, each
-    against the launch's defaults (the first line) in the same run; outputs checked against the
-    prefill kernel's."""
-    from spillway.kernels.cascade_attention import PREFIX_ROWS, _launch
+    """Cascade attention's prefix pass (rows per program, keys per tile, warps, pipeline stages,
+    key splits) on one convoy: the prefix pass alone and both passes, each against the launch's
+    defaults (the first line) in the same run; outputs checked against the prefill kernel's."""
+    from spillway.kernels.cascade_attention import PREFIX_N, PREFIX_ROWS, PREFIX_STAGES, PREFIX_WARPS, _launch
     from tools.bench_ceilings import bench_ms, machine
 
     c = convoy_inputs(seqs, new, prefix_len)
@@ -145,26 +145,33 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     flops = 4 * rows * num_heads * prefix_len * head_dim
     print(f"{machine()}; {seqs} x {new} new tokens on a {prefix_len}-token prefix, one layer, Qwen3-8B heads; "
           f"prefix pass {flops / 1e9:.1f} GFLOP, prefix KV {kv_bytes(c, True) / 1e6:.1f} MB")
-    print(f"{'rows':>5} {'warps':>5} {'stages':>6} {'splits':>6} {'us':>8} {'TFLOP/s':>8} {'rel err':>9} "
-          f"{'vs default':>10}")
+    print(f"{'rows':>5} {'keys':>5} {'warps':>5} {'stages':>6} {'splits':>6} {'prefix us':>9} {'TFLOP/s':>8} "
+          f"{'both us':>8} {'rel err':>9} {'vs default':>10}")
     baseline_us = None
-    configs = [(PREFIX_ROWS, 4, 2, default_splits)] + [
-        (prefix_rows, warps, stages, splits)
-        for prefix_rows in (64, 128, 256) for warps in (4, 8) for stages in (2, 3, 4)
-        for splits in sorted({max(1, default_splits // 2), default_splits, 2 * default_splits, 8})]
-    for prefix_rows, warps, stages, splits in configs:
+    configs = [(PREFIX_ROWS, PREFIX_N, PREFIX_WARPS, PREFIX_STAGES, default_splits)] + [
+        (prefix_rows, prefix_n, warps, stages, splits)
+        for prefix_rows in (64, 128, 256) for prefix_n in (64, 128) for warps in (4, 8) for stages in (2, 3)
+        for splits in sorted({2, 4, 6, max(1, default_splits // 2), default_splits, 2 * default_splits})]
+    results = []
+    for prefix_rows, prefix_n, warps, stages, splits in configs:
         out = torch.empty_like(c.q)
+        tiles = dict(prefix_rows=prefix_rows, prefix_n=prefix_n, prefix_warps=warps, prefix_stages=stages)
 
-        def launch():
-            return _launch(*arguments, prefix, splits, out, prefix_rows=prefix_rows, num_warps=warps,
-                           num_stages=stages)
+        def launch(passes=("prefix", "suffix")):
+            return _launch(*arguments, prefix, splits, out, passes=passes, **tiles)
+        label = f"{prefix_rows:>5} {prefix_n:>5} {warps:>5} {stages:>6} {splits:>6}"
         try:
             error = float((launch().float() - reference).norm() / reference.norm())
+            prefix_us = 1e3 * bench_ms(lambda: launch(("prefix",)), warmup=20, rep=100)
             us = 1e3 * bench_ms(launch, warmup=20, rep=100)
         except Exception as exc:  # a tile too large for the SM's resources: say so and go on
-            print(f"{prefix_rows:>5} {warps:>5} {stages:>6} {splits:>6}  failed: {type(exc).__name__}: "
-                  f"{str(exc).splitlines()[0][:80]}")
+            print(f"{label}  failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
             continue
         baseline_us = baseline_us or us
-        print(f"{prefix_rows:>5} {warps:>5} {stages:>6} {splits:>6} {us:8.1f} {flops / us / 1e6:8.1f} "
-              f"{error:9.2e} {baseline_us / us:9.2f}x", flush=True)
+        line = (f"{label} {prefix_us:9.1f} {flops / prefix_us / 1e6:8.1f} {us:8.1f} {error:9.2e} "
+                f"{baseline_us / us:9.2f}x")
+        results.append((us, line))
+        print(line, flush=True)
+    print("fastest (both passes):")
+    for _, line in sorted(results)[:8]:
+        print(line)
