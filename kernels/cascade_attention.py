@@ -31,6 +31,8 @@ rows all lie past the step's last (`query_start_loc[B]`: a graph's padding) exit
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -41,15 +43,17 @@ from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arg
 from spillway.kernels.utils import check, check_tensor, for_device, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
-# The prefix pass's query rows per program and the waves of programs its key splits aim for:
-# on an H200, 50 sequences x 4 new tokens on a 10k-token prefix (Qwen3-8B heads) took
-# 139.3 us with 128 rows and 8 splits against 184.8 us with 64 rows and 3 splits
+# The prefix pass's query rows per program, keys per tile, warps, pipeline stages, and the waves
+# of programs its key splits aim for: on an H200, 50 sequences x 4 new tokens on a 10k-token
+# prefix (Qwen3-8B heads) took 126.4 us (both passes) with 128 rows, 64 keys, 4 warps, 3 stages
+# and 4 splits, against 139.0 us with 2 stages and 8 splits (3 waves) and 184.8 us with 64 rows
+# and 3 splits; tiles of 128 keys, 8 warps or 256 rows did no better
 # (`tools/bench_attention.py --convoy --tune`, docs/performance.md).
 PREFIX_ROWS = 128
 PREFIX_N = 64
 PREFIX_WARPS = 4
-PREFIX_STAGES = 2
-SPLIT_WAVES = 3
+PREFIX_STAGES = 3
+SPLIT_WAVES = 1.5
 
 
 @triton.jit
@@ -175,7 +179,7 @@ def cascade_num_splits(num_rows: int, num_kv_heads: int, group: int, head_dim: i
     bucket's: fixed by its shapes."""
     block_q = prefill_tile_sizes(group, head_dim, PREFIX_ROWS)[0]
     programs = max(1, -(-num_rows // block_q) * num_kv_heads)
-    return max(1, min(-(-SPLIT_WAVES * num_sms // programs), prefix_len // MIN_SPLIT, 16))
+    return max(1, min(math.ceil(SPLIT_WAVES * num_sms / programs), prefix_len // MIN_SPLIT, 16))
 
 
 def cascade_attention(

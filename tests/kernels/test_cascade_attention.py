@@ -157,7 +157,7 @@ def test_the_prefix_is_read_through_the_first_table_only():
 
 def test_split_count_fills_the_machine_within_bounds():
     # The convoy: 50 sequences x 4 new tokens (200 rows, 7 tiles of 32 tokens) x 8 KV heads on 132 SMs.
-    assert cascade_num_splits(200, 8, 4, 128, 10_000, 132) == 8  # 7 row tiles x 8 heads x 8: 3.4 waves
+    assert cascade_num_splits(200, 8, 4, 128, 10_000, 132) == 4  # 7 row tiles x 8 heads x 4: 1.7 waves
     assert cascade_num_splits(4, 8, 4, 128, 10_000, 132) == 16  # few rows: at most 16
     assert cascade_num_splits(4, 8, 4, 128, 700, 132) == 2  # splits of at least 256 keys
     assert cascade_num_splits(4096, 8, 4, 128, 10_000, 132) == 1
