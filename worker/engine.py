@@ -294,7 +294,13 @@ class Engine:
         whether to call again soon."""
         return self.tier is not None and self.tier.idle_write_back()
 
+    def release_finished(self) -> None:
+        """Free the blocks of requests finished since the last call (with
+        `scheduler.defer_release`: the busy loop calls it once their deltas are sent)."""
+        self.scheduler.release_finished()
+
     def reset_prefix_cache(self) -> bool:
+        self.scheduler.release_finished()
         if self.tier is not None:
             self.tier.settle_loads()  # loads of requests gone may still write the slots it frees
         return self.block_manager.reset_prefix_cache()

@@ -125,6 +125,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
     trace = StepTrace(path) if (path := step_trace_path()) else None
     # On the CPU the linear layers' per-shape kernels churn glibc's heap (worker/heap.py).
     trimmer = HeapTrimmer() if engine.device.type == "cpu" else None
+    engine.scheduler.defer_release = True  # freed after the sends (Engine.release_finished)
     while True:
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
@@ -185,13 +186,19 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
         if was_busy and (not busy_before or now - last_stats >= STATS_INTERVAL_S):
             want_stats = True  # and a busy one from its first step on
         busy_before = engine.has_work
-        if pending or want_stats:
-            stats = engine.stats(check_invariants) if want_stats else None
-            if stats is not None:
-                last_stats = now
+        if pending:
             for out, outputs in zip(links.outboxes, links.route(pending)):
-                if outputs or stats is not None:  # every gateway hears the worker's stats
-                    out.send(enc.encode(StepOutputs(step=step, outputs=outputs, stats=stats)))
+                if outputs:
+                    out.send(enc.encode(StepOutputs(step=step, outputs=outputs)))
+        # The blocks of the requests that finished go back once their last tokens are on their
+        # way, and before the stats count them.
+        engine.release_finished()
+        if want_stats:
+            stats = engine.stats(check_invariants)
+            last_stats = now
+            for out in links.outboxes:  # every gateway hears the worker's stats
+                out.send(enc.encode(StepOutputs(step=step, outputs=[], stats=stats)))
+        if pending or want_stats:
             step += 1
 
 

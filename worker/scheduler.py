@@ -100,6 +100,12 @@ class Scheduler(StepCommits):
         # Running requests admitted on prefix blocks whose load has not landed, with the load
         # batch they wait for (`loads_landed`).
         self._awaiting_load: dict[str, int] = {}
+        # With `defer_release` (the worker's busy loop) a finished request's blocks are freed by
+        # `release_finished`, called once its last delta is on its way: a step that finishes
+        # many long requests (a 10k-token prompt's blocks take ~30-60 us to free) does not
+        # hold back their last tokens. The next schedule frees them first in any case.
+        self.defer_release = False
+        self._finished_holding: list[str] = []
         # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
         # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
         self.write_ahead_blocks = 0
@@ -150,6 +156,8 @@ class Scheduler(StepCommits):
                           vocab_size=self.vocab_size, in_use=request.request_id in self._requests)
         if problem is not None:
             raise ValueError(problem)
+        if self._finished_holding:  # the id may be a finished request's whose blocks are still held
+            self.release_finished()
         if self.block_manager.enable_prefix_caching:
             self._hash_full_blocks(request)  # when the sender did not hash the prompt
         insort(self.waiting, request, key=_queue_key)
@@ -176,6 +184,8 @@ class Scheduler(StepCommits):
         `lookahead`: KV slots to reserve after each one-token decode for draft tokens
         (speculative decoding; never with `ahead`), where blocks are free without preempting."""
         assert not (ahead and lookahead), "draft tokens need every token of the step before"
+        if self._finished_holding:
+            self.release_finished()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         num_preemptions_before = self.num_preemptions
@@ -306,9 +316,19 @@ class Scheduler(StepCommits):
         sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
         return ScheduledChunk(request, start, num_tokens, slot_table, sample)
 
-    def _release(self, request: Request, status: RequestStatus) -> None:
+    def _release(self, request: Request, status: RequestStatus, defer: bool = False) -> None:
+        """Finish the request; its blocks are freed now, or with `defer` by `release_finished`."""
         self._awaiting_load.pop(request.request_id, None)
         request.status = status
-        self.block_manager.free(request.request_id)
+        if defer:
+            self._finished_holding.append(request.request_id)
+        else:
+            self.block_manager.free(request.request_id)
         del self._requests[request.request_id]
+
+    def release_finished(self) -> None:
+        """Free the blocks of the requests finished with `defer_release` set."""
+        for request_id in self._finished_holding:
+            self.block_manager.free(request_id)
+        self._finished_holding.clear()
 

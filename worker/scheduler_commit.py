@@ -59,7 +59,7 @@ class StepCommits:
             request.num_computed_tokens += len(committed) - 1
             self._commit_full_blocks(request, chunk.start)
             if reason is not None:
-                self._release(request, finished_status(reason))
+                self._release(request, finished_status(reason), defer=self.defer_release)
             first = request.num_output_tokens == len(committed)
             results.append(StepResult(request, committed, reason, request.num_cached_tokens if first else -1,
                                       request.queued_s if first else -1.0))

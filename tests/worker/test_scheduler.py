@@ -331,10 +331,39 @@ def test_with_prefix_caching_off_nothing_hits_or_counts():
     assert (harness.scheduler.prefix_cache_queries, harness.scheduler.prefix_cache_hits) == (0, 0)
 
 
+def test_a_deferred_release_frees_the_blocks_after_the_results_or_at_the_next_schedule():
+    harness = Harness(num_blocks=8, max_model_len=32)
+    harness.scheduler.defer_release = True
+    harness.add("a", list(range(10)), max_tokens=1)
+    _, results = harness.step()
+    assert [(r.request.request_id, r.finish_reason) for r in results] == [("a", FinishReason.LENGTH)]
+    assert not harness.scheduler.has_unfinished and not harness.scheduler.has_request("a")
+    assert harness.manager.num_free_blocks == 5  # still held: the deltas go out first
+    assert harness.scheduler.abort(["a"]) == []  # finished: nothing to abort
+    harness.scheduler.release_finished()
+    assert harness.manager.num_free_blocks == 8
+    harness.scheduler.release_finished()  # nothing left: a no-op
+    assert harness.manager.num_free_blocks == 8
+    # Not released by the caller: the next schedule frees them first; an id finished but not
+    # yet released can be used again.
+    harness.add("b", list(range(10)), max_tokens=1)
+    harness.step()
+    assert harness.manager.num_free_blocks == 5
+    harness.add("b", list(range(10, 20)), max_tokens=1)
+    assert harness.manager.num_free_blocks == 8
+    harness.run()
+    assert harness.manager.num_free_blocks == 5
+    harness.scheduler.release_finished()
+    assert harness.manager.num_free_blocks == 8
+    harness.manager.check_invariants()
+
+
+@pytest.mark.parametrize("defer_release", [False, True], ids=["release-at-once", "deferred-release"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_random_workload_under_block_pressure_produces_every_expected_token(seed):
+def test_a_random_workload_under_block_pressure_produces_every_expected_token(seed, defer_release):
     rng = random.Random(seed)
     harness = Harness(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=40)
+    harness.scheduler.defer_release = defer_release
     prefixes = [[rng.randrange(50) for _ in range(n)] for n in (0, 5, 9)]
     expected = {}
     for step in range(200):
@@ -350,4 +379,5 @@ def test_a_random_workload_under_block_pressure_produces_every_expected_token(se
     outputs = {i: [t for r in results for t in r.new_token_ids] for i, results in harness.results.items()}
     assert outputs == expected
     assert harness.scheduler.num_preemptions > 0
+    harness.scheduler.release_finished()
     assert harness.manager.num_free_blocks == 12
