@@ -2,8 +2,9 @@
 
 One event loop takes a request in at a time: a burst of long prompts (a 10k-id body costs
 ~1-1.5 ms to read, check, hash and send) reaches the worker over tens of milliseconds. N
-processes share the listening socket (the kernel hands each connection to one that accepts)
-and each has a link of its own to the one worker:
+processes share the listening socket, each taking one connection per turn of its event loop
+(gateway/shared_accept.py, so a burst spreads over them), and each has a link of its own to
+the one worker:
 
     spillway serve (API server 0) ── binds the port, starts the worker with links 1..N-1
       ├─ API server 1..N-1: forked before the worker starts, same settings, same socket;
