@@ -58,8 +58,8 @@ def prefill_phase(engine, num_requests: int) -> None:
     scheduler, plans = engine.scheduler, []
     schedule = scheduler.schedule
 
-    def recording_schedule(ahead: bool = False):
-        plans.append(schedule(ahead))
+    def recording_schedule(ahead: bool = False, **options):
+        plans.append(schedule(ahead, **options))
         return plans[-1]
 
     def is_decode(chunk) -> bool:

@@ -172,6 +172,11 @@ class CpuTier:
         if block.block_id in self._loading:
             self._wait_for_loads = True
 
+    def wait_for_loads_this_step(self) -> None:
+        """This step computes requests whose loads may still be landing: its forward waits for
+        every load queued (planned before the landing, worker/tier_driver.py)."""
+        self._wait_for_loads = True
+
     def ahead_stored(self) -> None:
         """Every ahead store taken so far has finished on the device."""
         self._ahead_pending.clear()

@@ -195,7 +195,11 @@ class Engine:
             self._in_flight = None
             deltas = self._commit(previous)
             previous = None
-        plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead)
+        # Nothing runs and the loads the requests wait for are about to land: plan them now,
+        # their forward queued behind the loads (TierDriver.plan_before_landing).
+        before_landing = previous is None and self.tier is not None and self.tier.plan_before_landing()
+        plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead,
+                                                        before_landing=before_landing)
         if lookahead:
             self.spec.propose(plan)  # a plan with drafts does not run ahead
         run_ahead = self.async_scheduling and plan.run_ahead

@@ -14,12 +14,15 @@ work at once; events order them:
   after its KV was written and a load never overwrites a slot an earlier step still reads.
 - This step's forward waits for the stores only: the GPU slots they read may be rewritten by
   it (the block manager reuses an evicted block's slot at once).
-- No forward waits for loads. A request computes on loaded blocks from the first step
-  planned after the host saw their batch land (`landed_through`, an event query per batch:
-  anything queued after that runs after the copies), so a request waits for its own loads
-  only, never for loads planned after them. The one hazard left is a GPU slot whose load may
-  still run being reused (its request went first, and its block was evicted): that step sets
-  `wait_for_loads`, and its forward waits for every load queued.
+- A forward waits for loads only when its step sets `wait_for_loads`. A request computes on
+  loaded blocks from the first step planned after the host saw their batch land
+  (`landed_through`, an event query per batch: anything queued after that runs after the
+  copies), so a request waits for its own loads only, never for loads planned after them.
+  Two steps wait for every load queued: one that reuses a GPU slot whose load may still run
+  (its request went first, and its block was evicted), and one planned before the landing
+  while nothing else runs (worker/tier_driver.py `plan_before_landing`: its host time passes
+  while the loads land). `loads_land_in` estimates the landing on the host clock from the
+  bytes queued and the loads' timed speed.
 - A load into a GPU slot that a store of the same step reads waits for the stores (the
   block manager may give an evicted block's slot to a block loaded in the same step); when
   the step's load destinations and store sources are disjoint, both directions run at once.
@@ -56,6 +59,10 @@ from spillway.worker.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
 from spillway.worker.step_plan import KVCopies
 
 logger = logging.getLogger(__name__)
+
+# A load's speed before any was timed: a little under the pinned host-to-device copies measured
+# on the H200 (55 GB/s). Only the estimate of when loads land uses it (`loads_land_in`).
+LOAD_SPEED_GUESS = 45e9
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
@@ -158,6 +165,12 @@ class KVCopier:
         # (started, finished) events per direction of the steps whose times are not read yet
         self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._load_sizes: deque[int] = deque()  # the bytes of each entry of _load_timings
+        # The loads' own speed, from the timed ones (a paced chunk times its copy alone), and
+        # the host clock's estimate of when the loads queued so far will have landed.
+        self._timed_load_bytes = 0
+        self._timed_load_seconds = 0.0
+        self._loads_done_at = 0.0
         self.bytes_to_cpu = 0
         self.bytes_to_gpu = 0
         self._seconds_to_cpu = 0.0
@@ -226,6 +239,9 @@ class KVCopier:
             self.load_stream.wait_event(chunk.after)
         self._last_loads = self._queue(self.load_stream, self.cpu_pool, self.gpu_pool, chunk.pairs,
                                        self._load_timings)
+        size = len(chunk.pairs) * self.block_bytes
+        self._load_sizes.append(size)
+        self._loads_done_at = max(time.monotonic(), self._loads_done_at) + size / self.load_speed()
         if chunk.batch:
             self._load_events.append((chunk.batch, self._last_loads))
 
@@ -286,16 +302,36 @@ class KVCopier:
 
     def seconds(self) -> tuple[float, float]:
         """Cumulative seconds of the stores and of the loads (on CUDA, of those finished)."""
-        self._seconds_to_cpu += self._finished_seconds(self._store_timings)
-        self._seconds_to_gpu += self._finished_seconds(self._load_timings)
+        self._seconds_to_cpu += self._finished_seconds(self._store_timings)[0]
+        load_seconds, count = self._finished_seconds(self._load_timings)
+        self._seconds_to_gpu += load_seconds
+        self._timed_load_seconds += load_seconds
+        for _ in range(count):
+            self._timed_load_bytes += self._load_sizes.popleft()
         return self._seconds_to_cpu, self._seconds_to_gpu
 
+    def load_speed(self) -> float:
+        """Bytes a second of a load on its own: the timed loads' average once there are 10 ms
+        of them, else LOAD_SPEED_GUESS."""
+        if self._timed_load_seconds < 0.01:
+            return LOAD_SPEED_GUESS
+        return self._timed_load_bytes / self._timed_load_seconds
+
+    def loads_land_in(self) -> float | None:
+        """Seconds until every load queued so far should have landed, by the host clock and the
+        loads' speed (an estimate: the device is not asked); 0 when that time has passed, None
+        while loads wait to be queued (their time depends on the pace)."""
+        if self.pending_loads:
+            return None
+        return max(0.0, self._loads_done_at - time.monotonic())
+
     @staticmethod
-    def _finished_seconds(timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> float:
+    def _finished_seconds(timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> tuple[float, int]:
         """Seconds of the finished (started, finished) pairs at the head of `timings`, which
-        leave it (one stream's copies finish in order)."""
-        seconds = 0.0
+        leave it (one stream's copies finish in order), and how many left."""
+        seconds, count = 0.0, 0
         while timings and timings[0][1].query():
             started, finished = timings.pop(0)
             seconds += started.elapsed_time(finished) / 1000
-        return seconds
+            count += 1
+        return seconds, count

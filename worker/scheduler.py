@@ -176,13 +176,16 @@ class Scheduler(StepCommits):
             aborted.append(request)
         return aborted
 
-    def schedule(self, ahead: bool = False, lookahead: int = 0) -> StepPlan:
+    def schedule(self, ahead: bool = False, lookahead: int = 0, before_landing: bool = False) -> StepPlan:
         """The next step. `ahead`: the step before is still running (`mark_in_flight`), so its
         tokens are counted but unknown: requests whose pending token is surely their last are
         left out, and nothing is preempted (a step that runs short of blocks just stops
         adding requests; the next step, scheduled with every token known, preempts).
         `lookahead`: KV slots to reserve after each one-token decode for draft tokens
-        (speculative decoding; never with `ahead`), where blocks are free without preempting."""
+        (speculative decoding; never with `ahead`), where blocks are free without preempting.
+        `before_landing`: the running requests that wait for CPU-tier loads are planned too,
+        and the step's forward waits for every load queued (the engine asks for it when
+        nothing else runs and the loads are about to land: worker/tier_driver.py)."""
         assert not (ahead and lookahead), "draft tokens need every token of the step before"
         if self._finished_holding:
             self.release_finished()
@@ -196,7 +199,10 @@ class Scheduler(StepCommits):
             if ahead and request.num_pending_tokens and self._last_token_is_pending(request):
                 continue
             if request.request_id in self._awaiting_load:
-                continue  # admitted on blocks still landing: computes once they have, holding up nobody
+                if not before_landing:
+                    continue  # admitted on blocks still landing: computes once they have, holding up nobody
+                del self._awaiting_load[request.request_id]
+                self.block_manager.tier.wait_for_loads_this_step()
             num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):

@@ -19,6 +19,11 @@ from spillway.worker.scheduler import Scheduler
 # of them).
 WRITE_AHEAD_BYTES = 128 * 2**20
 IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
+# While every running request waits for its loads, the step that computes them is planned once
+# the loads should land within this long, its forward queued behind them on the device: its
+# host time (~2 ms for one request on a 10k-token prefix, 4-7 ms for 50 on the H200's host)
+# passes while they land instead of after. Requests that arrive later compute in the step after.
+PLAN_BEFORE_LANDING_S = 0.006
 
 
 class TierDriver:
@@ -34,7 +39,7 @@ class TierDriver:
         # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
         # that into the LRU every step.
         scheduler.write_ahead_blocks = min(64, max(1, WRITE_AHEAD_BYTES // self.block_bytes))
-        self.small_copies_by_kernel = executor.device.type == "cuda"
+        self.on_cuda = self.small_copies_by_kernel = executor.device.type == "cuda"
         if self.small_copies_by_kernel:
             warm_up_copies(executor.device)
             executor.runner.inputs.copy_by_kernel = True
@@ -49,6 +54,19 @@ class TierDriver:
             self.scheduler.loads_landed(self.copier.landed_through())
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
             self.tier.ahead_stored()
+
+    def plan_before_landing(self) -> bool:
+        """Whether to plan the requests waiting for loads now (`Scheduler.schedule(
+        before_landing=True)`): every running request waits for loads, all of them are queued
+        on the device, and they should land within PLAN_BEFORE_LANDING_S (`KVCopier.loads_land_in`,
+        an estimate on the host clock). Only on CUDA: elsewhere loads land as they are queued."""
+        scheduler = self.scheduler
+        if not self.on_cuda or not scheduler.num_awaiting_load:
+            return False
+        if scheduler.num_running != scheduler.num_awaiting_load:
+            return False
+        land_in = self.copier.loads_land_in()
+        return land_in is not None and land_in <= PLAN_BEFORE_LANDING_S
 
     def awaited_load_landed(self) -> bool:
         """Whether a load batch some request waits for has landed since the last step (an event

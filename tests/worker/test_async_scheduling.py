@@ -238,8 +238,8 @@ def test_a_step_the_device_has_finished_is_committed_before_the_next_is_planned(
     engine = make_engine(tiny_model, True)
     planned_ahead = []
     schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda ahead=False, lookahead=0: (planned_ahead.append(ahead),
-                                                                  schedule(ahead, lookahead))[1]
+    engine.scheduler.schedule = lambda ahead=False, lookahead=0, **options: (
+        planned_ahead.append(ahead), schedule(ahead, lookahead, **options))[1]
     assert drive(engine, arrivals) == expected
     assert engine.num_async_steps > 0  # plans still run ahead of their commit
     assert planned_ahead and not any(planned_ahead)  # but never ahead of a finished step

@@ -288,3 +288,62 @@ def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
     assert engine.awaited_load_landed()
     engine.step()  # hears of the landing, computes the turn
     assert engine.scheduler.num_awaiting_load == 0 and not engine.awaited_load_landed()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model_dir, params, monkeypatch):
+    """The device is asked after every load and says "not landed" (a slow link): with nothing
+    else to run and the loads due within the lead, the engine plans turn 2 anyway, its forward
+    queued behind the loads' event; the tokens are those of a pool that kept the blocks. The
+    landing is reported later, and the CPU copies are held until then."""
+    def cuda_engine(num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:
+        engine = Engine(WorkerConfig(model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
+                                     num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
+        engine.debug_invariants = True
+        return engine
+
+    engine, reference = cuda_engine(4, 8), cuda_engine(64, 0)
+    copier = engine.executor.kv_copier
+    reported = copier.landed_through
+    held = {"on": False}
+    monkeypatch.setattr(copier, "landed_through", lambda wait=False: (
+        copier._landed_through if held["on"] and not wait else reported(wait)))
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    expected = {"turn-1": run(reference, "turn-1", turn_1, params)}
+    assert run(engine, "turn-1", turn_1, params) == expected["turn-1"]
+    filler = [(5 * i) % 90 + 2 for i in range(63)]
+    assert run(engine, "filler", filler, params) == run(reference, "filler", filler, params)
+    turn_2 = turn_1 + expected["turn-1"][0] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    held["on"] = True
+    plans = []
+    assert engine.add_request(Generate(request_id="turn-2", prompt_token_ids=turn_2, block_hashes=[],
+                                       params=params)) is None
+    tokens = []
+    while engine.has_work:
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+        plans.append(engine.last_plan)
+    early = [plan for plan in plans if plan.chunks and plan.kv_copies.wait_for_loads]
+    assert len(early) == 1 and early[0].chunks[0].start == 32  # the history came from the tier
+    assert engine.block_manager.tier.num_loading == 2  # never reported landed: still held
+    held["on"] = False
+    engine.step() if engine.has_work else engine.tier.before_step()
+    assert engine.block_manager.tier.num_loading == 0
+    assert tokens == run(reference, "turn-2", turn_2, params)[0]
+    engine.block_manager.check_invariants()
+
+
+def test_the_landing_estimate_waits_for_loads_still_to_be_queued(model_dir):
+    """On the CPU copies run as they are queued: nothing is left to land. Loads not queued yet
+    (paced) have no landing time; the engine never plans ahead of a landing here."""
+    from spillway.worker.kv_copies import LOAD_SPEED_GUESS
+
+    engine = engine_for(model_dir, num_cpu_blocks=8)
+    copier = engine.executor.kv_copier
+    assert copier.loads_land_in() == 0.0 and copier.load_speed() == LOAD_SPEED_GUESS
+    conversation(engine, GREEDY)
+    assert copier.loads_land_in() == 0.0 and not engine.tier.plan_before_landing()
+    copier.pending_loads.add(((0, 1),), None, None, 0)
+    assert copier.loads_land_in() is None

@@ -129,12 +129,14 @@ def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
     assert without.outputs == harness.outputs
 
 
-def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0, land_delay: int = 0) -> TierHarness:
+def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0, land_delay: int = 0,
+                    plan_before_landing: bool = False) -> TierHarness:
     """Conversations that share prefixes, in waves, on a pool that preempts often."""
     rng = random.Random(seed)
     harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, max_num_seqs=4,
                           max_num_batched_tokens=16, write_ahead_blocks=write_ahead_blocks,
                           land_delay=land_delay, seed=seed)
+    harness.plan_before_landing = plan_before_landing
     histories = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     for wave in range(6):
         # Each wave runs to its end, so the next one's histories do not depend on timing.
@@ -152,12 +154,17 @@ def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0,
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks, land_delay",
-                         [(2, 0, 0), (24, 0, 0), (2, 2, 0), (24, 3, 0), (24, 0, 3), (4, 2, 2), (24, 3, 4)])
+@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks, land_delay, before_landing",
+                         [(2, 0, 0, False), (24, 0, 0, False), (2, 2, 0, False), (24, 3, 0, False),
+                          (24, 0, 3, False), (4, 2, 2, False), (24, 3, 4, False), (24, 0, 3, True),
+                          (4, 2, 2, True), (24, 3, 4, True)])
 def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(seed, num_cpu_blocks,
-                                                                               write_ahead_blocks, land_delay):
-    """`land_delay`: each step's loads land 0..land_delay steps late, on their own."""
-    with_tier = random_workload(seed, num_cpu_blocks, write_ahead_blocks, land_delay)
+                                                                               write_ahead_blocks, land_delay,
+                                                                               before_landing):
+    """`land_delay`: each step's loads land 0..land_delay steps late, on their own;
+    `before_landing`: requests waiting for loads are planned once nothing else runs, the step
+    waiting for the loads."""
+    with_tier = random_workload(seed, num_cpu_blocks, write_ahead_blocks, land_delay, before_landing)
     without = random_workload(seed, 0)
     assert with_tier.outputs == without.outputs
     assert sum(with_tier.computed.values()) <= sum(without.computed.values())
@@ -214,6 +221,36 @@ def two_histories_on_the_cpu() -> TierHarness:
     harness.run()
     harness.hold_loads = True
     return harness
+
+
+def test_requests_waiting_for_loads_planned_before_the_landing_wait_for_the_loads_in_their_step():
+    """Nothing else runs: the requests on blocks still landing are planned anyway, their step
+    waits for every load queued (the harness applies them first, as the device orders them);
+    their CPU copies stay held until the landing is reported."""
+    harness = two_turns(num_cpu_blocks=32)
+    harness.hold_loads = True
+    plan, _ = harness.step()  # admitted; its loads planned
+    assert plan.chunks == [] and not plan.kv_copies.wait_for_loads
+    harness.add("same-prefix", TURN_1 + harness.outputs["turn-1"] + [40, 41], max_tokens=2)
+    plan, _ = harness.step()  # admitted on the same loads, without a chunk
+    assert plan.chunks == [] and harness.scheduler.num_awaiting_load == 2
+    harness.plan_before_landing = True
+    plan, _ = harness.step()
+    assert sorted(chunk.request.request_id for chunk in plan.chunks) == ["same-prefix", "turn-2"]
+    assert plan.kv_copies.wait_for_loads and not plan.kv_copies.cpu_to_gpu
+    assert harness.scheduler.num_awaiting_load == 0
+    assert harness.manager.tier.num_loading == 5  # not reported landed yet: their copies are held
+    harness.run()  # every step's KV reads are checked
+    assert harness.manager.tier.num_loading == 5
+    harness.hold_loads = False
+    harness.step()
+    assert harness.manager.tier.num_loading == 0
+    harness.manager.check_invariants()
+    without = two_turns(num_cpu_blocks=0)
+    without.add("same-prefix", TURN_1 + without.outputs["turn-1"] + [40, 41], max_tokens=2)
+    without.run()
+    assert harness.outputs == without.outputs
+    assert harness.cached["turn-2"] == harness.cached["same-prefix"] == 20
 
 
 def test_a_request_computes_once_its_own_loads_landed_not_those_planned_after():

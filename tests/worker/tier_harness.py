@@ -47,6 +47,9 @@ class TierHarness:
         self.land_delay = land_delay
         self.rng = random.Random(seed)
         self.hold_loads = False  # the device has not finished any load yet: nothing is reported
+        # As the engine on a GPU does when the loads are about to land: while every running
+        # request waits for loads, plan them anyway, the step waiting for the loads.
+        self.plan_before_landing = False
         # Loads queued and not landed: (batch, pairs, the step index from which it may land).
         self.in_flight: list[tuple[int, tuple[tuple[int, int], ...], int]] = []
         self.applied_through = 0  # loads applied to the GPU pool, not all reported yet
@@ -97,7 +100,10 @@ class TierHarness:
         self._report_landed()
         if self.manager.tier is not None and not self.pending_ahead:
             self.manager.tier.ahead_stored()
-        plan = self.scheduler.schedule()
+        scheduler = self.scheduler
+        early = (self.plan_before_landing and scheduler.num_awaiting_load > 0
+                 and scheduler.num_running == scheduler.num_awaiting_load)
+        plan = scheduler.schedule(before_landing=early)
         self.plans.append(plan)
         copies = plan.kv_copies
         if copies.wait_for_loads:
