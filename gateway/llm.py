@@ -209,12 +209,12 @@ class LLM:
     def _require_tokenizer(self) -> PromptTokenizer:
         return require_tokenizer(self._tokenizer)
 
-    def _call(self, function, *args):
+    def _call(self, function, *args, on_wait=None):
         """Run a coroutine function on the engine's loop; engine failures as RuntimeError."""
         if not self._finalizer.alive:
             raise RuntimeError("this LLM has been shut down")
         try:
-            return self._engine.call(function, *args)
+            return self._engine.call(function, *args, on_wait=on_wait)
         except WorkerLost as exc:
             raise RuntimeError(f"the engine stopped: {exc}") from None
         except EngineUnavailable:
@@ -230,9 +230,21 @@ class LLM:
         jobs, placement = self._jobs(f"offline-{batch}", items, params)
         generations = [Generation(job, self._engine.client, self._tokenizer, self._hasher, self._markers,
                                   keep_whole_text=True) for job in jobs]
+        # The loop thread only counts; this thread moves the bar (tqdm's lock is never shared with
+        # the loop thread: an interrupt raised while this thread holds it would leave it held).
+        num_done = [0]
+
+        def prompt_done() -> None:  # on the loop thread
+            num_done[0] += 1
+
+        def show_progress() -> None:
+            if num_done[0] > bar.n:
+                bar.update(num_done[0] - bar.n)
+
         bar = tqdm(total=len(items), desc="Processed prompts", disable=not use_tqdm, file=sys.stderr)
         try:
-            logprobs = self._call(run_generations, generations, lambda: bar.update(1))
+            logprobs = self._call(run_generations, generations, prompt_done, on_wait=show_progress)
+            show_progress()
         finally:
             bar.close()
         results = []

@@ -106,6 +106,10 @@ class ChildProcess:
         if self.is_alive():
             self._popen.terminate()
 
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
     def release(self) -> None:
         """Close the pipes; a worker still running sees EOF and exits."""
         self._finalizer()
