@@ -58,7 +58,7 @@ def test_convoy_paths_agree_on_the_cpu():
     detection_us(convoy, repeats=1)  # asserts the prefix found is the one built
     assert kv_bytes(convoy, cascade=False) - kv_bytes(convoy, cascade=True) == 2 * 1024 * 2 * 32 * 2 * 4
     launches = convoy_launches(convoy, split_counts=(3,))
-    assert list(launches) == ["prefill kernel", "cascade, default: 4 splits", "cascade, graph: 12 splits",
+    assert list(launches) == ["prefill kernel", "cascade, default: 4 splits", "cascade, graph: 6 splits",
                               "cascade, 3 splits"]
     outputs = [launch() for launch in launches.values()]
     for out in outputs[1:]:
