@@ -107,7 +107,8 @@ def block_shape(args) -> tuple[int, ...]:
 
 def pooled_copier(args, num_slots: int):
     """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each."""
-    from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
+    from spillway.worker.cpu_pool import allocate_cpu_pool
+    from spillway.worker.kv_copies import KVCopier
 
     shape = block_shape(args)
     gpu = torch.randn((num_slots, *shape), dtype=torch.bfloat16, device="cuda")

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
+from spillway.worker.cpu_pool import allocate_cpu_pool
+from spillway.worker.kv_copies import KVCopier
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers

@@ -47,9 +47,7 @@ On the CPU device the same copies run in order, synchronously.
 from __future__ import annotations
 
 import logging
-import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -95,42 +93,6 @@ def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
             runs.append((first_src - length + 1, first_dst - length + 1, length))
         index += length
     return runs
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available to a new allocation (MemAvailable); None when unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
-
-
-def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
-    Not zeroed: a CPU slot is only ever read after a store filled it.
-
-    `pinned`: page-locked with cudaHostRegister, not `pin_memory=True`, whose caching allocator
-    rounds a request up to a power of two (40 GiB would lock 64)."""
-    size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
-    available = host_memory_available()
-    if available is not None and size > available:
-        raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
-                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
-    pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
-    if pinned:
-        cudart = torch.cuda.cudart()
-        error = int(cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0))
-        if error:
-            raise RuntimeError(f"page-locking the CPU KV tier's {size / 2**30:.2f} GiB failed (CUDA error {error})")
-        weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
-    return pool
 
 
 def _overlap(copies: KVCopies) -> bool:

@@ -39,7 +39,7 @@ class TierDriver:
         # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
         # that into the LRU every step.
         scheduler.write_ahead_blocks = min(64, max(1, WRITE_AHEAD_BYTES // self.block_bytes))
-        self.on_cuda = self.small_copies_by_kernel = executor.device.type == "cuda"
+        self.small_copies_by_kernel = executor.device.type == "cuda"
         if self.small_copies_by_kernel:
             warm_up_copies(executor.device)
             executor.runner.inputs.copy_by_kernel = True
@@ -61,7 +61,7 @@ class TierDriver:
         on the device, and they should land within PLAN_BEFORE_LANDING_S (`KVCopier.loads_land_in`,
         an estimate on the host clock). Only on CUDA: elsewhere loads land as they are queued."""
         scheduler = self.scheduler
-        if not self.on_cuda or not scheduler.num_awaiting_load:
+        if self.copier.load_stream is None or not scheduler.num_awaiting_load:
             return False
         if scheduler.num_running != scheduler.num_awaiting_load:
             return False

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.kv_copies import KVCopier, allocate_cpu_pool
+from spillway.worker.cpu_pool import allocate_cpu_pool
+from spillway.worker.kv_copies import KVCopier
 from spillway.worker.step_plan import KVCopies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
