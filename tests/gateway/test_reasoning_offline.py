@@ -34,10 +34,12 @@ def greedy(max_tokens=100, **kwargs):
 
 
 def test_smollm2_budgets_cut_thinking_exactly(smol):
-    free = smol.chat(QUESTION, greedy(), use_tqdm=False)[0].outputs[0]
+    # One batch: each request keeps its own budget in it, and a batch's outputs are each
+    # request's alone (test_a_mixed_batch_gives_each_request_its_own_budget).
+    params = [greedy()] + [greedy(thinking_budget=budget) for budget in BUDGETS]
+    free, *budgeted = [o.outputs[0] for o in smol.chat([QUESTION] * len(params), params, use_tqdm=False)]
     natural = free.num_reasoning_tokens if "</think>" in free.text else float("inf")
-    for budget in BUDGETS:
-        out = smol.chat(QUESTION, greedy(thinking_budget=budget), use_tqdm=False)[0].outputs[0]
+    for budget, out in zip(BUDGETS, budgeted):
         assert out.num_reasoning_tokens == min(budget, natural), budget
         text = out.text
         thinking = text[text.index("<think>"):text.index("</think>") + len("</think>")]
@@ -46,22 +48,19 @@ def test_smollm2_budgets_cut_thinking_exactly(smol):
         assert len(out.token_ids) == 100  # max_tokens still bounds the whole output
 
 
-def test_budget_larger_than_the_thinking_changes_nothing(smol_template):
+def test_budget_larger_than_the_thinking_changes_nothing(smol, smol_template):
     # Make the end marker a token this model writes by itself at step 9 of its greedy output.
-    with LLM(device="cpu", dtype="float32", max_model_len=1024, enable_reasoning=True,
-             chat_template=smol_template) as llm:
-        tok = llm.get_tokenizer()
-        free = llm.chat(QUESTION, greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    tok = smol.get_tokenizer()
+    free = smol.chat(QUESTION, greedy(40), use_tqdm=False)[0].outputs[0].token_ids
     position = next(i for i in range(9, 30)
                     if free[i] not in free[:i] and tok.encode(tok.decode([free[i]]), add_special_tokens=False) == [free[i]])
     end = tok.decode([free[position]])
     config = {"start": "<think>", "end": end}
     with LLM(device="cpu", dtype="float32", max_model_len=1024, reasoning_config=config,
              chat_template=smol_template) as llm:
-        unbounded = llm.chat(QUESTION, greedy(40), use_tqdm=False)[0].outputs[0]
-        roomy = llm.chat(QUESTION, greedy(40, thinking_budget=position + 5), use_tqdm=False)[0].outputs[0]
-        exact = llm.chat(QUESTION, greedy(40, thinking_budget=position), use_tqdm=False)[0].outputs[0]
-        tight = llm.chat(QUESTION, greedy(40, thinking_budget=3), use_tqdm=False)[0].outputs[0]
+        params = [greedy(40), greedy(40, thinking_budget=position + 5), greedy(40, thinking_budget=position),
+                  greedy(40, thinking_budget=3)]
+        unbounded, roomy, exact, tight = [o.outputs[0] for o in llm.chat([QUESTION] * 4, params, use_tqdm=False)]
     assert unbounded.token_ids == free
     assert unbounded.num_reasoning_tokens == position
     assert roomy.token_ids == free and exact.token_ids == free
@@ -124,11 +123,10 @@ def test_tiny_model_with_think_tokens(tiny_thinker):
         markers = resolve_markers(llm.get_tokenizer(), "qwen3")
         assert markers.start_token_ids == (think,) and markers.end_token_ids == (end_think,)
         prompt = [100, 200, 300, think]
-        free = llm.generate([prompt], greedy(80, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        params = [greedy(80, ignore_eos=True)] + [greedy(80, thinking_budget=b, ignore_eos=True) for b in BUDGETS]
+        free, *budgeted = [o.outputs[0] for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
         assert end_think not in free.token_ids and free.num_reasoning_tokens == 80
-        for budget in BUDGETS:
-            out = llm.generate([prompt], greedy(80, thinking_budget=budget, ignore_eos=True),
-                               use_tqdm=False)[0].outputs[0]
+        for budget, out in zip(BUDGETS, budgeted):
             assert out.num_reasoning_tokens == budget
             assert out.token_ids[:budget] == free.token_ids[:budget]
             assert out.token_ids[budget] == end_think

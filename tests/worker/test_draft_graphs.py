@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from spillway.protocol.config import SpeculativeConfig
 from spillway.protocol.messages import SamplingParams
@@ -17,10 +18,22 @@ from spillway.worker.request import Request
 from spillway.worker.sampler import Sampler
 from spillway.worker.spec.draft_model import DraftModelProposer
 from spillway.worker.spec.setup import build_spec_decoder
-from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
+from test_runner_cuda_path import TINY_CONFIGS, VOCAB, EagerGraphs, runner_pair
 from tests.worker.test_spec_engine import tiny_model  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def small_qwen3(monkeypatch):
+    """runner_pair's Qwen3 in one layer of two query heads sharing one KV head: the graphs'
+    fixed views, buckets and padding are what these tests compare with the eager path, and the
+    Triton interpreter runs every program of every layer and head (test_runner_cuda_path.py
+    checks the kernels' path over two layers and three KV heads against plain torch)."""
+    monkeypatch.setitem(TINY_CONFIGS, "qwen3", lambda: transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+    ))
 
 
 @pytest.mark.parametrize("cuda_graphs, max_num_seqs, expected", [(True, 8, [5]), (True, 4, [4]), (False, 8, [])])
@@ -42,8 +55,9 @@ def requests(prompts: list[list[int]]) -> list[Request]:
     return [Request(f"r{i}", list(prompt), greedy, [], i) for i, prompt in enumerate(prompts)]
 
 
-def test_proposals_through_the_graphs_equal_the_eager_ones():
+def test_proposals_through_the_graphs_equal_the_eager_ones(small_qwen3):
     torch_runner, kernel_runner, _ = runner_pair("qwen3")
+    assert kernel_runner.model.num_layers == 1
     kernel_runner.graphs = decode = EagerGraphs(kernel_runner, 4)
     kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
     # Catch-up forwards of at most 40 tokens: the prompts take three, the first two of which

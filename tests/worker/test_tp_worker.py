@@ -135,11 +135,18 @@ def test_the_step_broadcast_delivers_each_step_its_fed_tokens_and_the_stop(tmp_p
     assert queue.get(timeout=10) == [(STEPS[0], None), (STEPS[1], [11, 12, 13]), (None, None)]
 
 
-def test_qwen3_dummy_weights_generate_the_same_on_two_ranks():
+def test_qwen3_dummy_weights_generate_the_same_on_two_ranks(tmp_path):
     """The built-in qwen3-0.6b config with dummy weights: each rank generates the whole model
-    from the seed, then keeps its shard, so both sizes run the same model."""
+    from the seed, then keeps its shard, so both sizes run the same model. Two of its 28 layers,
+    every layer being generated and cut alike; its other shapes (the 151,936-token tied
+    vocabulary included) as they are. The test builds the model three times (two ranks, then
+    one process), each a third as long as the whole 0.6B."""
+    config = json.loads((model_files.BUILTIN_CONFIGS_DIR / "qwen3-0.6b.json").read_text())
+    config.update(num_hidden_layers=2, max_window_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
     def run(size: int) -> list[list[int]]:
-        with LLM(model="qwen3-0.6b", load_format="dummy", tensor_parallel_size=size, device="cpu",
+        with LLM(model=str(tmp_path), load_format="dummy", tensor_parallel_size=size, device="cpu",
                  max_model_len=128, num_gpu_blocks_override=32, max_num_seqs=4) as llm:
             outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
                                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))

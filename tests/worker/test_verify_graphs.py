@@ -17,6 +17,7 @@ from spillway.protocol.config import SpeculativeConfig
 from spillway.worker.cuda_graphs import GraphBuckets, StepGraphs, prefill_buckets
 from spillway.worker.model_runner import ChunkInput, TokenFeed
 from spillway.worker.step_inputs import StepInputs
+from test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
 from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
 from tests.worker.test_spec_engine import make_engine, tiny_model  # noqa: F401 (a fixture)
 
@@ -104,7 +105,7 @@ def test_a_verifying_step_takes_the_smallest_verify_bucket_that_holds_its_tokens
     assert prefill_buckets(8192)[-1] == 2048  # the prefill graphs go further
 
 
-def test_verify_graph_steps_give_the_eager_rows_in_order_and_the_same_kv():
+def test_verify_graph_steps_give_the_eager_rows_in_order_and_the_same_kv(small_qwen3):  # noqa: F811
     """Verification of batch 1 with 1, 4 and 8 drafts, of three requests with 2, 0 and 5, of
     drafts beside a prompt chunk, and prompt-logprob rows beside a decode fed from the device,
     through the verify graphs' step (bucket padding included) on one runner and eagerly on the
