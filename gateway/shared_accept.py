@@ -8,6 +8,9 @@ the burst's last requests back by tens of milliseconds while the other servers h
 do. Here a server accepts one connection per turn of its loop and handles whatever else is
 ready before the next, so a server busy reading or checking a request leaves the next
 connection to an idle one: a burst spreads over the servers by how busy each is.
+Connections that come more than a millisecond apart find every server looking and go to
+whichever wakes first: nothing waits for them then, but a pool opened slowly and used all at
+once can land mostly on one server.
 """
 
 from __future__ import annotations
