@@ -24,6 +24,9 @@ Rows (`--rows`):
                one load shared by all without anyone waiting on another, not the compute of long
                suffixes, which grows with their sum): their TTFT p50 against one request alone
                on the same prefix, pushed out the same way first (<= 1.2x is the target).
+               `--repeats N`: N rounds of the lone request then the convoy on one server, and
+               the medians of each (one lone request's TTFT moved between 40 and 43 ms from run to
+               run on the H200: a single one makes a noisy baseline).
 
 `--api-server-count N` serves both rows with N API server processes (`spillway serve
 --api-server-count N`): a burst of long prompts reaches the worker sooner.
@@ -155,37 +158,49 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
                 return count
         raise SystemExit("the CPU tier did not fill: is it larger than the prompts can fill?")
 
+    def timed(url: str, count: int) -> tuple[list[StreamTiming], float, float]:
+        """`count` requests at once on the prefix, after a push-out: their timings, the prefix
+        tokens served from the CPU tier, the bytes stored to the CPU meanwhile."""
+        push_out(url)
+        before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
+        timings, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(count)], 1,
+                                            SERVED_NAME, preconnect=args.preconnect))
+        return timings, cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
+
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
+    rounds = []
     with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log) as server:
         url = server.url
         filled = fill_tier(url) if args.full_tier else 0
         asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
-        push_out(url)
-        before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
-        single = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len)], 1, SERVED_NAME,
-                                        preconnect=args.preconnect))[0][0]
-        single_cpu, single_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
-        push_out(url)
-        before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
-        convoy, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(args.convoy)], 1,
-                                           SERVED_NAME, preconnect=args.preconnect))
-        convoy_cpu, convoy_stored = cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
-    return {"single": single, "single_cpu": single_cpu, "convoy": convoy, "convoy_cpu": convoy_cpu,
-            "fillers": fillers, "filler_len": filler_len, "filled": filled,
-            "stored": (single_stored, convoy_stored)}
+        for _ in range(args.repeats):  # alone, then the convoy, each round: the server's drift is shared
+            single, single_cpu, single_stored = timed(url, 1)
+            convoy, convoy_cpu, convoy_stored = timed(url, args.convoy)
+            rounds.append({"single": single[0], "single_cpu": single_cpu, "convoy": convoy,
+                           "convoy_cpu": convoy_cpu, "stored": (single_stored, convoy_stored)})
+    return {"rounds": rounds, "fillers": fillers, "filler_len": filler_len, "filled": filled}
 
 
 def report_convoy(results: dict, args, rows: Rows) -> None:
-    single = results["single"].ttft * 1e3
-    convoy = percentile([t.ttft for t in results["convoy"]], 50) * 1e3
-    ratio = single / convoy
-    spread = "/".join(f"{percentile([t.ttft for t in results['convoy']], q) * 1e3:,.1f}" for q in (50, 90, 99))
+    """The convoy's TTFT p50 and the lone request's TTFT, each the median over the rounds;
+    every round's pair, and the last round's counts, in the note."""
+    rounds = results["rounds"]
+    alone = [r["single"].ttft * 1e3 for r in rounds]
+    p50 = [percentile([t.ttft for t in r["convoy"]], 50) * 1e3 for r in rounds]
+    single, convoy = statistics.median(alone), statistics.median(p50)
+    last = rounds[-1]
+    spread = "/".join(f"{percentile([t.ttft for t in last['convoy']], q) * 1e3:,.1f}" for q in (50, 90, 99))
+    def from_cpu(key: str) -> str:
+        return ", ".join(f"{r[key]:,.0f}" for r in rounds)
+
+    per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
     rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix "
                  f"(+{args.suffix_len} each), TTFT p50",
-                 convoy, "ms", "one request alone", single, ratio, target=round(1 / 1.2, 3),  # convoy <= 1.2x alone
-                 note=f"prefix tokens from the CPU tier: alone {results['single_cpu']:,.0f}, convoy "
-                      f"{results['convoy_cpu']:,.0f}; convoy TTFT p50/p90/p99 ms "
-                      f"{spread}; "
+                 convoy, "ms", "one request alone", single, single / convoy, target=round(1 / 1.2, 3),  # <= 1.2x alone
+                 note=f"{len(rounds)} round(s) of alone then convoy, medians; per round alone/convoy p50 ms "
+                      f"(ratio): {per_round}; prefix tokens from the CPU tier per round: alone {from_cpu('single_cpu')}, "
+                      f"convoy {from_cpu('convoy_cpu')}; last round's convoy TTFT "
+                      f"p50/p90/p99 ms {spread}; "
                       f"pushed out by {results['fillers']} prompts of {results['filler_len']} tokens; "
                       f"{args.api_server_count} API server process(es)" + full_tier_note(results, args)
                       + ("; connections opened before the sends, each clock started at its send" if args.preconnect
@@ -195,9 +210,9 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
 def full_tier_note(results: dict, args) -> str:
     if not args.full_tier:
         return ""
-    single, convoy = (stored / 1e9 for stored in results["stored"])
+    single, convoy = (stored / 1e9 for stored in results["rounds"][-1]["stored"])
     return (f"; a full {args.cpu_offload_gb:g} GiB tier (filled by {results['filled']} prompts first), {args.idle_s:g} s "
-            f"idle after each push-out; GB stored to the CPU (at eviction or ahead) while the lone request ran "
+            f"idle after each push-out; GB stored to the CPU (at eviction or ahead), last round: while the lone request ran "
             f"{single:.2f}, the convoy {convoy:.2f}")
 
 
@@ -233,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, help="default: what the GPU pool holds, at most 16,384")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--repeats", type=int, default=1, help="multiturn: runs of each server, alternating; "
-                        "the figures are the runs' medians")
+                        "convoy: rounds of the lone request then the convoy on one server; the figures are medians")
     parser.add_argument("--api-server-count", type=int, default=1, help="API server processes of every server")
     parser.add_argument("--full-tier", action="store_true", help="convoy: fill the CPU tier first (module doc)")
     parser.add_argument("--idle-s", type=float, default=0.0, help="convoy: seconds of quiet after each push-out")

@@ -114,3 +114,29 @@ def test_repeated_multiturn_runs_report_their_medians():
     assert (ttft["value"], ttft["baseline"], ttft["ratio"]) == (70.0, 240.0, 240.0 / 70.0)
     assert "tier: 80.0, 60.0, 70.0; no tier: 240.0, 180.0, 300.0" in ttft["note"]
     assert itl["value"] == pytest.approx(30.0 - 100.0)
+
+
+def test_convoy_rounds_report_the_medians_of_the_lone_request_and_of_the_convoy():
+    """Three rounds: the row is the median lone TTFT against the median convoy p50, every
+    round's pair is in the note."""
+    from tools.bench_table import Rows
+    from tools.serve_stream import StreamTiming
+
+    def timing(ms: float) -> StreamTiming:
+        return StreamTiming(start=0.0, first_token_at=ms / 1e3)
+
+    def one_round(alone_ms: float, convoy_ms: list[float]) -> dict:
+        return {"single": timing(alone_ms), "single_cpu": 9984.0, "convoy": [timing(ms) for ms in convoy_ms],
+                "convoy_cpu": 9984.0, "stored": (0.0, 0.0)}
+
+    results = {"rounds": [one_round(40.0, [44.0, 46.0, 90.0]), one_round(44.0, [50.0, 52.0, 60.0]),
+                          one_round(42.0, [47.0, 48.0, 49.0])],
+               "fillers": 5, "filler_len": 400, "filled": 0}
+    args = bench_tier.build_parser().parse_args(["--quick", "--repeats", "3"])
+    bench_tier.resolve_sizes(args)
+    rows = Rows(None)
+    bench_tier.report_convoy(results, args, rows)
+    (convoy,) = rows.rows
+    assert (convoy["value"], convoy["baseline"]) == (48.0, 42.0)
+    assert convoy["ratio"] == pytest.approx(42.0 / 48.0)
+    assert "40.0/46.0 (0.870), 44.0/52.0 (0.846), 42.0/48.0 (0.875)" in convoy["note"]
