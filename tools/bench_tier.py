@@ -38,6 +38,9 @@ The note then gives the bytes stored to the CPU from the lone request's send unt
 the convoy's: stores at eviction and write-back ahead alike (the counter does not tell them apart;
 the TTFTs tell whether a load waited behind stores).
 
+`--baseline DIR` serves the convoy row with the source tree at DIR too (its server first, the
+same prompts): the two trees' figures from one run.
+
 `--preconnect` opens the convoy's connections (the lone request's too) before sending, each
 clock started at its send (why: tools/serve_stream.py's `stream_all`).
 """
@@ -61,6 +64,7 @@ from tools.bench_table import Rows, print_table, row  # noqa: E402
 from tools.loadgen.report import percentile  # noqa: E402
 from tools.serve_process import (  # noqa: E402
     Server, default_tokenizer_dir, dummy_model_args, machine, raise_open_files_limit, temporary_model_folder,
+    tree_env,
 )
 from tools.serve_stream import StreamTiming, stream_all  # noqa: E402
 from tools.served_tier import (  # noqa: E402
@@ -134,7 +138,7 @@ def report_multiturn(results: dict, args, rows: Rows) -> None:
                  note=f"P99 ITL with the tier {itl['tier']:.2f} ms"))
 
 
-def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
+def measure_convoy(folder: Path, vocab: int, flags: list[str], args, env: dict | None = None) -> dict:
     rng = random.Random(args.seed + 1)
 
     def tokens(count: int) -> list[int]:
@@ -169,7 +173,8 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
 
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
     rounds = []
-    with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log) as server:
+    with Server(dummy_model_args(folder, flags, SERVED_NAME), args.startup_timeout, args.server_log,
+                env=env) as server:
         url = server.url
         filled = fill_tier(url) if args.full_tier else 0
         asyncio.run(run_bounded(url, [(0, prefix + tokens(args.suffix_len))], 1, 1))  # the prefix computed once
@@ -181,7 +186,7 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args) -> dict:
     return {"rounds": rounds, "fillers": fillers, "filler_len": filler_len, "filled": filled}
 
 
-def report_convoy(results: dict, args, rows: Rows) -> None:
+def report_convoy(results: dict, args, rows: Rows, tree: str = "") -> None:
     """The convoy's TTFT p50 and the lone request's TTFT, each the median over the rounds;
     every round's pair, and the last round's counts, in the note."""
     rounds = results["rounds"]
@@ -195,7 +200,7 @@ def report_convoy(results: dict, args, rows: Rows) -> None:
 
     per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
     rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix "
-                 f"(+{args.suffix_len} each), TTFT p50",
+                 f"(+{args.suffix_len} each), TTFT p50{tree}",
                  convoy, "ms", "one request alone", single, single / convoy, target=round(1 / 1.2, 3),  # <= 1.2x alone
                  note=f"{len(rounds)} round(s) of alone then convoy, medians; per round alone/convoy p50 ms "
                       f"(ratio): {per_round}; prefix tokens from the CPU tier per round: alone {from_cpu('single_cpu')}, "
@@ -254,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-s", type=float, default=0.0, help="convoy: seconds of quiet after each push-out")
     parser.add_argument("--preconnect", action="store_true", help="convoy: open the connections (the lone request's "
                         "too) before sending, and start each clock at its send (tools/serve_stream.py)")
+    parser.add_argument("--baseline", type=Path, help="convoy: also serve the source tree at DIR (mkdir DIR && git "
+                        "archive REV | tar -x -C DIR), its server before this tree's, with the same workload")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-log", type=Path, help="append each server's output here")
     parser.add_argument("--results", help="append every row here as a JSON line")
@@ -284,6 +291,8 @@ def resolve_sizes(args) -> None:
         raise SystemExit("--concurrency must not exceed --conversations (a conversation's turns go in order)")
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.baseline is not None and "multiturn" in args.rows:
+        raise SystemExit("--baseline applies to the convoy row only: add --rows convoy")
     if args.suffix_len < 1:
         raise SystemExit("--suffix-len must be at least 1 (the requests differ)")
     if args.prefix_len + args.suffix_len > args.gpu_blocks * args.block_size:
@@ -305,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         if "multiturn" in args.rows:
             report_multiturn(measure_multiturn(folder, vocab, flags, args), args, rows)
         if "convoy" in args.rows:
+            if args.baseline is not None:  # the same seed: the same prefix and suffixes
+                report_convoy(measure_convoy(folder, vocab, flags, args, tree_env(args.baseline)), args, rows,
+                              f" (baseline {args.baseline})")
             report_convoy(measure_convoy(folder, vocab, flags, args), args, rows)
     print()
     print_table(rows.rows)

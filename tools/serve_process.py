@@ -136,12 +136,28 @@ def dummy_model_args(folder: Path, flags: list[str], model_name: str) -> list[st
     return [str(folder), "--load-format", "dummy", "--served-model-name", model_name, *flags]
 
 
+def tree_env(tree: Path | None) -> dict[str, str] | None:
+    """The environment of a `spillway serve` that runs the source tree at `tree` (a checkout or
+    a `git archive`: its gateway, worker, protocol and kernels) instead of the installed
+    spillway; None: this process's environment, the installed one."""
+    if tree is None:
+        return None
+    if not (tree / "worker" / "engine.py").is_file():
+        raise SystemExit(f"{tree} is not a spillway source tree (no worker/engine.py)")
+    site = Path(tempfile.mkdtemp(prefix="spillway-tree-"))
+    (site / "spillway").symlink_to(tree.resolve())
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    return env
+
+
 class Server:
     """`spillway serve` with the given arguments, on a free port. `program` is what runs
-    `serve ARGS` (default: this interpreter's `spillway.gateway.cli`)."""
+    `serve ARGS` (default: this interpreter's `spillway.gateway.cli`); `env` its environment
+    (`tree_env`: another source tree's spillway)."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float, keep_log: Path | None = None,
-                 program: list[str] | None = None) -> None:
+                 program: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.keep_log = keep_log  # the server's output is appended there when it stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -149,7 +165,8 @@ class Server:
         program = program or [sys.executable, "-m", "spillway.gateway.cli"]
         command = [*program, "serve", "--port", str(self.port), "--uvicorn-log-level", "warning", *serve_args]
         # Own process group: stopping it reaches the worker even if the gateway hangs.
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=env)
         try:
             self._wait_healthy(startup_timeout_s)
         except BaseException:

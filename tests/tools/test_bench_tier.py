@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import sys
 from pathlib import Path
@@ -140,3 +142,41 @@ def test_convoy_rounds_report_the_medians_of_the_lone_request_and_of_the_convoy(
     assert (convoy["value"], convoy["baseline"]) == (48.0, 42.0)
     assert convoy["ratio"] == pytest.approx(42.0 / 48.0)
     assert "40.0/46.0 (0.870), 44.0/52.0 (0.846), 42.0/48.0 (0.875)" in convoy["note"]
+
+
+def test_a_baseline_tree_is_served_from_its_own_source(monkeypatch, tmp_path):
+    """`--baseline DIR`: the convoy's server for DIR runs with DIR's spillway first on its path,
+    and a folder that is no source tree is refused before any server starts."""
+    import subprocess
+
+    from tools import serve_process
+
+    tree = tmp_path / "tree"
+    (tree / "worker").mkdir(parents=True)
+    (tree / "worker" / "engine.py").write_text("WHICH = 'the baseline tree'\n")
+    env = serve_process.tree_env(tree)
+    which = subprocess.run([sys.executable, "-c", "import spillway.worker.engine as e; print(e.WHICH)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert which.stdout.strip() == "the baseline tree"
+    assert serve_process.tree_env(None) is None
+    with pytest.raises(SystemExit, match="not a spillway source tree"):
+        serve_process.tree_env(tmp_path)
+
+    envs = []
+
+    def fake_server(*args, env=None, **kwargs):
+        envs.append(env)
+        raise _Started
+
+    @contextlib.contextmanager
+    def model_folder(*args):
+        yield tmp_path, 1000
+
+    monkeypatch.setattr(bench_tier, "Server", fake_server)
+    monkeypatch.setattr(bench_tier, "temporary_model_folder", model_folder)
+    with pytest.raises(_Started):
+        bench_tier.main(["--quick", "--rows", "convoy", "--baseline", str(tree)])
+    site = Path(envs[0]["PYTHONPATH"].split(os.pathsep)[0])  # the baseline's server starts first
+    assert (site / "spillway").resolve() == tree.resolve()
+    with pytest.raises(SystemExit, match="convoy row only"):
+        bench_tier.resolve_sizes(bench_tier.build_parser().parse_args(["--quick", "--baseline", str(tree)]))
