@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: tools.*
 
 from tools.bench_table import print_tree_medians, runs_of_trees  # noqa: E402
+from tools.serve_process import build_model_folder, default_tokenizer_dir, tree_env  # noqa: E402
 
 PIECES = ("intake", "admission", "compute", "total", "burst_ms", "alone_ms")
 BLOCK_SIZE = 16
@@ -141,8 +142,6 @@ def model_folder(model: str | None, tokenizer_dir: Path | None, prompt_len: int)
     its vocabulary size."""
     folder = Path(tempfile.mkdtemp(prefix="bench-admission-"))
     if model is not None:
-        from tools.serve_process import build_model_folder, default_tokenizer_dir
-
         folder = build_model_folder(model, tokenizer_dir or default_tokenizer_dir(), folder)
         return folder, json.loads((folder / "config.json").read_text())["vocab_size"]
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -152,19 +151,6 @@ def model_folder(model: str | None, tokenizer_dir: Path | None, prompt_len: int)
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=prompt_len + 64)
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder, vocab
-
-
-def tree_env(tree: Path | None) -> dict[str, str]:
-    """The environment of a child that imports `tree`'s packages as spillway's (None: the
-    installed ones)."""
-    env = dict(os.environ)
-    if tree is not None:
-        site = Path(tempfile.mkdtemp(prefix="bench-admission-site-")) / "spillway"
-        site.mkdir()
-        for package in ("gateway", "protocol", "worker", "kernels"):
-            (site / package).symlink_to(tree.resolve() / package)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site.parent), env.get("PYTHONPATH")]))
-    return env
 
 
 def measure(tree: Path | None, args) -> dict[str, float]:
