@@ -321,20 +321,3 @@ class Scheduler(StepCommits):
         slot_table = self.block_manager.slot_table(request.request_id)
         sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
         return ScheduledChunk(request, start, num_tokens, slot_table, sample)
-
-    def _release(self, request: Request, status: RequestStatus, defer: bool = False) -> None:
-        """Finish the request; its blocks are freed now, or with `defer` by `release_finished`."""
-        self._awaiting_load.pop(request.request_id, None)
-        request.status = status
-        if defer:
-            self._finished_holding.append(request.request_id)
-        else:
-            self.block_manager.free(request.request_id)
-        del self._requests[request.request_id]
-
-    def release_finished(self) -> None:
-        """Free the blocks of the requests finished with `defer_release` set."""
-        for request_id in self._finished_holding:
-            self.block_manager.free(request_id)
-        self._finished_holding.clear()
-

@@ -3,7 +3,8 @@
 `Scheduler` (worker/scheduler.py) plans; what it inherits from `StepCommits` settles: the
 counts of a step launched ahead of its tokens (`mark_in_flight`), then `update`, the one place
 where tokens are committed (stop checks, thinking-budget state, block hashing, the release of
-finished requests). It reads the scheduler's block manager, limits, eos ids and queues.
+finished requests: now, or with the scheduler's `defer_release` once their last deltas are
+sent, `release_finished`). It reads the scheduler's block manager, limits, eos ids and queues.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from spillway.worker.step_plan import StepPlan, StepResult
 
 
 class StepCommits:
-    """`mark_in_flight` and `update` of `Scheduler` (module doc)."""
+    """`mark_in_flight`, `update` and the release of finished requests of `Scheduler` (module doc)."""
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet: count its computed
@@ -105,3 +106,20 @@ class StepCommits:
         if num_outputs >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _release(self, request: Request, status: RequestStatus, defer: bool = False) -> None:
+        """Finish the request; its blocks are freed now, or with `defer` by `release_finished`."""
+        self._awaiting_load.pop(request.request_id, None)
+        request.status = status
+        if defer:
+            self._finished_holding.append(request.request_id)
+        else:
+            self.block_manager.free(request.request_id)
+        del self._requests[request.request_id]
+
+    def release_finished(self) -> None:
+        """Free the blocks of the requests finished with `defer_release` set."""
+        for request_id in self._finished_holding:
+            self.block_manager.free(request_id)
+        self._finished_holding.clear()
+
