@@ -25,6 +25,15 @@ def host_memory_available() -> int | None:
         return None
 
 
+def check_host_memory(size: int) -> None:
+    """ValueError, with the numbers, when the CPU tier's `size` bytes exceed the host memory
+    available now."""
+    available = host_memory_available()
+    if available is not None and size > available:
+        raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
+                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
+
+
 def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
     Not zeroed: a CPU slot is only ever read after a store filled it.
@@ -32,10 +41,7 @@ def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.
     `pinned`: page-locked with cudaHostRegister, not `pin_memory=True`, whose caching allocator
     rounds a request up to a power of two (40 GiB would lock 64)."""
     size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
-    available = host_memory_available()
-    if available is not None and size > available:
-        raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
-                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
+    check_host_memory(size)  # again: the weights took their share since the engine's first look
     pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
     if pinned:
         cudart = torch.cuda.cudart()

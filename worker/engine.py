@@ -25,6 +25,7 @@ from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
+from spillway.worker.cpu_pool import check_host_memory
 from spillway.worker.executor_start import build_executor, finish_start, pool_blocks
 from spillway.worker.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
@@ -46,6 +47,8 @@ class Engine:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
+            check_host_memory(int(config.cpu_offload_gb * 2**30))  # refused before the model loads
         self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
         torch.manual_seed(config.seed)
         use_programmatic_launch(config.programmatic_launch)

@@ -9,6 +9,7 @@ import torch
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
+from spillway.worker.cpu_pool import allocate_cpu_pool
 from spillway.worker.engine import Engine
 from spillway.worker.kv_copies import block_runs, copy_blocks
 from spillway.worker.paced_loads import PacedLoads
@@ -119,11 +120,15 @@ def test_runs_go_up_or_down_on_both_sides_at_once():
                             src[1].tolist(), [0, 0], [0, 0]]
 
 
-def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(model_dir):
-    config = WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
+def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(tmp_path):
+    """Before the model loads (a model that is not there is not even looked for), and again
+    when the pool is allocated, after the weights took their share."""
+    config = WorkerConfig(model=str(tmp_path / "never-loaded"), device="cpu", dtype="float32", max_num_seqs=4,
                           num_gpu_blocks_override=4, cpu_offload_gb=1e6)
     with pytest.raises(ValueError, match=r"asks for 1000000\.00 GiB of host memory and [0-9.]+ GiB is available"):
         Engine(config)
+    with pytest.raises(ValueError, match=r"asks for 2048\.00 GiB of host memory and [0-9.]+ GiB is available"):
+        allocate_cpu_pool(2**20, (2**20,), torch.float16, pinned=False)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
