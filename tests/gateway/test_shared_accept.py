@@ -38,9 +38,9 @@ def test_one_connection_per_turn_then_a_pause(monkeypatch):
         for _ in range(5):  # the first turns: the socket polled, one taken, then the pause
             await asyncio.sleep(0)
         counts.append(server.num_accepted)
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.3)  # halfway between the second accept (0.2 s) and the third (0.4 s)
         counts.append(server.num_accepted)  # one more after the pause
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.3)
         counts.append(server.num_accepted)
         server.close()
         late = socket.create_connection(sock.getsockname())
