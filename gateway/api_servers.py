@@ -37,6 +37,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from spillway.gateway.metrics import share_metrics_across_processes
+from spillway.gateway.shared_accept import OpenConnections
 from spillway.gateway.worker_process import describe_exit
 
 logger = logging.getLogger("spillway.gateway")
@@ -61,6 +62,7 @@ class ApiServers:
         self.failed: str | None = None  # why a server that exited on its own stopped them all
         self._alive_read, self._alive_write = os.pipe()  # EOF in a server: server 0 is gone
         self._serving = multiprocessing.get_context("fork").Event()  # set once server 0 serves
+        self.connections = OpenConnections(count)  # each server's open connections, for the others to see
 
     def start(self, serve: Callable[[int, tuple[str, str]], int]) -> None:
         """Fork servers 1..count-1, each running `serve(index, link)` (it returns an exit status).

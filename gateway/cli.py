@@ -153,7 +153,8 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
         return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
     if api_servers is not None:  # forked before the worker's sockets and threads exist
         api_servers.start(lambda index, link: serve_api_server(args, sock, settings, index, link,
-                                                             api_servers.wait_serving))
+                                                             api_servers.wait_serving,
+                                                             api_servers.connections.slot(index)))
     tokenizer = in_background(load_tokenizer, settings)  # while the worker loads the model
     start_worker = None
     if args.worker_address is None:

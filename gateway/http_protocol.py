@@ -32,8 +32,10 @@ logger = logging.getLogger("spillway.gateway")
 
 
 def server_config(app, **options) -> uvicorn.Config:
-    """uvicorn's configuration for serving `app` with this protocol."""
-    return uvicorn.Config(app, http=BoundedHeadProtocol, **options)
+    """uvicorn's configuration for serving `app` with this protocol; no WebSocket upgrades (the
+    API has no WebSocket route, and an upgraded connection would leave the protocol that counts
+    it open: gateway/shared_accept.py)."""
+    return uvicorn.Config(app, http=BoundedHeadProtocol, ws="none", **options)
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):

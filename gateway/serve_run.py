@@ -65,7 +65,8 @@ class BannerServer(SharedSocketServer):
     the worker they use."""
 
     def __init__(self, config: uvicorn.Config, model_name: str, api_servers=None) -> None:
-        super().__init__(config, shared=api_servers is not None)
+        super().__init__(config, shared=api_servers is not None,
+                         slot=api_servers.connections.slot(0) if api_servers is not None else None)
         self.model_name = model_name
         self.api_servers = api_servers
 
@@ -118,10 +119,10 @@ def in_background(function, *args) -> Future:
 
 
 def serve_api_server(args: argparse.Namespace, sock, settings, index: int, link: tuple[str, str],
-                     api_servers_serving) -> int:
+                     api_servers_serving, slot=None) -> int:
     """API server `index` (>= 1), in a process forked from server 0: the same settings and
-    socket, its own link to server 0's worker; it listens once `api_servers_serving()` returns
-    (server 0 serves)."""
+    socket, its own link to server 0's worker, its count of open connections in `slot`
+    (gateway/shared_accept.py); it listens once `api_servers_serving()` returns (server 0 serves)."""
     from spillway.gateway.app import build_app
 
     # Its progress lines ("waiting for the worker", "worker ready") would repeat server 0's.
@@ -129,7 +130,7 @@ def serve_api_server(args: argparse.Namespace, sock, settings, index: int, link:
     try:
         settings = dataclasses.replace(settings, worker_link=link, api_server_index=index,
                                        serve_after=api_servers_serving)
-        server = SharedSocketServer(uvicorn_config(args, build_app(settings)))
+        server = SharedSocketServer(uvicorn_config(args, build_app(settings)), slot=slot)
         server.run(sockets=[sock])
     except (KeyboardInterrupt, Stopped):
         return 0

@@ -1,7 +1,7 @@
 """API servers sharing one listening socket take its connections one per turn of their event
 loop (gateway/shared_accept.py): a server takes one and leaves the next to the others, a burst
-of connections spreads over the servers instead of going to whichever woke first, and a closed
-server takes no more."""
+of connections spreads over the servers instead of going to whichever woke first, a server
+holding more connections than another leaves new ones to it, and a closed server takes no more."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 import uvicorn
 
 from spillway.gateway import shared_accept
-from spillway.gateway.shared_accept import OneAtATime, SharedSocketServer
+from spillway.gateway.shared_accept import OneAtATime, OpenConnections, SharedSocketServer
 
 
 def listening_socket() -> socket.socket:
@@ -55,6 +55,57 @@ def test_one_connection_per_turn_then_a_pause(monkeypatch):
     assert asyncio.run(scenario()) == [1, 2, 3, 3]
 
 
+class Holding:
+    """A slot whose server holds more connections than another (`more`) or not."""
+
+    def __init__(self, more: bool) -> None:
+        self.more = more
+
+    def holds_more(self) -> bool:
+        return self.more
+
+
+def test_a_server_holding_more_leaves_a_ready_connection_to_the_others_for_a_while(monkeypatch):
+    monkeypatch.setattr(shared_accept, "ACCEPT_INTERVAL_S", 0.05)
+    monkeypatch.setattr(shared_accept, "MAX_DEFER_S", 0.3)
+
+    async def accepted_after(more: bool, waits: list[float]) -> list[int]:
+        loop = asyncio.get_running_loop()
+        sock = listening_socket()
+        client = socket.create_connection(sock.getsockname())
+        server = OneAtATime(loop, sock, asyncio.Protocol, backlog=128, slot=Holding(more))
+        counts = []
+        for wait in waits:
+            await asyncio.sleep(wait)
+            counts.append(server.num_accepted)
+        server.close()
+        await server.wait_closed()
+        client.close()
+        sock.close()
+        return counts
+
+    assert asyncio.run(accepted_after(True, [0.15, 0.35])) == [0, 1]  # nobody else took it: taken at 0.3 s
+    assert asyncio.run(accepted_after(False, [0.02])) == [1]
+
+
+def test_connections_are_counted_while_open():
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        slot = OpenConnections(2).slot(1)
+        protocol_class = shared_accept.counted(asyncio.Protocol, slot)
+        ours, theirs = socket.socketpair()
+        held = [slot.held]
+        transport, _ = await loop.connect_accepted_socket(protocol_class, ours)
+        held.append(slot.held)
+        theirs.close()  # the client goes: the transport sees EOF and closes
+        await asyncio.sleep(0.05)
+        held.append(slot.held)
+        transport.close()
+        return held
+
+    assert asyncio.run(scenario()) == [0, 1, 0]
+
+
 async def answer_with_pid(scope, receive, send):
     """An intake's worth of CPU (1 ms), then the process id: which server took the request."""
     while (await receive()).get("more_body"):
@@ -67,9 +118,9 @@ async def answer_with_pid(scope, receive, send):
     await send({"type": "http.response.body", "body": body})
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, slot=None) -> None:
     config = uvicorn.Config(answer_with_pid, loop="asyncio", lifespan="off", log_level="warning")
-    SharedSocketServer(config).run(sockets=[sock])
+    SharedSocketServer(config, slot=slot).run(sockets=[sock])
 
 
 async def burst(port: int, count: int, servers: list) -> collections.Counter:
@@ -119,6 +170,53 @@ def test_a_burst_spreads_over_the_servers():
             # The loops' own servers gave 20-40 of such a burst to one process and none to one or more.
             assert len(taken) == 4 and max(taken.values()) <= 16, taken
     finally:
+        for server in servers:
+            server.terminate()
+            server.join(10)
+        sock.close()
+
+
+def test_new_connections_go_to_the_servers_holding_fewer():
+    """Server 0 alone takes 8 connections (the others stopped), then 24 more come 2 ms apart
+    with every server looking: the other three take them, and every count goes back to 0 once
+    the clients close. Without the counts each server would take about a quarter of them."""
+    counts = OpenConnections(4)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    address = sock.getsockname()
+    context = multiprocessing.get_context("fork")
+    servers = [context.Process(target=serve, args=(sock, counts.slot(index)), daemon=True) for index in range(4)]
+    for server in servers:
+        server.start()
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}: {counts.held()}"
+            time.sleep(0.01)
+
+    clients = []
+    try:
+        time.sleep(1)  # every server listening (a connection made before waits in the backlog anyway)
+        for server in servers[1:]:
+            os.kill(server.pid, signal.SIGSTOP)
+        try:
+            clients += [socket.create_connection(address) for _ in range(8)]
+            wait_for(lambda: counts.held()[0] == 8, "server 0 took the first 8")
+        finally:
+            for server in servers[1:]:
+                os.kill(server.pid, signal.SIGCONT)
+        for _ in range(24):
+            clients.append(socket.create_connection(address))
+            time.sleep(0.002)
+        wait_for(lambda: sum(counts.held()) == 32, "all 32 taken")
+        held = counts.held()
+        assert held[0] <= 9 and min(held[1:]) >= 7, held  # [8, 8, 8, 8] in every run; ~[12, 6, 7, 7] without
+        for client in clients:
+            client.close()
+        wait_for(lambda: counts.held() == [0, 0, 0, 0], "closed connections uncounted")
+    finally:
+        for client in clients:
+            client.close()
         for server in servers:
             server.terminate()
             server.join(10)
