@@ -11,12 +11,15 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
-
-import uvicorn
+from pathlib import Path
 
 from spillway.gateway import shared_accept
-from spillway.gateway.shared_accept import OneAtATime, OpenConnections, SharedSocketServer
+from spillway.gateway.shared_accept import OneAtATime, OpenConnections
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tools.bench_accept import ask, serve  # noqa: E402  (servers answering with their pid)
 
 
 def listening_socket() -> socket.socket:
@@ -106,23 +109,6 @@ def test_connections_are_counted_while_open():
     assert asyncio.run(scenario()) == [0, 1, 0]
 
 
-async def answer_with_pid(scope, receive, send):
-    """An intake's worth of CPU (1 ms), then the process id: which server took the request."""
-    while (await receive()).get("more_body"):
-        pass
-    begin = time.perf_counter()
-    while time.perf_counter() - begin < 0.001:
-        pass
-    body = str(os.getpid()).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def serve(sock: socket.socket, slot=None) -> None:
-    config = uvicorn.Config(answer_with_pid, loop="asyncio", lifespan="off", log_level="warning")
-    SharedSocketServer(config, slot=slot).run(sockets=[sock])
-
-
 async def burst(port: int, count: int, servers: list) -> collections.Counter:
     """`count` connections made while every server is stopped, so all of them wait in the
     backlog when the servers go on (a client's pool opened at once); then one request on each."""
@@ -134,12 +120,6 @@ async def burst(port: int, count: int, servers: list) -> collections.Counter:
         for server in servers:
             os.kill(server.pid, signal.SIGCONT)
     await asyncio.sleep(0.1)
-
-    async def ask(reader, writer) -> int:
-        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}")
-        reply = await reader.read()
-        writer.close()
-        return int(reply.rsplit(b"\r\n\r\n", 1)[1])
 
     return collections.Counter(await asyncio.gather(*(ask(*connection) for connection in connections)))
 
