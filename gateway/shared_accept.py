@@ -68,10 +68,6 @@ class ConnectionSlot:
     def closed(self) -> None:
         self._counts[self.index] -= 1
 
-    @property
-    def held(self) -> int:
-        return self._counts[self.index]
-
     def holds_more(self) -> bool:
         """Whether another server holds fewer connections than this one."""
         counts = self._counts[:]

@@ -122,4 +122,3 @@ class StepCommits:
         for request_id in self._finished_holding:
             self.block_manager.free(request_id)
         self._finished_holding.clear()
-

@@ -94,15 +94,15 @@ def test_a_server_holding_more_leaves_a_ready_connection_to_the_others_for_a_whi
 def test_connections_are_counted_while_open():
     async def scenario() -> list[int]:
         loop = asyncio.get_running_loop()
-        slot = OpenConnections(2).slot(1)
-        protocol_class = shared_accept.counted(asyncio.Protocol, slot)
+        connections = OpenConnections(2)
+        protocol_class = shared_accept.counted(asyncio.Protocol, connections.slot(1))
         ours, theirs = socket.socketpair()
-        held = [slot.held]
+        held = [connections.held()[1]]
         transport, _ = await loop.connect_accepted_socket(protocol_class, ours)
-        held.append(slot.held)
+        held.append(connections.held()[1])
         theirs.close()  # the client goes: the transport sees EOF and closes
         await asyncio.sleep(0.05)
-        held.append(slot.held)
+        held.append(connections.held()[1])
         transport.close()
         return held
 
