@@ -20,8 +20,13 @@ ragged attention kernel's grid is sized by T and the sequence count alone, and i
 for padding exit at once (worker/attention_triton.py). Padded rows produce unspecified values
 that no real row reads (every op but attention is row-wise).
 
-    buckets 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, up to
-    max_num_batched_tokens
+    buckets 16, 32, 64, 96, 128, then every 16 to 256, every 32 to 512, every 64 to 1,024
+    and every 128 to 2,048, up to max_num_batched_tokens
+
+Past ~160 rows an 8B model's matrix products are compute-bound on an H200, so a step pays for
+its padding rows: the steps keep them under 1/8 of the bucket (a convoy's 200 tokens run at
+208, not 256; docs/performance.md). Below 128 the products read the weights and padding is
+nearly free.
 
 Cascade graphs, the prefill graphs' twins: the same buckets, layout and step, with cascade
 attention (kernels/cascade_attention.py) in place of the prefill kernel. A step whose
@@ -45,7 +50,7 @@ rows, with no copy or launch after the replay. The bound of 256 keeps the logits
 most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 requests of
 1 + 7 rows.
 
-    buckets 16, 32, 64, 96, 128, 192, 256, up to max_num_batched_tokens
+    the prefill buckets up to 256, up to max_num_batched_tokens
 
 All graphs are captured into one memory pool (decode, prefill, cascade, then verify; each kind
 largest first) and write their logits into one shared buffer, allocated at its full size
@@ -73,7 +78,8 @@ logger = logging.getLogger(__name__)
 
 # Past 512 tokens a step still pays ~20 ms of eager launches for an 8B model (36 layers), as much
 # as the compute of a 1,000-token chunk: a turn's new 512 tokens beside a few decodes is one.
-PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PREFILL_TOKEN_BUCKETS = (16, 32, 64, 96, 128, *range(144, 257, 16), *range(288, 513, 32),
+                         *range(576, 1025, 64), *range(1152, 2049, 128))
 MAX_PREFILL_GRAPH_SEQS = 64
 # Verification runs at batches of at most 32 (worker/spec/switch.py): its graphs hold no more.
 MAX_VERIFY_GRAPH_SEQS = 32

@@ -55,7 +55,7 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
     graphed.kv_cache.normal_()
     eager.kv_cache.copy_(graphed.kv_cache)
     graphed.capture_graphs(8)
-    assert graphed.cascade_graphs.buckets == graphed.prefill_graphs.buckets == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert graphed.cascade_graphs.buckets == graphed.prefill_graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512]
     cascade, prefill = counted_replays(graphed.cascade_graphs), counted_replays(graphed.prefill_graphs)
     rng = random.Random(5)
     steps = [convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 6 + [1]),  # 25 tokens: bucket 32

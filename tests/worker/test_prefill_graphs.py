@@ -22,12 +22,24 @@ CPU = torch.device("cpu")
 
 
 def test_prefill_buckets_stop_at_the_step_budget_and_hold_at_most_32_sequences():
-    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_buckets(8192) == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352,
+                                     384, 416, 448, 480, 512, 576, 640, 704, 768, 832, 896, 960, 1024, 1152,
+                                     1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    assert prefill_buckets(300) == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288]
     assert prefill_buckets(128) == [16, 32, 64, 96, 128]
     assert prefill_buckets(100) == [16, 32, 64, 96]
     assert prefill_buckets(8) == []
     assert [prefill_graph_seqs(t, 512) for t in (16, 32, 64, 128, 512)] == [16, 32, 64, 64, 64]
     assert prefill_graph_seqs(512, 4) == 4
+
+
+def test_past_128_tokens_a_step_pads_less_than_an_eighth_of_its_bucket():
+    """Where the matrix products are compute-bound, padding rows cost their share of the step."""
+    graphs = StepGraphs(prefill_buckets(8192), CPU, kind="prefill")
+    for tokens in range(129, 2049):
+        bucket = graphs.bucket_for(tokens)
+        assert tokens <= bucket and (bucket - tokens) * 8 < bucket, (tokens, bucket)
+    assert graphs.bucket_for(200) == 208  # 50 requests of 4 new tokens on one shared prefix
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spillway.protocol.config import SpeculativeConfig
-from spillway.worker.cuda_graphs import GraphBuckets, StepGraphs, prefill_buckets
+from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS, GraphBuckets, StepGraphs, prefill_buckets
 from spillway.worker.model_runner import ChunkInput, TokenFeed
 from spillway.worker.step_inputs import StepInputs
 from test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
@@ -26,10 +26,10 @@ CPU = torch.device("cpu")
 
 def test_verify_buckets_come_only_with_speculation_and_stop_at_256_tokens():
     plain = GraphBuckets.plan(8, 8, 8192, verify=False)
-    assert plain.verify == [] and plain.prefill == [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert plain.verify == [] and plain.prefill == list(PREFILL_TOKEN_BUCKETS)
     assert plain.logits_rows == 8  # a decode bucket of 8, prefill graphs of at most 8 sequences
     speculative = GraphBuckets.plan(8, 8, 8192, verify=True)
-    assert speculative.verify == [16, 32, 64, 96, 128, 192, 256]
+    assert speculative.verify == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256]
     assert speculative.logits_rows == 256
     assert GraphBuckets.plan(8, 8, 100, verify=True).verify == [16, 32, 64, 96]
     assert GraphBuckets.plan(8, 8, 100, verify=True).logits_rows == 96
@@ -93,7 +93,7 @@ def test_a_verifying_step_takes_the_smallest_verify_bucket_that_holds_its_tokens
     _, runner, _ = runner_pair("qwen3")
     runner.max_num_seqs = 64  # verify sequences per bucket: min(T, 64, 32); only the choice runs here
     graphs = StepGraphs(GraphBuckets.plan(64, 64, 8192, verify=True).verify, CPU, kind="verify")
-    assert graphs.buckets == [16, 32, 64, 96, 128, 192, 256]
+    assert graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256]
     assert runner._token_bucket(graphs, 5, 1) == 16  # one request and 4 drafts
     assert runner._token_bucket(graphs, 20, 17) == 32
     assert runner._token_bucket(graphs, 256, 32) == 256  # 32 requests and 7 drafts each

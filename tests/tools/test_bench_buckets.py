@@ -1,0 +1,33 @@
+"""tools/bench_buckets.py: the products it times and the buckets it compares."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools import bench_buckets  # noqa: E402
+
+
+def test_one_qwen3_8b_layer_has_its_four_products():
+    # qkv: 32 query heads and 8 KV heads of 128; gate and up fused; down.
+    assert bench_buckets.layer_shapes("qwen3-8b") == [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it_and_none_past_the_last():
+    old = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+    assert [bench_buckets.bucket_of(n, old) for n in (1, 16, 17, 200, 257, 512)] == [16, 16, 32, 256, 384, 512]
+    assert bench_buckets.bucket_of(513, old) is None
+    assert bench_buckets.bucket_of(200, bench_buckets.PREFILL_TOKEN_BUCKETS) == 208
+
+
+def test_bad_step_sizes_are_refused_and_no_gpu_is_said_plainly(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        bench_buckets.main(["--tokens", "200,0"])
+    assert "positive step sizes" in capsys.readouterr().err
+    monkeypatch.setattr(bench_buckets.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="none is visible"):
+        bench_buckets.main(["--tokens", "200"])
