@@ -42,7 +42,10 @@ the TTFTs tell whether a load waited behind stores).
 same prompts): the two trees' figures from one run.
 
 `--preconnect` opens the convoy's connections (the lone request's too) before sending, each
-clock started at its send (why: tools/serve_stream.py's `stream_all`).
+clock started at its send (why: tools/serve_stream.py's `stream_all`). `--client-processes K`
+sends each round's burst a second time from K client processes, each reading its share of the
+answers, for a second row: one process reads 50 first tokens one after another, so its p50
+holds its own queue, where the users of a real burst each read their own.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ from tools.serve_process import (  # noqa: E402
     Server, default_tokenizer_dir, dummy_model_args, machine, raise_open_files_limit, temporary_model_folder,
     tree_env,
 )
-from tools.serve_stream import StreamTiming, stream_all  # noqa: E402
+from tools.serve_stream import StreamTiming, stream_all, stream_all_processes  # noqa: E402
 from tools.served_tier import (  # noqa: E402
     SERVED_NAME, cpu_cached_tokens, round_robin, run_bounded, server_gauges,
 )
@@ -162,13 +165,17 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args, env: dict |
                 return count
         raise SystemExit("the CPU tier did not fill: is it larger than the prompts can fill?")
 
-    def timed(url: str, count: int) -> tuple[list[StreamTiming], float, float]:
-        """`count` requests at once on the prefix, after a push-out: their timings, the prefix
-        tokens served from the CPU tier, the bytes stored to the CPU meanwhile."""
+    def timed(url: str, count: int, processes: int = 1) -> tuple[list[StreamTiming], float, float]:
+        """`count` requests at once on the prefix, after a push-out, sent by `processes` client
+        processes: their timings, the prefix tokens served from the CPU tier, the bytes stored
+        to the CPU meanwhile."""
         push_out(url)
         before, (_, stored) = cpu_cached_tokens(url), server_gauges(url)
-        timings, _ = asyncio.run(stream_all(url, [prefix + tokens(args.suffix_len) for _ in range(count)], 1,
-                                            SERVED_NAME, preconnect=args.preconnect))
+        prompts = [prefix + tokens(args.suffix_len) for _ in range(count)]
+        if processes > 1:
+            timings = stream_all_processes(url, prompts, 1, SERVED_NAME, processes, preconnect=args.preconnect)
+        else:
+            timings, _ = asyncio.run(stream_all(url, prompts, 1, SERVED_NAME, preconnect=args.preconnect))
         return timings, cpu_cached_tokens(url) - before, server_gauges(url)[1] - stored
 
     flags = flags + ["--cpu-offload-gb", str(args.cpu_offload_gb)]
@@ -183,6 +190,8 @@ def measure_convoy(folder: Path, vocab: int, flags: list[str], args, env: dict |
             convoy, convoy_cpu, convoy_stored = timed(url, args.convoy)
             rounds.append({"single": single[0], "single_cpu": single_cpu, "convoy": convoy,
                            "convoy_cpu": convoy_cpu, "stored": (single_stored, convoy_stored)})
+            if args.client_processes > 1:  # the same burst, read by several client processes
+                rounds[-1]["spread"], rounds[-1]["spread_cpu"], _ = timed(url, args.convoy, args.client_processes)
     return {"rounds": rounds, "fillers": fillers, "filler_len": filler_len, "filled": filled}
 
 
@@ -210,6 +219,22 @@ def report_convoy(results: dict, args, rows: Rows, tree: str = "") -> None:
                       f"{args.api_server_count} API server process(es)" + full_tier_note(results, args)
                       + ("; connections opened before the sends, each clock started at its send" if args.preconnect
                          else "")))
+    if "spread" in rounds[0]:
+        report_spread_client(rounds, alone, args, rows, tree)
+
+
+def report_spread_client(rounds: list[dict], alone: list[float], args, rows: Rows, tree: str) -> None:
+    """The convoy row again with the burst sent and read by `--client-processes` processes (each
+    round's second convoy), against the same lone requests."""
+    p50 = [percentile([t.ttft for t in r["spread"]], 50) * 1e3 for r in rounds]
+    single, convoy = statistics.median(alone), statistics.median(p50)
+    per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
+    rows.add(row(f"{args.model} convoy of {args.convoy}, the same, {args.client_processes} client processes{tree}",
+                 convoy, "ms", "one request alone", single, single / convoy, target=round(1 / 1.2, 3),
+                 note=f"each round's burst again after its own push-out, prompt i sent and read by process "
+                      f"i % {args.client_processes} (tools/serve_stream.py `stream_all_processes`); per round "
+                      f"alone/convoy p50 ms (ratio): {per_round}; prefix tokens from the CPU tier per round: "
+                      + ", ".join(f"{r['spread_cpu']:,.0f}" for r in rounds)))
 
 
 def full_tier_note(results: dict, args) -> str:
@@ -259,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-s", type=float, default=0.0, help="convoy: seconds of quiet after each push-out")
     parser.add_argument("--preconnect", action="store_true", help="convoy: open the connections (the lone request's "
                         "too) before sending, and start each clock at its send (tools/serve_stream.py)")
+    parser.add_argument("--client-processes", type=int, default=1, help="convoy: each round also sends the burst "
+                        "from this many client processes, each reading its share (a second row)")
     parser.add_argument("--baseline", type=Path, help="convoy: also serve the source tree at DIR (mkdir DIR && git "
                         "archive REV | tar -x -C DIR), its server before this tree's, with the same workload")
     parser.add_argument("--seed", type=int, default=0)
@@ -293,6 +320,8 @@ def resolve_sizes(args) -> None:
         raise SystemExit("--repeats must be at least 1")
     if args.baseline is not None and "multiturn" in args.rows:
         raise SystemExit("--baseline applies to the convoy row only: add --rows convoy")
+    if args.client_processes < 1:
+        raise SystemExit("--client-processes must be at least 1")
     if args.suffix_len < 1:
         raise SystemExit("--suffix-len must be at least 1 (the requests differ)")
     if args.prefix_len + args.suffix_len > args.gpu_blocks * args.block_size:

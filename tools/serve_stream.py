@@ -228,3 +228,75 @@ async def stream_all(url: str, prompts: list[list[int]], max_tokens: int, model:
 async def stream_each(url: str, prompts: list[list[int]], max_tokens: int, model: str) -> list[StreamTiming]:
     """One prompt after another, each on an idle server."""
     return [await stream_completion(url, p, max_tokens, model) for p in prompts]
+
+
+def stream_all_processes(url: str, prompts: list[list[int]], max_tokens: int, model: str, processes: int,
+                         preconnect: bool = False, timeout: float = 120.0) -> list[StreamTiming]:
+    """`stream_all` split over `processes` client processes (prompt i goes to process i %
+    processes), every one sending at the same instant: the timings, in the prompts' order.
+
+    One client process reads a burst's answers one at a time on its event loop: when 50 first
+    tokens come out together, the last is read (and its clock stopped) after the other 49, so
+    the burst's TTFT percentiles hold this process's own queue. The users of a real burst each
+    read on their own; a few processes, each with its share of the streams, shorten that queue,
+    and the two figures side by side say how much of a burst's TTFT the client was.
+    The processes are started and connected (`preconnect`) before a shared start time on the
+    system's monotonic clock (perf_counter's, the same in every process)."""
+    import multiprocessing
+
+    if processes < 1:
+        raise ValueError(f"the client needs at least one process, got {processes}")
+    context = multiprocessing.get_context("spawn")
+    links, children = [], []
+    try:
+        for index in range(processes):
+            bodies = [encode_body(prompt, max_tokens, model) for prompt in prompts[index::processes]]
+            parent, child = context.Pipe()
+            process = context.Process(target=_client_process, args=(child, url, bodies, max_tokens, preconnect),
+                                      daemon=True)
+            process.start()
+            links.append(parent)
+            children.append(process)
+        for link in links:
+            _expect(link, timeout, "ready")
+        start_at = time.perf_counter() + 0.02
+        for link in links:
+            link.send(start_at)
+        shares = [_expect(link, timeout, "timings") for link in links]
+    finally:
+        for process in children:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+    timings: list[StreamTiming | None] = [None] * len(prompts)
+    for index, share in enumerate(shares):
+        timings[index::processes] = share
+    return timings
+
+
+def _expect(link, timeout: float, what: str):
+    if not link.poll(timeout):
+        raise StreamError(f"a client process sent no {what} within {timeout:g} s")
+    kind, value = link.recv()
+    if kind == "error":
+        raise StreamError(f"a client process failed: {value}")
+    return value
+
+
+def _client_process(link, url: str, bodies: list[bytes], max_tokens: int, preconnect: bool) -> None:
+    """One process of `stream_all_processes`: connect, say ready, wait for the start time, send."""
+    async def run() -> list[StreamTiming]:
+        connections = [None] * len(bodies)
+        if preconnect:
+            connections = await asyncio.gather(*(open_connection(url) for _ in bodies))
+        link.send(("ready", None))
+        start_at = link.recv()
+        while time.perf_counter() < start_at:  # a few milliseconds at most: spin, do not sleep past it
+            pass
+        return await asyncio.gather(*(stream_completion(url, [], max_tokens, "", body, connection)
+                                      for body, connection in zip(bodies, connections)))
+
+    try:
+        link.send(("timings", asyncio.run(run())))
+    except Exception as exc:  # the parent reports it
+        link.send(("error", f"{type(exc).__name__}: {exc}"))

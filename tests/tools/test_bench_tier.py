@@ -143,6 +143,21 @@ def test_convoy_rounds_report_the_medians_of_the_lone_request_and_of_the_convoy(
     assert convoy["ratio"] == pytest.approx(42.0 / 48.0)
     assert "40.0/46.0 (0.870), 44.0/52.0 (0.846), 42.0/48.0 (0.875)" in convoy["note"]
 
+    # The same rounds with a second burst read by several client processes: a second row,
+    # against the same lone requests.
+    for round_, spread in zip(results["rounds"], ([43.0, 45.0, 47.0], [47.0, 49.0, 51.0], [44.0, 45.0, 46.0])):
+        round_["spread"], round_["spread_cpu"] = [timing(ms) for ms in spread], 9984.0
+    args = bench_tier.build_parser().parse_args(["--quick", "--repeats", "3", "--client-processes", "4"])
+    bench_tier.resolve_sizes(args)
+    rows = Rows(None)
+    bench_tier.report_convoy(results, args, rows)
+    convoy, spread = rows.rows
+    assert (convoy["value"], spread["value"], spread["baseline"]) == (48.0, 45.0, 42.0)
+    assert "4 client processes" in spread["name"] and "44.0/49.0 (0.898)" in spread["note"]
+    args.client_processes = 0
+    with pytest.raises(SystemExit, match="--client-processes"):
+        bench_tier.resolve_sizes(args)
+
 
 def test_a_baseline_tree_is_served_from_its_own_source(monkeypatch, tmp_path):
     """`--baseline DIR`: the convoy's server for DIR runs with DIR's spillway first on its path,
