@@ -23,10 +23,11 @@ that no real row reads (every op but attention is row-wise).
     buckets 16, 32, 64, 96, 128, then every 16 to 256, every 32 to 512, every 64 to 1,024
     and every 128 to 2,048, up to max_num_batched_tokens
 
-Past ~160 rows an 8B model's matrix products are compute-bound on an H200, so a step pays for
-its padding rows: the steps keep them under 1/8 of the bucket (a convoy's 200 tokens run at
-208, not 256; docs/performance.md). Below 128 the products read the weights and padding is
-nearly free.
+Past ~128 rows an 8B model's matrix products are compute-bound on an H200, so a step pays for
+its padding rows: the steps keep them under 1/8 of the bucket. A 200-token step (50 requests of
+4 new tokens on a shared prefix) runs at 208 rows, not 256: Qwen3-8B's products took 5.78 ms
+there against 6.43 ms (tools/bench_buckets.py, docs/performance.md). Below 128 the products
+read the weights and padding is nearly free.
 
 Cascade graphs, the prefill graphs' twins: the same buckets, layout and step, with cascade
 attention (kernels/cascade_attention.py) in place of the prefill kernel. A step whose
