@@ -29,11 +29,15 @@ from tools.bench_ceilings import bench_ms, machine  # noqa: E402
 DEFAULT_TOKENS = (144, 176, 200, 232, 264, 300, 360, 420, 480)
 
 
-def layer_shapes(config_name: str) -> list[tuple[int, int]]:
-    """(in, out) of one decoder layer's products for a built-in config."""
+def builtin_config(config_name: str) -> dict:
     from spillway.protocol.model_files import BUILTIN_CONFIGS_DIR
 
-    config = json.loads((BUILTIN_CONFIGS_DIR / f"{config_name}.json").read_text())
+    return json.loads((BUILTIN_CONFIGS_DIR / f"{config_name}.json").read_text())
+
+
+def layer_shapes(config_name: str, config: dict | None = None) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's products for a built-in config (`config`: it, read already)."""
+    config = config or builtin_config(config_name)
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv_heads = config.get("num_key_value_heads") or heads
@@ -73,10 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     other = [int(value) for value in args.other_buckets.split(",")] if args.other_buckets else None
     if not torch.cuda.is_available():
         sys.exit("bench_buckets times the products on a GPU; none is visible")
-    from spillway.protocol.model_files import BUILTIN_CONFIGS_DIR
-
-    num_layers = json.loads((BUILTIN_CONFIGS_DIR / f"{args.model}.json").read_text())["num_hidden_layers"]
-    shapes = layer_shapes(args.model)
+    config = builtin_config(args.model)
+    num_layers = config["num_hidden_layers"]
+    shapes = layer_shapes(args.model, config)
     flops_per_row = 2 * sum(n_in * n_out for n_in, n_out in shapes) * num_layers
     print(machine())
     print(f"{args.model}: {num_layers} layers of products {shapes}; ms a step (x {num_layers} layers)")

@@ -15,14 +15,12 @@ def report_convoy(results: dict, args, rows: Rows, tree: str = "") -> None:
     every round's pair, and the last round's counts, in the note."""
     rounds = results["rounds"]
     alone = [r["single"].ttft * 1e3 for r in rounds]
-    p50 = [percentile([t.ttft for t in r["convoy"]], 50) * 1e3 for r in rounds]
-    single, convoy = statistics.median(alone), statistics.median(p50)
+    single, convoy, per_round = against_alone(rounds, alone, "convoy")
     last = rounds[-1]
     spread = "/".join(f"{percentile([t.ttft for t in last['convoy']], q) * 1e3:,.1f}" for q in (50, 90, 99))
     def from_cpu(key: str) -> str:
         return ", ".join(f"{r[key]:,.0f}" for r in rounds)
 
-    per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
     rows.add(row(f"{args.model} convoy of {args.convoy} on a CPU-held {args.prefix_len}-token prefix "
                  f"(+{args.suffix_len} each), TTFT p50{tree}",
                  convoy, "ms", "one request alone", single, single / convoy, target=round(1 / 1.2, 3),  # <= 1.2x alone
@@ -41,15 +39,21 @@ def report_convoy(results: dict, args, rows: Rows, tree: str = "") -> None:
 def report_spread_client(rounds: list[dict], alone: list[float], args, rows: Rows, tree: str) -> None:
     """The convoy row again with the burst sent and read by `--client-processes` processes (each
     round's second convoy), against the same lone requests."""
-    p50 = [percentile([t.ttft for t in r["spread"]], 50) * 1e3 for r in rounds]
-    single, convoy = statistics.median(alone), statistics.median(p50)
-    per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
+    single, convoy, per_round = against_alone(rounds, alone, "spread")
     rows.add(row(f"{args.model} convoy of {args.convoy}, the same, {args.client_processes} client processes{tree}",
                  convoy, "ms", "one request alone", single, single / convoy, target=round(1 / 1.2, 3),
                  note=f"each round's burst again after its own push-out, prompt i sent and read by process "
                       f"i % {args.client_processes} (tools/serve_stream.py `stream_all_processes`); per round "
                       f"alone/convoy p50 ms (ratio): {per_round}; prefix tokens from the CPU tier per round: "
                       + ", ".join(f"{r['spread_cpu']:,.0f}" for r in rounds)))
+
+
+def against_alone(rounds: list[dict], alone: list[float], key: str) -> tuple[float, float, str]:
+    """The median lone TTFT, the median over the rounds of the TTFT p50 of each round's burst
+    `key` (ms), and every round's pair with its ratio."""
+    p50 = [percentile([t.ttft for t in r[key]], 50) * 1e3 for r in rounds]
+    per_round = ", ".join(f"{a:.1f}/{c:.1f} ({a / c:.3f})" for a, c in zip(alone, p50))
+    return statistics.median(alone), statistics.median(p50), per_round
 
 
 def full_tier_note(results: dict, args) -> str:

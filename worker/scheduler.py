@@ -26,21 +26,17 @@ taking requests in meanwhile.
 
 from __future__ import annotations
 
-import time
 from bisect import insort
 from collections.abc import Iterable
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.request import Request, RequestStatus, refusal
+from spillway.worker.scheduler_admit import Admission, queue_key
 from spillway.worker.scheduler_commit import StepCommits
 from spillway.worker.step_plan import ScheduledChunk, StepPlan, StepResult
 
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "StepResult"]
-
-
-def _queue_key(request: Request) -> tuple[int, int]:
-    return (request.priority, request.arrival_index)
 
 
 def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
@@ -57,7 +53,7 @@ def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
     return bool(chunks)
 
 
-class Scheduler(StepCommits):
+class Scheduler(StepCommits, Admission):
     """Turns the request queues into one `StepPlan` per step; see the module doc.
 
     Usage per step: `plan = schedule()`, run the model on `plan.chunks`, then
@@ -94,8 +90,8 @@ class Scheduler(StepCommits):
         self.root_hash = root_hash
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size  # None: prompt token ids are not range-checked
-        self.waiting: list[Request] = []  # sorted by _queue_key
-        self.running: list[Request] = []  # sorted by _queue_key: the newest is last
+        self.waiting: list[Request] = []  # sorted by queue_key
+        self.running: list[Request] = []  # sorted by queue_key: the newest is last
         self._requests: dict[str, Request] = {}
         # Running requests admitted on prefix blocks whose load has not landed, with the load
         # batch they wait for (`loads_landed`).
@@ -160,7 +156,7 @@ class Scheduler(StepCommits):
             self.release_finished()
         if self.block_manager.enable_prefix_caching:
             self._hash_full_blocks(request)  # when the sender did not hash the prompt
-        insort(self.waiting, request, key=_queue_key)
+        insort(self.waiting, request, key=queue_key)
         self._requests[request.request_id] = request
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -275,46 +271,7 @@ class Scheduler(StepCommits):
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        insort(self.waiting, request, key=_queue_key)
-
-    def _admit(self, request: Request, budget: int) -> tuple[bool, ScheduledChunk | None]:
-        """Move the head of the waiting queue to running: (True, its first chunk), or
-        (True, None) when it waits for a load this step; (False, None) when it does not fit."""
-        manager = self.block_manager
-        # The last token is always recomputed: its logits give the next token. Prompt
-        # logprobs need every prompt position computed: such a request reads no cache.
-        num_hashes = (request.num_tokens - 1) // self.block_size
-        if request.params.prompt_logprobs is not None:
-            num_hashes = 0
-        cached = manager.look_up(request.block_hashes, num_hashes)
-        num_cached = len(cached) * self.block_size
-        num_tokens = min(request.num_tokens - num_cached, budget)
-        num_on_gpu = cached.num_on_gpu * self.block_size  # before allocate loads them
-        if not manager.allocate(request.request_id, num_cached + num_tokens, cached):
-            return False, None
-        self.waiting.pop(0)
-        if request.status == RequestStatus.WAITING:  # first scheduling; a resume is no hit
-            request.num_cached_tokens = num_cached
-            request.queued_s = time.monotonic() - request.received
-            if manager.enable_prefix_caching:
-                self._count_hits(request.num_prompt_tokens, num_on_gpu, num_cached - num_on_gpu)
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_cached
-        insort(self.running, request, key=_queue_key)
-        awaited = manager.awaited_load_batch(request.request_id)
-        if awaited:
-            self._awaiting_load[request.request_id] = awaited
-            return True, None
-        return True, self._chunk(request, num_tokens)
-
-    def _count_hits(self, num_queried: int, num_on_gpu: int, num_on_cpu: int) -> None:
-        self.prefix_cache_queries += num_queried
-        self.prefix_cache_hits += num_on_gpu + num_on_cpu
-        self.cached_tokens_gpu += num_on_gpu
-        self.cached_tokens_cpu += num_on_cpu
-        if self.block_manager.tier is not None:
-            self.cpu_cache_queries += num_queried - num_on_gpu
-            self.cpu_cache_hits += num_on_cpu
+        insort(self.waiting, request, key=queue_key)
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens

@@ -11,7 +11,6 @@ from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.cpu_pool import allocate_cpu_pool
 from spillway.worker.engine import Engine
-from spillway.worker.kv_copies import block_runs, copy_blocks
 from spillway.worker.paced_loads import PacedLoads
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -35,13 +34,6 @@ def engine_for(model_dir, num_cpu_blocks: int) -> Engine:
                                  num_gpu_blocks_override=4, num_cpu_blocks_override=num_cpu_blocks))
     engine.debug_invariants = True  # the block manager's invariants after every step
     return engine
-
-
-def test_the_copier_paces_loads_at_the_configured_rate(model_dir):
-    engine = Engine(WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
-                                 num_gpu_blocks_override=4, num_cpu_blocks_override=4, kv_load_gb_s=12.5))
-    assert engine.executor.kv_copier.pending_loads.bytes_per_s == 12.5e9
-    assert engine_for(model_dir, 4).executor.kv_copier.pending_loads.bytes_per_s == 32e9
 
 
 def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams,
@@ -99,25 +91,6 @@ def test_a_conversation_reloads_its_history_from_the_tier_with_the_same_outputs(
     assert stats.num_cpu_blocks == 8 and stats.cpu_cache_usage == 5 / 8
     assert with_tier.ready().num_cpu_blocks == 8
     assert without.stats().kv_offload_bytes_gpu_to_cpu == 0
-
-
-def test_copy_blocks_copies_runs_of_slots_and_single_ones():
-    src = torch.arange(6 * 3, dtype=torch.float32).reshape(6, 3)
-    dst = torch.zeros(5, 3)
-    copy_blocks(src, dst, [(0, 1), (1, 2), (2, 3), (5, 0)])
-    assert dst.tolist() == [src[5].tolist(), src[0].tolist(), src[1].tolist(), src[2].tolist(), [0, 0, 0]]
-
-
-def test_runs_go_up_or_down_on_both_sides_at_once():
-    assert block_runs([]) == []
-    assert block_runs([(0, 1), (1, 2), (2, 3), (5, 0)]) == [(0, 1, 3), (5, 0, 1)]
-    assert block_runs([(7, 3), (6, 2), (5, 1), (9, 9)]) == [(5, 1, 3), (9, 9, 1)]  # down: one run
-    assert block_runs([(0, 3), (1, 2)]) == [(0, 3, 1), (1, 2, 1)]  # opposite ways: a copy each
-    src = torch.arange(8 * 2, dtype=torch.float32).reshape(8, 2)
-    dst = torch.zeros(8, 2)
-    copy_blocks(src, dst, [(7, 3), (6, 2), (5, 1), (0, 4), (1, 5)])
-    assert dst.tolist() == [[0, 0], src[5].tolist(), src[6].tolist(), src[7].tolist(), src[0].tolist(),
-                            src[1].tolist(), [0, 0], [0, 0]]
 
 
 def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(tmp_path):
@@ -205,33 +178,6 @@ def test_loads_paced_beside_a_decoding_request_land_once_nothing_else_computes(m
     assert engine.stats().cached_tokens_cpu == 32
     assert tokens == reference
     assert not engine.executor.kv_copier.pending_loads
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
-    engine = Engine(WorkerConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=4,
-                                 num_gpu_blocks_override=8, num_cpu_blocks_override=8))
-    copier = engine.executor.kv_copier
-    pool = engine.runner.kv_cache
-    pool.copy_(torch.arange(pool.numel(), dtype=pool.dtype).reshape(pool.shape))
-    original = pool.clone()
-    to_cpu, to_gpu = copier.time_copies(4, scattered=True)
-    assert to_cpu > 0 and to_gpu > 0
-    assert torch.equal(copier.cpu_pool[0:8:2], original[0:8:2].cpu())
-    assert torch.equal(pool, original)
-    assert copier.bytes_to_cpu == copier.bytes_to_gpu == 4 * pool[0].nbytes
-    with pytest.raises(ValueError, match="do not fit"):
-        copier.time_copies(5, scattered=True)
-
-
-def test_a_load_waits_for_the_stores_only_when_they_share_a_slot():
-    from spillway.worker.kv_copies import _overlap
-    from spillway.worker.step_plan import KVCopies
-
-    assert not _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 2),)))
-    assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 1),)))  # refills the stored GPU slot
-    assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((10, 2),)))  # reads the CPU slot being written
-    assert not _overlap(KVCopies(cpu_to_gpu=((10, 2),)))
 
 
 def test_an_idle_engine_writes_its_cached_blocks_back_so_a_later_hit_loads_without_stores(model_dir):
