@@ -10,7 +10,8 @@ after it, so it sees the whole prefix: no causal mask there. Two launches:
                   sequences, times the GROUP query heads of the KV head, against keys
                   [s * L, (s + 1) * L) of the prefix, read through row 0's table; stores each
                   row's (max, sum, acc) for its split
-    suffix pass   one program per (query tile, sequence, KV head), as in the prefill kernel,
+    suffix pass   one program per (query tile, sequence, KV head), as in the prefill kernel
+                  (its grid over the batch's query tiles, kernels/attention_tile.py),
                   over the sequence's own keys [P, seq_len) (causal); then it folds in the
                   prefix splits' partials, an online-softmax step each, and stores the output
 
@@ -37,10 +38,18 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, load_query_rows, tile_piece
+from spillway.kernels.attention_tile import (
+    attend_tile,
+    find_query_tile,
+    kv_head_bases,
+    load_kv_tile,
+    load_query_rows,
+    query_tile_grid,
+    tile_piece,
+)
 from spillway.kernels.fp8 import cache_values
 from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arguments, prefill_tile_sizes
-from spillway.kernels.utils import check, check_tensor, for_device, wait_for_inputs
+from spillway.kernels.utils import check, check_tensor, for_device, next_power_of_2, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 # The prefix pass's query rows per program, keys per tile, warps, pipeline stages, and the waves
@@ -104,20 +113,23 @@ def _prefix_kernel(
     tl.store(part_acc_ptr + parts[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "stride_bt"])
 def _suffix_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, prefix_len_ptr, out_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr, num_splits,
+    part_max_ptr, part_sum_ptr, part_acc_ptr, num_seqs, tiles_per_seq, num_splits,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head, stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PIECE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PREFIX_N: tl.constexpr, PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PREFIX_N: tl.constexpr, MAX_SEQS: tl.constexpr,
+    FLAT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    seq, q_tile = find_query_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), tiles_per_seq, BLOCK_Q,
+                                  MAX_SEQS, FLAT)
+    if seq >= num_seqs:
+        return
+    kv_head = tl.program_id(1)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     first_token = q_tile * BLOCK_Q
@@ -243,13 +255,15 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
         )
     if "suffix" in passes:
         block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, rows)
-        grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
-        for_device(_suffix_kernel, device)[grid](
-            q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_splits,
+        programs, flat, tiles_per_seq = query_tile_grid(num_tokens, num_seqs, max_query_len, block_q)
+        for_device(_suffix_kernel, device)[(programs, num_kv_heads)](
+            q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_seqs, tiles_per_seq,
+            num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
             layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            PIECE=tile_piece(block_size, block_n), PREFIX_N=prefix_n, num_warps=num_warps,
-            num_stages=num_stages, **shapes,
+            PIECE=tile_piece(block_size, block_n), PREFIX_N=prefix_n,
+            MAX_SEQS=next_power_of_2(num_seqs) if flat else 1, FLAT=flat,
+            num_warps=num_warps, num_stages=num_stages, **shapes,
         )
     return out
 
