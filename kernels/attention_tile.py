@@ -42,15 +42,17 @@ def load_query_rows(q_ptr, cache_ptr, query_start, first_token, query_len, kv_he
 
 
 @triton.jit
-def find_query_tile(query_start_loc_ptr, num_seqs, tile, tiles_per_seq, BLOCK_Q: tl.constexpr,
-                    MAX_SEQS: tl.constexpr, FLAT: tl.constexpr):
-    """(sequence, query tile) of program `tile`. FLAT: a grid over the batch's query tiles,
-    sequence after sequence (sequence s has ceil(query_len_s / BLOCK_Q), none for an empty
-    one), so it needs no program per (sequence slot, longest query's tile); `MAX_SEQS` a power
-    of two >= num_seqs; past the last tile: sequence `num_seqs` (a padding program, to exit).
-    Otherwise `tiles_per_seq` programs per sequence slot, the tiles past a sequence's query
-    exiting at once: no search, for grids that flattening would not shrink."""
+def find_query_tile(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr, MAX_SEQS: tl.constexpr,
+                    FLAT: tl.constexpr):
+    """(sequence, query tile, the program's last grid index: KV head and split). FLAT: a grid
+    (query tiles, heads) over the batch's query tiles, sequence after sequence (sequence s has
+    ceil(query_len_s / BLOCK_Q), none for an empty one), so it needs no program per (sequence
+    slot, longest query's tile); `MAX_SEQS` a power of two >= num_seqs; past the last tile:
+    sequence `num_seqs` (a padding program, to exit). Otherwise a grid (tiles per sequence,
+    sequence slots, heads), whose tiles past a sequence's query exit at once: no search, for
+    grids that flattening would not shrink (`query_tile_grid`)."""
     if FLAT:
+        tile = tl.program_id(0)
         seqs = tl.arange(0, MAX_SEQS)
         in_batch = seqs < num_seqs
         starts = tl.load(query_start_loc_ptr + seqs, mask=in_batch, other=0)
@@ -59,24 +61,25 @@ def find_query_tile(query_start_loc_ptr, num_seqs, tile, tiles_per_seq, BLOCK_Q:
         last = tl.cumsum(tiles, 0)  # one past each sequence's last tile
         seq = tl.sum((last <= tile).to(tl.int32), 0)
         first = tl.sum(tl.where(seqs == seq, last - tiles, 0), 0)
-        return seq, tile - first
+        return seq, tile - first, tl.program_id(1)
     else:
-        return tile // tiles_per_seq, tile % tiles_per_seq
+        return tl.program_id(1), tl.program_id(0), tl.program_id(2)
 
 
-def query_tile_grid(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> tuple[int, bool, int]:
-    """(programs, FLAT, tiles_per_seq) for `find_query_tile`. A sequence's last tile wastes fewer
-    than `block_q` rows, so the rows' `num_tokens` (graph padding included) plus `num_seqs *
-    (block_q - 1)` bound the batch's tiles; every sequence slot at `max_query_len` is the other
-    grid. The flat grid where it has at most a quarter of the programs: its search adds ~1.7 us
-    a layer to every program's start on an H200, where a program that exits at once costs a
-    slot for ~1 us; a graph of many sequence slots, each query a few tokens, gains most."""
+def query_tile_grid(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int,
+                    heads: int) -> tuple[tuple[int, ...], bool]:
+    """(grid, FLAT) for `find_query_tile`, `heads` programs per tile. A sequence's last tile
+    wastes fewer than `block_q` rows, so the rows' `num_tokens` (graph padding included) plus
+    `num_seqs * (block_q - 1)` bound the batch's tiles; every sequence slot at `max_query_len`
+    is the other grid. The flat grid where it has at most a quarter of the programs: its
+    search adds ~1.7 us a layer to every program's start on an H200, where a program that
+    exits at once costs a slot for ~1 us; a graph of many sequence slots, each query a few
+    tokens, gains most."""
     tiles_per_seq = max(1, -(-max_query_len // block_q))
-    per_seq = tiles_per_seq * num_seqs
     by_rows = max(1, -(-(num_tokens + num_seqs * (block_q - 1)) // block_q))
-    if 4 * by_rows <= per_seq:
-        return by_rows, True, tiles_per_seq
-    return max(1, per_seq), False, tiles_per_seq
+    if 4 * by_rows <= tiles_per_seq * num_seqs:
+        return (by_rows, heads), True
+    return (tiles_per_seq, max(1, num_seqs), heads), False
 
 
 @triton.jit

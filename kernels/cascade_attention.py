@@ -113,10 +113,10 @@ def _prefix_kernel(
     tl.store(part_acc_ptr + parts[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
 def _suffix_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, prefix_len_ptr, out_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr, num_seqs, tiles_per_seq, num_splits,
+    part_max_ptr, part_sum_ptr, part_acc_ptr, num_seqs, num_splits,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head, stride_bt, layer_offset, qk_scale,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -125,11 +125,9 @@ def _suffix_kernel(
     FLAT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    seq, q_tile = find_query_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), tiles_per_seq, BLOCK_Q,
-                                  MAX_SEQS, FLAT)
+    seq, q_tile, kv_head = find_query_tile(query_start_loc_ptr, num_seqs, BLOCK_Q, MAX_SEQS, FLAT)
     if seq >= num_seqs:
         return
-    kv_head = tl.program_id(1)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     first_token = q_tile * BLOCK_Q
@@ -255,10 +253,9 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
         )
     if "suffix" in passes:
         block_q, block_m, block_n = prefill_tile_sizes(group, head_dim, rows)
-        programs, flat, tiles_per_seq = query_tile_grid(num_tokens, num_seqs, max_query_len, block_q)
-        for_device(_suffix_kernel, device)[(programs, num_kv_heads)](
-            q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_seqs, tiles_per_seq,
-            num_splits,
+        grid, flat = query_tile_grid(num_tokens, num_seqs, max_query_len, block_q, num_kv_heads)
+        for_device(_suffix_kernel, device)[grid](
+            q, kv_cache, block_tables, query_start_loc, seq_lens, prefix_len, out, *parts, num_seqs, num_splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0),
             layer * kv_cache.stride(1), scale * _LOG2E, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             PIECE=tile_piece(block_size, block_n), PREFIX_N=prefix_n,

@@ -5,10 +5,10 @@ those rows are its last `query_len` positions `seq_lens[b] - query_len + i`, who
 already in the cache, possibly after a cached prefix. Each query attends causally to
 positions `0 ..= its own`.
 
-One program handles one (query tile, sequence, KV head); the grid's first axis runs over the
-batch's query tiles, sequence after sequence (attention_tile.find_query_tile), so a CUDA
-graph's padding costs a few programs, not one per (sequence slot, longest query's tile). Its
-rows are BLOCK_Q query tokens
+One program handles one (query tile, sequence, KV head). Where it shrinks the grid fourfold
+(a CUDA graph of many sequence slots, each query a few tokens), the grid runs over the batch's
+query tiles, sequence after sequence, instead of one program per (sequence slot, longest
+query's tile) (attention_tile.find_query_tile). Its rows are BLOCK_Q query tokens
 times the `group` query heads that share the KV head, so each K/V tile it reads through the
 block table serves all of them (a sequence with one new token, a decode, costs one program
 per KV head). Online softmax, flash-attention style, over tiles of BLOCK_N keys:
@@ -63,10 +63,10 @@ _LOG2E = 1.4426950408889634
 MIN_SPLIT = 256  # keys: a split shorter than this costs more to combine than it saves
 
 
-@triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq"])
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    part_max_ptr, part_sum_ptr, part_acc_ptr, part_count_ptr, num_seqs, tiles_per_seq,
+    part_max_ptr, part_sum_ptr, part_acc_ptr, part_count_ptr, num_seqs,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     stride_bt, layer_offset, qk_scale,
@@ -76,12 +76,11 @@ def _prefill_kernel(
     FLAT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
-    seq, q_tile = find_query_tile(query_start_loc_ptr, num_seqs, tl.program_id(0), tiles_per_seq, BLOCK_Q,
-                                  MAX_SEQS, FLAT)
+    seq, q_tile, head_split = find_query_tile(query_start_loc_ptr, num_seqs, BLOCK_Q, MAX_SEQS, FLAT)
     if seq >= num_seqs:
         return
-    kv_head = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = head_split // NUM_SPLITS
+    split = head_split % NUM_SPLITS
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     first_token = q_tile * BLOCK_Q
@@ -235,8 +234,7 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
     block_n = block_n or default_block_n
     device = kv_cache.device
     num_seqs = block_tables.shape[0]
-    programs, flat, tiles_per_seq = query_tile_grid(num_tokens, num_seqs, max_query_len, block_q)
-    grid = (programs, num_kv_heads * num_splits)
+    grid, flat = query_tile_grid(num_tokens, num_seqs, max_query_len, block_q, num_kv_heads * num_splits)
     parts = (out,) * 4  # unused without splits
     if num_splits > 1:
         part_rows = num_tokens * num_heads
@@ -245,7 +243,7 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
                  torch.empty(part_rows * num_splits * head_dim, dtype=torch.float32, device=device),
                  torch.zeros(part_rows, dtype=torch.int32, device=device))  # rows never written: 0 splits
     for_device(_prefill_kernel, device)[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, *parts, num_seqs, tiles_per_seq,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, *parts, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0), layer * kv_cache.stride(1), scale * _LOG2E,

@@ -22,18 +22,17 @@ def test_the_grid_covers_every_query_tile():
         block_q = rng.choice([1, 2, 4, 8, 16, 32])
         query_lens = [rng.choice([0, 0, 1, 2, 3, 4, 5, 17, 64, 200]) for _ in range(rng.randint(1, 70))]
         padded_rows = rng.randint(0, 40)
-        programs, flat, tiles_per_seq = query_tile_grid(sum(query_lens) + padded_rows, len(query_lens),
-                                                        max(query_lens), block_q)
+        grid, flat = query_tile_grid(sum(query_lens) + padded_rows, len(query_lens), max(query_lens), block_q, 3)
         tiles = [-(-n // block_q) for n in query_lens]
         if flat:
-            assert sum(tiles) <= programs
+            assert sum(tiles) <= grid[0] and grid[1] == 3
         else:
-            assert max(tiles) <= tiles_per_seq and programs == tiles_per_seq * len(query_lens)
+            assert grid == (max(1, max(tiles)), len(query_lens), 3)
     # The convoy's prefill graph: 200 rows of 50 sequences in a 208-row bucket of 64 slots.
-    assert query_tile_grid(208, 64, 208, 4) == (100, True, 52)  # against 52 x 64 = 3,328 per KV head
-    assert query_tile_grid(208, 64, 208, 16) == (73, True, 13)  # against 13 x 64 = 832
-    assert query_tile_grid(16, 16, 16, 16) == (16, False, 1)  # a graph of 16 rows and slots: no gain
-    assert query_tile_grid(20, 3, 17, 16) == (6, False, 2)  # eager: its own longest query
+    assert query_tile_grid(208, 64, 208, 4, 8) == ((100, 8), True)  # against 52 x 64 = 3,328 per KV head
+    assert query_tile_grid(208, 64, 208, 16, 8) == ((73, 8), True)  # against 13 x 64 = 832
+    assert query_tile_grid(16, 16, 16, 16, 8) == ((1, 16, 8), False)  # 16 rows and slots: no gain
+    assert query_tile_grid(20, 3, 17, 16, 8) == ((2, 3, 8), False)  # eager: its own longest query
 
 
 def graph_layout(query_lens, seq_lens, tables):
@@ -71,7 +70,7 @@ def test_prefill_kernel_on_a_graph_layout(rows, padded_rows, flat):
     num_rows = sum(query_lens)
     q = random_tensor(num_rows + padded_rows, 8, 32)
     starts, lens, padded = graph_layout(query_lens, seq_lens, tables)
-    assert query_tile_grid(q.shape[0], 6, q.shape[0], rows // 4)[1] == flat
+    assert query_tile_grid(q.shape[0], 6, q.shape[0], rows // 4, 2)[1] == flat
     expected = paged_prefill_attention_reference(q, cache, 1, starts, lens, padded, 32**-0.5)
     for num_splits in (1, 2):
         out = torch.empty_like(q)
@@ -88,7 +87,7 @@ def test_cascade_suffix_on_a_graph_layout(rows, padded_rows, flat):
     prefix_len, own_lens, query_lens = 256, [0, 3, 17, 1], [4, 1, 6, 4]
     q, cache, starts, lens, tables = shared_batch(prefix_len, own_lens, query_lens, num_heads=8, num_kv_heads=2,
                                                   head_dim=32, padded_rows=padded_rows)
-    assert query_tile_grid(q.shape[0], 6, q.shape[0], rows // 4)[1] == flat
+    assert query_tile_grid(q.shape[0], 6, q.shape[0], rows // 4, 2)[1] == flat
     num_rows = sum(query_lens)
     expected = cascade_attention_reference(q, cache, 1, starts, lens, tables, 32**-0.5, prefix_len)
     starts, lens, padded = graph_layout(query_lens, lens.tolist(), tables)  # sequence 0 stays in slot 0
