@@ -150,7 +150,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     baseline_us = None
     configs = [(PREFIX_ROWS, PREFIX_N, PREFIX_WARPS, PREFIX_STAGES, default_splits)] + [
         (prefix_rows, prefix_n, warps, stages, splits)
-        for prefix_rows in (64, 128, 256) for prefix_n in (64, 128) for warps in (4, 8) for stages in (2, 3)
+        for prefix_rows in (128, 256) for prefix_n in (64, 128) for warps in (4, 8) for stages in (2, 3, 4)
         for splits in sorted({2, 4, 6, max(1, default_splits // 2), default_splits, 2 * default_splits})]
     results = []
     for prefix_rows, prefix_n, warps, stages, splits in configs:
