@@ -63,6 +63,14 @@ PREFIX_N = 64
 PREFIX_WARPS = 4
 PREFIX_STAGES = 3
 SPLIT_WAVES = 1.5
+# The suffix pass's query rows per program. At 64 (16 tokens of 4 query heads a KV head) a
+# sequence of a few new tokens leaves most of its program's rows empty: the convoy's cascade
+# (50 x 4 new tokens on a 10k-token prefix) took 117.8 us a layer with 64 rows, 106.5 with 16;
+# but a long query after thousands of its own keys re-reads them once per program: 2 x 128 new
+# tokens after 3,000 own keys, 131.1 us with 64, 155.2 with 16 (tools/bench_graph_attention.py,
+# docs/performance.md). So 16 rows only where every query fits one program of them.
+SUFFIX_ROWS = 64
+SHORT_SUFFIX_ROWS = 16
 
 
 @triton.jit
@@ -192,6 +200,13 @@ def cascade_num_splits(num_rows: int, num_kv_heads: int, group: int, head_dim: i
     return max(1, min(math.ceil(SPLIT_WAVES * num_sms / programs), prefix_len // MIN_SPLIT, 16))
 
 
+def short_query_tokens(group: int, head_dim: int) -> int:
+    """The longest query (tokens) that one SHORT_SUFFIX_ROWS program holds: a step whose every
+    query is at most this long may pass `suffix_rows=SHORT_SUFFIX_ROWS` (4 with 4 query heads a
+    KV head)."""
+    return prefill_tile_sizes(group, head_dim, SHORT_SUFFIX_ROWS)[0]
+
+
 def cascade_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -203,27 +218,32 @@ def cascade_attention(
     max_query_len: int,
     prefix_len: torch.Tensor,
     num_splits: int,
+    suffix_rows: int = SUFFIX_ROWS,
 ) -> torch.Tensor:
     """`paged_prefill_attention` (same arguments, same result) for a batch whose sequences share
     their first `prefix_len[0]` positions' blocks, each sequence's new tokens all at or after it
     (module docstring; the caller vouches for both: nothing is read back from the device).
     `prefix_len`: int32 [1] on the device, 0 allowed; `num_splits`: the prefix's key splits
-    (`cascade_num_splits` picks them), which size the grid. Rows past `query_start_loc[B]`
-    are left unspecified."""
+    (`cascade_num_splits` picks them), which size the grid. `suffix_rows`: the suffix pass's
+    query rows per program: SUFFIX_ROWS, or SHORT_SUFFIX_ROWS where no query is longer than
+    `short_query_tokens` (each sequence's query then one program of a quarter the rows). Rows
+    past `query_start_loc[B]` are left unspecified."""
     check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len)
     check_tensor("prefix_len", prefix_len, ndim=1, dtypes=(torch.int32,), device=kv_cache.device)
     check(prefix_len.shape[0] == 1, f"prefix_len has {prefix_len.shape[0]} entries, expected 1")
     check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
+    check(suffix_rows in (SUFFIX_ROWS, SHORT_SUFFIX_ROWS),
+          f"suffix_rows must be {SUFFIX_ROWS} or {SHORT_SUFFIX_ROWS}, got {suffix_rows}")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
     return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-                   num_splits, out)
+                   num_splits, out, rows=suffix_rows)
 
 
 def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
             num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
-            prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=64, num_warps=4,
+            prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=SUFFIX_ROWS, num_warps=4,
             num_stages=2) -> torch.Tensor:
     """Both passes (or those named in `passes`, for timing one alone) on checked arguments; tile
     sizes, warps and stages are open for tuning runs."""

@@ -13,7 +13,9 @@ is the same without the store, for a layer whose k/v an earlier kernel already w
     a step of >= 2 sequences whose first CASCADE_MIN_TOKENS or more cached tokens sit in the
     same blocks (worker/shared_prefix.py), whatever their query lengths, eager or through a
     prefill graph's cascade variant
-        -> cascade_attention        (the shared prefix's keys read once for all rows)
+        -> cascade_attention        (the shared prefix's keys read once for all rows; its
+                                     suffix pass at 16 rows a program where no query is
+                                     longer than `short_query_tokens`, else 64)
 
 The decode kernel is compiled per Q and per split count (its grid's third axis, chosen from
 the batch), and a variant first met mid-serving stalls its step for the ~1 s of the compile
@@ -62,7 +64,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spillway.kernels.cascade_attention import cascade_attention, cascade_num_splits
+from spillway.kernels.cascade_attention import (
+    SHORT_SUFFIX_ROWS,
+    SUFFIX_ROWS,
+    cascade_attention,
+    cascade_num_splits,
+    short_query_tokens,
+)
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
@@ -93,6 +101,8 @@ class PrefillMetadata:
     padding sequences have no new tokens (equal `query_start_loc` entries) and a context of 0,
     padding rows have slot -1. Rows past the last sequence's come back unspecified. A cascade
     graph is valid for any staged prefix length, 0 included (kernels/cascade_attention.py).
+    Its static cascade fields serve that form only: inside `TritonAttentionMetadata` (an eager
+    step), `attend` picks both from the step's rows, prefix and longest query (`max_query_len`).
     """
 
     query_start_loc: torch.Tensor  # int32 [B + 1]
@@ -103,24 +113,35 @@ class PrefillMetadata:
     num_splits: int = 1  # static: key splits (kernels/paged_attention_prefill.py)
     shared_prefix: torch.Tensor | None = None  # int32 [1]: the prefix every sequence shares; None: no cascade
     cascade_splits: int = 1  # static: the shared prefix's key splits (kernels/cascade_attention.py)
+    cascade_suffix_rows: int = SUFFIX_ROWS  # static: its suffix pass's rows a program (`suffix_rows_for`)
 
 
 def graph_prefill_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                            slot_mapping: torch.Tensor, num_rows: int, *, num_heads: int, num_kv_heads: int,
                            head_dim: int, shared_prefix: torch.Tensor | None = None,
-                           max_prefix_len: int = 0) -> PrefillMetadata:
+                           max_prefix_len: int = 0, cascade_suffix_rows: int = SUFFIX_ROWS) -> PrefillMetadata:
     """The tensors-only metadata of a prefill step captured in a graph of `num_rows` rows, its
     key splits chosen from the static shapes: a few new tokens after a long cached prefix are
     spread over the multiprocessors instead of walking the context on a handful. With
     `shared_prefix` (the staged int32 [1] length of a prefix every sequence shares, at most
     `max_prefix_len`), its attention is cascade attention, the prefix's splits sized for
-    `max_prefix_len` (shorter prefixes leave the last splits empty)."""
+    `max_prefix_len` (shorter prefixes leave the last splits empty), its suffix pass at
+    `cascade_suffix_rows` rows a program: SHORT_SUFFIX_ROWS in a twin only replayed for steps
+    whose every query is at most `short_query_tokens` long (the shapes cannot tell)."""
     num_sms = multiprocessor_count(block_tables.device)
     group = num_heads // num_kv_heads
     num_splits = prefill_num_splits(num_rows, block_tables.shape[0], num_kv_heads, group, head_dim, num_sms)
     cascade_splits = cascade_num_splits(num_rows, num_kv_heads, group, head_dim, max_prefix_len, num_sms)
     return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits,
-                           shared_prefix, cascade_splits)
+                           shared_prefix, cascade_splits, cascade_suffix_rows)
+
+
+def suffix_rows_for(longest_query: int, group: int, head_dim: int) -> int:
+    """Cascade attention's suffix rows a program for a step whose longest query is
+    `longest_query` tokens: SHORT_SUFFIX_ROWS where every query fits one such program (a few
+    new tokens a sequence, where 64 rows would leave most of each program empty), else
+    SUFFIX_ROWS (a long query after many own keys re-reads them once a program)."""
+    return SHORT_SUFFIX_ROWS if longest_query <= short_query_tokens(group, head_dim) else SUFFIX_ROWS
 
 
 @dataclass(slots=True)
@@ -217,16 +238,19 @@ class TritonAttentionBackend(AttentionBackend):
         if isinstance(metadata, DecodeMetadata):
             return self._decode(layer_idx, q, kv_cache, metadata, scale)
         if isinstance(metadata, PrefillMetadata):
-            return self._ragged(layer_idx, q, kv_cache, metadata, scale, metadata.cascade_splits)
+            return self._ragged(layer_idx, q, kv_cache, metadata, scale, metadata.cascade_splits,
+                                metadata.cascade_suffix_rows)
         assert isinstance(metadata, TritonAttentionMetadata)
         if metadata.decode is not None:
             return self._decode(layer_idx, q, kv_cache, metadata.decode, scale)
-        cascade_splits = 1
-        if metadata.shared_prefix_len:  # an eager step: its splits fit its rows and its prefix
+        cascade_splits, suffix_rows = 1, SUFFIX_ROWS
+        if metadata.shared_prefix_len:  # an eager step: its splits fit its rows and prefix, its tiles its queries
             num_kv_heads = kv_cache.shape[4]
-            cascade_splits = cascade_num_splits(q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2],
+            group, head_dim = q.shape[1] // num_kv_heads, q.shape[2]
+            cascade_splits = cascade_num_splits(q.shape[0], num_kv_heads, group, head_dim,
                                                 metadata.shared_prefix_len, multiprocessor_count(kv_cache.device))
-        out = self._ragged(layer_idx, q, kv_cache, metadata.prefill, scale, cascade_splits)
+            suffix_rows = suffix_rows_for(metadata.prefill.max_query_len, group, head_dim)
+        out = self._ragged(layer_idx, q, kv_cache, metadata.prefill, scale, cascade_splits, suffix_rows)
         num_rows = metadata.query_start_loc[-1]
         if q.shape[0] > num_rows:
             out[num_rows:].zero_()
@@ -234,11 +258,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _ragged(layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, prefill: PrefillMetadata, scale: float,
-                cascade_splits: int) -> torch.Tensor:
+                cascade_splits: int, suffix_rows: int) -> torch.Tensor:
         arguments = (q, kv_cache, layer_idx, prefill.query_start_loc, prefill.seq_lens, prefill.block_tables,
                      scale, prefill.max_query_len)
         if prefill.shared_prefix is not None:
-            return cascade_attention(*arguments, prefill.shared_prefix, cascade_splits)
+            return cascade_attention(*arguments, prefill.shared_prefix, cascade_splits, suffix_rows=suffix_rows)
         return paged_prefill_attention(*arguments, prefill.num_splits)
 
     @staticmethod

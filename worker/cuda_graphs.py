@@ -39,6 +39,20 @@ suffix pass walks each sequence's own keys unsplit, where the prefill kernel spl
 context over the multiprocessors, so the plain graph stays the better one without a shared
 prefix. Captured only where steps can share such a prefix (worker/shared_prefix.py).
 
+Short cascade twins, with the cascade graphs: the cascade graph again, its suffix pass at 16
+query rows a program instead of 64. A step on a shared prefix whose every query is at most
+`short_query_tokens` long (4 tokens with 4 query heads a KV head: one 16-row program) replays
+its bucket's short twin, any other the cascade twin. The graph's shapes cannot tell the two
+apart (64 x 4 new tokens and 2 x 128 both fill 256 rows in 64 slots); the host knows each
+step's longest query. On an H200 the convoy's suffix pass (50 x 4 new tokens on a 10k-token
+prefix) took 8.8 us a layer at 16 rows against 20.6 at 64, but 2 x 128 new tokens after
+3,000 own keys took 154 us a layer (both passes) against 130: 16-row programs re-read a long
+query's own keys four times as often (docs/performance.md).
+
+    the cascade buckets that a step of only short queries can take: those whose fewest
+    tokens (one past the bucket below) fit their sequence slots at short_query_tokens each;
+    up to 256 with 4 tokens and 64 slots, up to 32 with 4 tokens and 8 slots
+
 Verify graphs, with speculative decoding only: a step that returns the logits of chosen rows
 (`ModelRunner.execute(..., logits_rows=...)`: each verified chunk's 1 + d rows, prompt-logprob
 rows) takes the prefill graphs' layout, buckets (up to 256 tokens) and metadata, and returns
@@ -53,10 +67,10 @@ most max(max_num_seqs, 256) rows (`GraphBuckets.logits_rows`), and covers 32 req
 
     the prefill buckets up to 256, up to max_num_batched_tokens
 
-All graphs are captured into one memory pool (decode, prefill, cascade, then verify; each kind
-largest first) and write their logits into one shared buffer, allocated at its full size
-before the first capture: only one graph replays at a time, and its logits are consumed
-(sampled) before the next replay.
+All graphs are captured into one memory pool (decode, prefill, cascade, short cascade, then
+verify; each kind largest first) and write their logits into one shared buffer, allocated at
+its full size before the first capture: only one graph replays at a time, and its logits are
+consumed (sampled) before the next replay.
 """
 
 from __future__ import annotations
@@ -112,6 +126,15 @@ def prefill_graph_seqs(num_tokens: int, max_num_seqs: int, kind: str = "prefill"
     return min(num_tokens, max_num_seqs, MAX_VERIFY_GRAPH_SEQS if kind == "verify" else MAX_PREFILL_GRAPH_SEQS)
 
 
+def short_cascade_buckets(buckets: list[int], max_num_seqs: int, short_query_tokens: int) -> list[int]:
+    """The token `buckets` that a step whose every query is at most `short_query_tokens` long can
+    take: those where one token more than the bucket below fits the bucket's sequence slots at
+    `short_query_tokens` each. A step takes a bucket only with more tokens than the bucket
+    below: every bucket holds as many sequences as tokens, or as many as every larger one."""
+    return [size for below, size in zip([0, *buckets], buckets)
+            if below < short_query_tokens * prefill_graph_seqs(size, max_num_seqs)]
+
+
 @dataclass(frozen=True, slots=True)
 class GraphBuckets:
     """The buckets a runner captures, and so the rows of the logits buffer its graphs share."""
@@ -121,16 +144,20 @@ class GraphBuckets:
     verify: list[int]  # empty without speculative decoding
     max_num_seqs: int
     cascade: list[int]  # the prefill buckets, or empty where no step shares a prefix
+    short_cascade: list[int]  # the first cascade buckets (`short_cascade_buckets`), or empty
 
     @classmethod
     def plan(cls, max_batch_size: int, max_num_seqs: int, max_num_tokens: int, *, verify: bool,
-             cascade: bool = False) -> GraphBuckets:
+             cascade: bool = False, short_query_tokens: int = 0) -> GraphBuckets:
         """Decode buckets up to `max_batch_size`, token buckets up to `max_num_tokens`, with
         `verify` the verify buckets (token buckets up to `MAX_VERIFY_GRAPH_TOKENS`), and with
-        `cascade` the token buckets again, for the cascade graphs."""
+        `cascade` the token buckets again, for the cascade graphs, and those a step of queries
+        of at most `short_query_tokens` tokens can take (0: none), for their short twins."""
         prefill = prefill_buckets(max_num_tokens)
         verify_buckets = [size for size in prefill if size <= MAX_VERIFY_GRAPH_TOKENS] if verify else []
-        return cls(decode_buckets(max_batch_size), prefill, verify_buckets, max_num_seqs, prefill if cascade else [])
+        cascade_buckets = prefill if cascade else []
+        return cls(decode_buckets(max_batch_size), prefill, verify_buckets, max_num_seqs, cascade_buckets,
+                   short_cascade_buckets(cascade_buckets, max_num_seqs, short_query_tokens))
 
     @property
     def logits_rows(self) -> int:
@@ -206,11 +233,17 @@ def prefill_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]
     return _token_step(runner, layout, bucket, layout.last_rows)
 
 
-def cascade_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+def cascade_step(runner: ModelRunner, bucket: int, short: bool = False) -> Callable[[], torch.Tensor]:
     """`prefill_step` with cascade attention over the prefix length staged with the inputs; its
-    prefix splits are sized for the longest prefix a block table reaches."""
+    prefix splits are sized for the longest prefix a block table reaches. `short`: its suffix
+    pass at SHORT_SUFFIX_ROWS rows a program, for steps of short queries only."""
     layout = runner.inputs.prefill_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
-    return _token_step(runner, layout, bucket, layout.last_rows, cascade=True)
+    return _token_step(runner, layout, bucket, layout.last_rows, cascade=True, short=short)
+
+
+def short_cascade_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
+    """`cascade_step` of a short twin."""
+    return cascade_step(runner, bucket, short=True)
 
 
 def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
@@ -221,7 +254,8 @@ def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
 
 
 def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
-                cascade: bool = False) -> Callable[[], torch.Tensor]:
+                cascade: bool = False, short: bool = False) -> Callable[[], torch.Tensor]:
+    from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS
     from spillway.worker.attention_triton import graph_prefill_metadata
 
     model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
@@ -229,7 +263,8 @@ def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
                                       layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
                                       num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                                       shared_prefix=layout.shared_prefix if cascade else None,
-                                      max_prefix_len=runner.max_blocks_per_seq * runner.block_size)
+                                      max_prefix_len=runner.max_blocks_per_seq * runner.block_size,
+                                      cascade_suffix_rows=SHORT_SUFFIX_ROWS if short else SUFFIX_ROWS)
     logits = runner.logits_rows(rows.shape[0])
 
     def step() -> torch.Tensor:
@@ -239,10 +274,11 @@ def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
     return step
 
 
-def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
-                        ) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None, StepGraphs | None]:
-    """`runner`'s decode, prefill, cascade and verify graphs (None for a kind without buckets),
-    captured in that order into one memory pool."""
+def capture_step_graphs(
+    runner: ModelRunner, buckets: GraphBuckets,
+) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None, StepGraphs | None, StepGraphs | None]:
+    """`runner`'s decode, prefill, cascade, short cascade and verify graphs (None for a kind
+    without buckets), captured in that order into one memory pool."""
     pool = torch.cuda.graph_pool_handle()
     inputs, device = runner.inputs, runner.device
     decode = StepGraphs(buckets.decode, device)
@@ -258,4 +294,5 @@ def capture_step_graphs(runner: ModelRunner, buckets: GraphBuckets,
 
     return (decode, token_graphs("prefill", buckets.prefill, prefill_step, inputs.pad_prefill),
             token_graphs("cascade", buckets.cascade, cascade_step, inputs.pad_prefill),
+            token_graphs("short_cascade", buckets.short_cascade, short_cascade_step, inputs.pad_prefill),
             token_graphs("verify", buckets.verify, verify_step, inputs.pad_verify))

@@ -7,7 +7,9 @@ A step, on any device:
            ──► a decode batch that fits a captured bucket: replay that bucket's CUDA graph
                (worker/cuda_graphs.py) over the bucket's fixed input views, rows padded;
                a prefill/mixed step of at most 2,048 tokens: the graph of its token bucket,
-               its cascade twin where the step's sequences share a cached prefix;
+               its cascade twin where the step's sequences share a cached prefix, the
+               cascade twin's short twin where moreover no query is longer than
+               `short_query_tokens` (and the bucket has one);
                a step asking for `logits_rows` (verification, prompt logprobs) of at most
                256 tokens, with speculative decoding on: the verify graph of its token bucket;
                anything else (larger steps, enforce_eager, CPU): run the model eagerly
@@ -18,9 +20,10 @@ the step's only synchronisation.
 
 On CUDA the executor (worker/executor.py) builds the runner without a KV cache, measures the
 peak of one max_num_batched_tokens step (`Executor.kv_pool_blocks`), sizes the pool from what
-is left (`allocate_kv_cache`), then captures the decode, prefill and (with speculative
-decoding) verify graphs (`capture_graphs`). An eager step's attention metadata reads the views
-staged here (`AttentionBackend.metadata_for`): the step's inputs reach the device once.
+is left (`allocate_kv_cache`), then captures the decode, prefill (and their cascade twins) and
+(with speculative decoding) verify graphs (`capture_graphs`). An eager step's attention
+metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's inputs
+reach the device once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from spillway.kernels.cascade_attention import short_query_tokens
 from spillway.worker.attention import AttentionBackend, TorchAttentionBackend
 from spillway.worker.shared_prefix import may_share_a_prefix
 from spillway.worker.step_inputs import StepInputs, StepLayout
@@ -129,6 +133,8 @@ class ModelRunner:
                              f"stores the model's dtype, {dtype}")
         self.max_context_len = model.sliding_window
         self.max_num_seqs = max_num_seqs
+        # The longest query that steps replaying a short cascade twin may have (worker/cuda_graphs.py).
+        self.short_query_tokens = short_query_tokens(model.spec.num_heads // model.num_kv_heads, model.head_dim)
         max_model_len = max_model_len or max_num_batched_tokens
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         model.rotary.reserve_positions(self.max_blocks_per_seq * block_size)
@@ -142,6 +148,7 @@ class ModelRunner:
         self.graphs = None  # decode StepGraphs (by batch size) once captured
         self.prefill_graphs = None  # prefill StepGraphs (by token count) once captured
         self.cascade_graphs = None  # their cascade twins (same buckets), where steps may share a prefix
+        self.short_cascade_graphs = None  # the cascade twins' twins for short queries (the first buckets)
         self.verify_graphs = None  # verify StepGraphs (by token count), with speculative decoding
         self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
         self.kv_cache: torch.Tensor | None = None
@@ -192,8 +199,7 @@ class ModelRunner:
         if bucket is not None:
             layout = self.inputs.stage_prefill(chunks, bucket, self._graph_seqs(bucket, "prefill"))
             self._feed_rows(layout, feed)
-            graphs = self.cascade_graphs if layout.shared_prefix_len and self.cascade_graphs else self.prefill_graphs
-            return graphs.replay(bucket)[: len(chunks)]
+            return self._prefill_graphs_for(chunks, bucket, layout.shared_prefix_len).replay(bucket)[: len(chunks)]
         layout = self.inputs.stage(chunks)
         self._feed_rows(layout, feed)
         return self._forward(layout)
@@ -210,6 +216,18 @@ class ModelRunner:
         layout = self.inputs.stage(chunks, logits_rows)
         self._feed_rows(layout, feed)
         return self._forward(layout, layout.logits_rows)
+
+    def _prefill_graphs_for(self, chunks: list[ChunkInput], bucket: int, shared_prefix_len: int):
+        """The graphs whose `bucket` a staged prefill step replays: without a shared prefix the
+        prefill graphs; with one the cascade twins, or their short twins where the bucket has
+        one and no query is longer than `short_query_tokens` (worker/cuda_graphs.py)."""
+        if not shared_prefix_len or self.cascade_graphs is None:
+            return self.prefill_graphs
+        short = self.short_cascade_graphs
+        if (short is not None and bucket in short.buckets
+                and max(len(chunk.token_ids) for chunk in chunks) <= self.short_query_tokens):
+            return short
+        return self.cascade_graphs
 
     def _token_bucket(self, graphs, num_tokens: int, num_seqs: int) -> int | None:
         """The smallest bucket of the prefill or verify `graphs` that holds the step, or None."""
@@ -270,14 +288,15 @@ class ModelRunner:
 
     def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
         """Capture the decode step for every batch-size bucket up to `max_batch_size`, then the
-        prefill step (and its cascade twin) for every token bucket the step budget allows, then
+        prefill step (and its cascade twins) for every token bucket the step budget allows, then
         with `verify` the verify step for every verify bucket, into one memory pool."""
         from spillway.worker.cuda_graphs import capture_step_graphs
 
         assert self.kv_cache is not None, "allocate the KV cache first"
         buckets = self.graph_buckets(max_batch_size, verify)
         self.logits_rows(buckets.logits_rows)  # at its full size before any graph holds a view of it
-        self.graphs, self.prefill_graphs, self.cascade_graphs, self.verify_graphs = capture_step_graphs(self, buckets)
+        (self.graphs, self.prefill_graphs, self.cascade_graphs, self.short_cascade_graphs,
+         self.verify_graphs) = capture_step_graphs(self, buckets)
 
     def graph_buckets(self, max_batch_size: int, verify: bool):
         """The `GraphBuckets` that `capture_graphs(max_batch_size, verify)` captures."""
@@ -285,7 +304,7 @@ class ModelRunner:
 
         cascade = may_share_a_prefix(self.max_num_seqs, self.max_blocks_per_seq * self.block_size)
         return GraphBuckets.plan(min(max_batch_size, self.max_num_seqs), self.max_num_seqs, self.inputs.capacity[0],
-                                 verify=verify, cascade=cascade)
+                                 verify=verify, cascade=cascade, short_query_tokens=self.short_query_tokens)
 
     def logits_rows(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the graphs' shared float32 logits buffer.

@@ -3,8 +3,9 @@
 Triton compiles a kernel per specialisation: its constexprs, and its integer arguments'
 divisibility by 16. A variant first met by a request compiles inside that request's step
 (~1 s): the profiling step (8,192 tokens) compiled one side only, and cascade attention runs
-only when a step's sequences share a long prefix. These steps meet the rest first (the CUDA
-graphs, cascade twins included, compile theirs in the run before each capture).
+only when a step's sequences share a long prefix, its suffix pass in two tile sizes (by the
+step's longest query). These steps meet the rest first (the CUDA graphs, cascade twins
+included, compile theirs in the run before each capture).
 """
 
 from __future__ import annotations
@@ -28,18 +29,22 @@ def warm_up_eager_kernels(runner: ModelRunner, num_tokens: int = 513) -> None:
 
 
 def warm_up_cascade(runner: ModelRunner) -> None:
-    """Cascade attention's kernels (worker/attention_triton.py): two one-token sequences on
+    """Cascade attention's kernels (worker/attention_triton.py): two sequences on
     CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what the step above
-    wrote: finite), each writing its token into a block of its own after them. Skipped where
-    the pool, a block table or a step (one sequence at most: then no step ever shares a
-    prefix) cannot hold that."""
+    wrote: finite), each writing its new tokens into blocks of its own after them: one token
+    each (the suffix pass's short tiles), then the second `short_query_tokens + 1` (its long
+    ones). Skipped where the pool, a block table or a step (one sequence at most: then no step
+    ever shares a prefix) cannot hold that."""
     from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
 
     prefix_blocks = -(-CASCADE_MIN_TOKENS // runner.block_size)
-    if (prefix_blocks + 2 > runner.kv_cache.shape[0] or prefix_blocks + 1 > runner.max_blocks_per_seq
-            or runner.max_num_seqs < 2):
-        return
     prefix = list(range(prefix_blocks))
     start = prefix_blocks * runner.block_size
-    runner._forward(runner.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
-                                         ChunkInput([0], start, [*prefix, prefix_blocks + 1])]))
+    for query_len in (1, runner.short_query_tokens + 1):
+        own_blocks = -(-query_len // runner.block_size)
+        if (prefix_blocks + 1 + own_blocks > runner.kv_cache.shape[0] or runner.max_num_seqs < 2
+                or prefix_blocks + own_blocks > runner.max_blocks_per_seq):
+            return
+        own = list(range(prefix_blocks + 1, prefix_blocks + 1 + own_blocks))
+        runner._forward(runner.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
+                                             ChunkInput([0] * query_len, start, [*prefix, *own])]))

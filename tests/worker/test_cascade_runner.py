@@ -64,9 +64,9 @@ def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkey
     launches = []
     launch = attention_triton.cascade_attention
 
-    def counted(*args):
+    def counted(*args, suffix_rows):
         launches.append((int(args[-2][0]), args[-1]))
-        return launch(*args)
+        return launch(*args, suffix_rows=suffix_rows)
 
     monkeypatch.setattr(attention_triton, "cascade_attention", counted)
     chunks = _shared_prefix_chunks()
@@ -85,8 +85,11 @@ def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkey
 def test_cascade_twins_are_planned_only_where_steps_can_share_a_prefix():
     _, kernel_runner, _ = _runners(PREFIX_BLOCKS + 2)  # tables reach CASCADE_MIN_TOKENS + 4 blocks
     assert kernel_runner.graph_buckets(4, verify=False).cascade == [16, 32, 64, 96, 128]
+    # 4 sequences of at most 8 tokens (2 query heads a KV head) fill 32 tokens at most
+    assert kernel_runner.graph_buckets(4, verify=False).short_cascade == [16, 32]
     kernel_runner.max_num_seqs = 1
     assert kernel_runner.graph_buckets(4, verify=False).cascade == []
+    assert kernel_runner.graph_buckets(4, verify=False).short_cascade == []
     _, short_runner, _ = runner_pair("qwen3", max_model_len=CASCADE_MIN_TOKENS)
     assert short_runner.graph_buckets(4, verify=False).cascade == []
 
@@ -94,7 +97,9 @@ def test_cascade_twins_are_planned_only_where_steps_can_share_a_prefix():
 def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():
     _, kernel_runner, found = _runners(PREFIX_BLOCKS + 2)
     kernel_runner.warm_up(num_tokens=40)
-    assert [metadata.shared_prefix_len for metadata in found] == [0, CASCADE_MIN_TOKENS]
+    # cascade steps of 1 + 1 and 1 + 9 new tokens: the suffix pass's short tiles, then its long ones
+    assert [metadata.shared_prefix_len for metadata in found] == [0, CASCADE_MIN_TOKENS, CASCADE_MIN_TOKENS]
+    assert [metadata.query_lens for metadata in found[1:]] == [[1, 1], [1, kernel_runner.short_query_tokens + 1]]
     _, kernel_runner, found = _runners(PREFIX_BLOCKS + 1)
     kernel_runner.warm_up(num_tokens=40)
     assert [metadata.shared_prefix_len for metadata in found] == [0]

@@ -1,8 +1,8 @@
 """Cascade graphs on CUDA (skipped without a GPU): steps whose sequences share a cached prefix,
 through the captured prefill graphs' cascade twins on one runner and eagerly (cascade attention
 too) on another over the same weights and cache, give the same logits; the twin is the graph
-that replays, for two prefix lengths, and a step without a shared prefix replays the plain
-prefill graph."""
+that replays, for two prefix lengths, its short twin where no query is longer than
+`short_query_tokens`, and a step without a shared prefix replays the plain prefill graph."""
 
 from __future__ import annotations
 
@@ -56,11 +56,18 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
     eager.kv_cache.copy_(graphed.kv_cache)
     graphed.capture_graphs(8)
     assert graphed.cascade_graphs.buckets == graphed.prefill_graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512]
+    # 2 query heads a KV head: queries of up to 8 tokens fill one 16-row suffix program, and 8
+    # sequence slots of them up to 64 tokens
+    assert graphed.short_query_tokens == 8
+    assert graphed.short_cascade_graphs.buckets == [16, 32, 64]
     cascade, prefill = counted_replays(graphed.cascade_graphs), counted_replays(graphed.prefill_graphs)
+    short = counted_replays(graphed.short_cascade_graphs)
     rng = random.Random(5)
-    steps = [convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 6 + [1]),  # 25 tokens: bucket 32
+    steps = [convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 6 + [1]),  # 25 tokens: bucket 32, short
              convoy(rng, PREFIX_BLOCKS + 5, PREFIX_BLOCKS + 40, [4] * 3 + [40]),  # a longer prefix, bucket 64
-             convoy(rng, 0, PREFIX_BLOCKS + 70, [4] * 3)]  # nothing shared: the plain graph of 16
+             convoy(rng, 0, PREFIX_BLOCKS + 70, [4] * 3),  # nothing shared: the plain graph of 16
+             convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 80, [8, 8, 1]),  # 17 tokens: bucket 32, short
+             convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 88, [4, 4, 9])]  # one 9-token query: bucket 32
     worst = 0.0
     for chunks in steps:
         got, expected = graphed.execute(chunks), eager.execute(chunks)
@@ -68,7 +75,7 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
         worst = max(worst, float((got - expected).norm() / expected.norm()))
     print(f"{dtype}: worst relative logits error, cascade graph vs eager {worst:.2e}")
     assert worst < tolerance
-    assert (cascade, prefill) == ([32, 64], [16])
+    assert (short, cascade, prefill) == ([32, 32], [64, 32], [16])
     # The K/V written by layer 1 on follow a layer's attention output, which the graph's and the
     # eager step's split counts round differently in bf16: a few ulps of values up to ~4 (0.03
     # each), measured 0.083 at most on the H200. fp32 agrees to 1e-3.

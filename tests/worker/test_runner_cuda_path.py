@@ -21,6 +21,7 @@ from spillway.worker.cuda_graphs import (
     decode_buckets,
     decode_step,
     prefill_step,
+    short_cascade_step,
     verify_step,
 )
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
@@ -45,13 +46,15 @@ def test_decode_buckets_are_small_powers_of_two_then_multiples_of_eight_then_the
 
 class EagerGraphs(StepGraphs):
     """Runs each bucket's step eagerly over the same fixed views a graph would read: the decode
-    step by batch size, or the prefill, cascade or verify step by token count (`kind`)."""
+    step by batch size, or the prefill, cascade, short cascade or verify step by token count
+    (`kind`)."""
 
     def __init__(self, runner: ModelRunner, max_batch_size: int = 0, *, kind: str = "decode") -> None:
         buckets = GraphBuckets.plan(max(max_batch_size, 1), runner.max_num_seqs, runner.inputs.capacity[0],
-                                    verify=True, cascade=True)
+                                    verify=True, cascade=True, short_query_tokens=runner.short_query_tokens)
         super().__init__(getattr(buckets, kind), CPU, kind=kind)
-        steps = {"decode": decode_step, "prefill": prefill_step, "cascade": cascade_step, "verify": verify_step}
+        steps = {"decode": decode_step, "prefill": prefill_step, "cascade": cascade_step,
+                 "short_cascade": short_cascade_step, "verify": verify_step}
         step_for = functools.partial(steps[kind], runner)
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
