@@ -27,8 +27,9 @@ from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
 from spillway.worker.cpu_pool import check_host_memory
 from spillway.worker.executor_start import build_executor, finish_start, pool_blocks
+from spillway.worker.kv_blocks import num_blocks_for_memory
 from spillway.worker.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
-from spillway.worker.model_runner import ModelRunner, num_blocks_for_memory
+from spillway.worker.model_runner import ModelRunner
 from spillway.worker.models import loader
 from spillway.worker.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.request import Request

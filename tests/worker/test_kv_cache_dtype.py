@@ -17,7 +17,8 @@ from spillway.kernels.fp8 import convert_cache
 from spillway.worker.config import WorkerConfig
 from spillway.worker.config import resolve_kv_cache_dtype
 from spillway.worker.engine import Engine
-from spillway.worker.model_runner import ChunkInput, ModelRunner, kv_block_bytes, num_blocks_for_memory
+from spillway.worker.kv_blocks import kv_block_bytes, num_blocks_for_memory
+from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")

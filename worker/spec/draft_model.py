@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from spillway.worker.executor import load_model
-from spillway.worker.model_runner import ChunkInput, ModelRunner, num_blocks_for_memory
+from spillway.worker.kv_blocks import num_blocks_for_memory
+from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import loader
 from spillway.worker.request import Request
 from spillway.worker.sampler import filtered_logits
