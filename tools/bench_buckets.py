@@ -9,6 +9,11 @@ of them (x num_layers) in each.
 
     python tools/bench_buckets.py                                   # qwen3-8b, 144..512 tokens
     python tools/bench_buckets.py --tokens 200,300 --other-buckets 16,32,64,96,128,192,256,384,512
+    python tools/bench_buckets.py --layouts --tokens 1,16,208,512,2048
+
+`--layouts` times each product alone at each row count with its weight stored both ways:
+input-major (the engine's storage on a GPU, worker/models/gpu_linear.py) and output-major
+(`nn.Linear`'s, `SPILLWAY_INPUT_MAJOR_WEIGHTS=0`): cuBLAS picks its kernels by layout and shape.
 """
 
 from __future__ import annotations
@@ -50,11 +55,20 @@ def bucket_of(tokens: int, buckets: tuple[int, ...] | list[int]) -> int | None:
     return next((bucket for bucket in sorted(buckets) if bucket >= tokens), None)
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # layer_shapes' order
+
+
+def product_weight(n_in: int, n_out: int, input_major: bool, device="cuda", dtype=torch.bfloat16) -> torch.Tensor:
+    """An `[out, in]` weight for `F.linear`: stored `[in, out]` row-major (input-major, as
+    worker/models/gpu_linear.py stores them) or `[out, in]` row-major (output-major)."""
+    weight = torch.randn(n_out, n_in, device=device, dtype=dtype)
+    return weight.t().contiguous().t() if input_major else weight
+
+
 def layer_ms(shapes: list[tuple[int, int]], rows: int, cache: dict[int, float]) -> float:
     """Milliseconds of one layer's products at `rows` rows (measured once per row count)."""
     if rows not in cache:
-        weights = [torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16).t().contiguous().t()
-                   for n_in, n_out in shapes]  # input-major, as worker/models/gpu_linear.py stores them
+        weights = [product_weight(n_in, n_out, True) for n_in, n_out in shapes]
         inputs = [torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16) for n_in, _ in shapes]
 
         def products() -> None:
@@ -65,11 +79,29 @@ def layer_ms(shapes: list[tuple[int, int]], rows: int, cache: dict[int, float]) 
     return cache[rows]
 
 
+def print_layouts(shapes: list[tuple[int, int]], tokens: list[int]) -> None:
+    """Each product at each row count, input-major against output-major, one after the other."""
+    print(" | ".join(["rows", "product", "in x out", "input-major us", "output-major us", "output / input"]))
+    for rows in tokens:
+        for name, (n_in, n_out) in zip(PRODUCTS, shapes):
+            x = torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * rows * n_in * n_out
+            times = []
+            for input_major in (True, False):
+                weight = product_weight(n_in, n_out, input_major)
+                times.append(bench_ms(lambda: torch.nn.functional.linear(x, weight)) * 1e3)
+                del weight
+            cells = [f"{us:.1f} ({flops / us / 1e6:.0f} TFLOP/s)" for us in times]
+            print(" | ".join([str(rows), name, f"{n_in} x {n_out}", *cells, f"{times[1] / times[0]:.3f}"]))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b", help="a built-in config")
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="step sizes, comma-separated")
     parser.add_argument("--other-buckets", help="another bucket list to compare, comma-separated")
+    parser.add_argument("--layouts", action="store_true",
+                        help="each product alone at each row count, input-major against output-major weights")
     args = parser.parse_args(argv)
     tokens = [int(value) for value in args.tokens.split(",")]
     if any(value < 1 for value in tokens):
@@ -82,6 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     shapes = layer_shapes(args.model, config)
     flops_per_row = 2 * sum(n_in * n_out for n_in, n_out in shapes) * num_layers
     print(machine())
+    if args.layouts:
+        print(f"{args.model}: one layer's products, each alone, us (medians)")
+        print_layouts(shapes, tokens)
+        return
     print(f"{args.model}: {num_layers} layers of products {shapes}; ms a step (x {num_layers} layers)")
     header = ["tokens", "at n rows", "bucket", "at bucket", "bucket / n"]
     if other:

@@ -31,3 +31,21 @@ def test_bad_step_sizes_are_refused_and_no_gpu_is_said_plainly(monkeypatch, caps
     monkeypatch.setattr(bench_buckets.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="none is visible"):
         bench_buckets.main(["--tokens", "200"])
+
+
+def test_a_weight_stored_either_way_gives_the_same_products():
+    torch = bench_buckets.torch
+    torch.manual_seed(0)
+    input_major = bench_buckets.product_weight(8, 6, True, device="cpu", dtype=torch.float32)
+    output_major = bench_buckets.product_weight(8, 6, False, device="cpu", dtype=torch.float32)
+    assert input_major.shape == output_major.shape == (6, 8)
+    assert input_major.stride() == (1, 6) and output_major.stride() == (8, 1)
+    x = torch.randn(3, 8)
+    same = input_major.contiguous()
+    torch.testing.assert_close(torch.nn.functional.linear(x, input_major), torch.nn.functional.linear(x, same))
+
+
+def test_layouts_without_a_gpu_is_said_plainly(monkeypatch):
+    monkeypatch.setattr(bench_buckets.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="none is visible"):
+        bench_buckets.main(["--layouts", "--tokens", "1,208"])
