@@ -28,19 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """SEQSxNEW@PREFIX -> (seqs, new, prefix), the prefix a whole number of blocks."""
-    try:
-        counts, prefix = text.split("@")
-        seqs, new = counts.split("x")
-        shape = int(seqs), int(new), int(prefix)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not SEQSxNEW@PREFIX") from None
-    if shape[0] < 2 or shape[1] < 1 or shape[2] < BLOCK_SIZE or shape[2] % BLOCK_SIZE:
-        raise argparse.ArgumentTypeError(f"{text!r}: SEQS >= 2, NEW >= 1, PREFIX a positive multiple of {BLOCK_SIZE}")
-    return shape
-
-
 def landing_chunks(seqs: int, new: int, prefix_len: int, vocab: int, seed: int = 0) -> list:
     """`seqs` chunks of `new` random tokens at position `prefix_len`, each on the prefix's
     blocks 0.. and blocks of its own after them."""
@@ -130,8 +117,10 @@ def run_tree(tree: Path | None, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tools.bench_attention import parse_convoy
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--convoy", type=parse_shape, default=parse_shape("50x4@10000"), help="SEQSxNEW@PREFIX")
+    parser.add_argument("--convoy", type=parse_convoy, default=parse_convoy("50x4@10000"), help="SEQSxNEW@PREFIX")
     parser.add_argument("--model", default="qwen3-8b", help="built-in config (dummy weights)")
     parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")

@@ -1,8 +1,7 @@
 """tools/bench_landing.py on the CPU, small: the convoy's chunks share the prefix's blocks and
-own theirs after it, a bad shape is refused, and a run through a child process reports both
-steps of each tree (the smallest built-in model, a 2 x 2 convoy on a 32-token prefix)."""
+own theirs after it, a bad shape is a usage error, and a run through a child process reports
+both steps of each tree (the smallest built-in model, a 2 x 2 convoy on a 32-token prefix)."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -12,14 +11,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tools import bench_landing  # noqa: E402
-from tools.bench_landing import landing_chunks, parse_shape  # noqa: E402
+from tools.bench_landing import landing_chunks  # noqa: E402
 
 
-def test_shapes_parse_and_bad_ones_are_refused():
-    assert parse_shape("50x4@10000") == (50, 4, 10_000)
-    for bad in ("50x4", "1x4@160", "4x0@160", "4x4@100", "ax4@160"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_shape(bad)
+def test_a_bad_shape_is_a_usage_error(capsys):
+    for bad in ("50x4", "1x4@160", "4x4@100"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_landing.main(["--convoy", bad])
+        assert exit_info.value.code == 2
+    assert "SEQSxNEW@PREFIX" in capsys.readouterr().err
 
 
 def test_chunks_share_the_prefix_blocks_and_own_the_rest():
