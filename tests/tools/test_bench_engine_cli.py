@@ -64,7 +64,7 @@ def test_decode_timing_waits_for_a_first_token_that_comes_a_call_late(tmp_path, 
     from spillway.protocol.config import WorkerConfig
     from spillway.worker.engine import Engine
     from tests.worker.tiny_models import save_tiny_qwen3
-    from tools.bench_engine import decode_ms_per_token
+    from tools.engine_runs import decode_ms_per_token
 
     save_tiny_qwen3(tmp_path)
     engine = Engine(WorkerConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
