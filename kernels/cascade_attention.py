@@ -47,7 +47,6 @@ from spillway.kernels.attention_tile import (
     query_tile_grid,
     tile_piece,
 )
-from spillway.kernels.fp8 import cache_values
 from spillway.kernels.paged_attention_prefill import MIN_SPLIT, check_ragged_arguments, prefill_tile_sizes
 from spillway.kernels.utils import check, check_tensor, for_device, next_power_of_2, wait_for_inputs
 
@@ -207,6 +206,11 @@ def short_query_tokens(group: int, head_dim: int) -> int:
     return prefill_tile_sizes(group, head_dim, SHORT_SUFFIX_ROWS)[0]
 
 
+def suffix_rows_for(longest_query: int, group: int, head_dim: int) -> int:
+    """The suffix pass's rows a program for a step whose longest query is `longest_query` tokens."""
+    return SHORT_SUFFIX_ROWS if longest_query <= short_query_tokens(group, head_dim) else SUFFIX_ROWS
+
+
 def cascade_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -283,49 +287,3 @@ def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, 
             num_warps=num_warps, num_stages=num_stages, **shapes,
         )
     return out
-
-
-def cascade_attention_reference(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    prefix_len: int,
-) -> torch.Tensor:
-    """`cascade_attention` in plain torch (float32): each row's scores over the shared prefix
-    (row 0's blocks, unmasked) and over its own keys after it (causal), softmax-ed apart and
-    merged through their log-sum-exps. Padded rows are 0."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-    group = num_heads // num_kv_heads
-
-    def keys_and_values(seq: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = block_tables[seq, : -(-end // block_size)].long()
-        keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:end]
-        values = cache_values(kv_cache, layer)[blocks].reshape(-1, num_kv_heads, head_dim)[:end]
-        return (keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1))
-
-    def partial(rows: torch.Tensor, keys, values, visible) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.einsum("qhd,khd->hqk", rows.float(), keys) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values), torch.logsumexp(scores, -1).T
-
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    starts = query_start_loc.tolist()
-    prefix_keys, prefix_values = keys_and_values(0, prefix_len)
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        rows = q[starts[seq] : starts[seq + 1]]
-        keys, values = keys_and_values(seq, seq_len)
-        query_pos = torch.arange(seq_len - rows.shape[0], seq_len, device=q.device)
-        own = torch.arange(prefix_len, seq_len, device=q.device)
-        suffix, suffix_lse = partial(rows, keys[prefix_len:], values[prefix_len:],
-                                     own[None, :] <= query_pos[:, None])
-        prefix, prefix_lse = partial(rows, prefix_keys, prefix_values,
-                                     torch.ones(rows.shape[0], prefix_len, dtype=torch.bool, device=q.device))
-        total_lse = torch.logaddexp(prefix_lse, suffix_lse)
-        out[starts[seq] : starts[seq + 1]] = (prefix * (prefix_lse - total_lse).exp()[..., None]
-                                              + suffix * (suffix_lse - total_lse).exp()[..., None])
-    return out.to(q.dtype)

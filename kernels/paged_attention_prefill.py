@@ -46,7 +46,6 @@ from spillway.kernels.attention_tile import (
     query_tile_grid,
     tile_piece,
 )
-from spillway.kernels.fp8 import cache_values
 from spillway.kernels.utils import (
     check,
     check_cache,
@@ -270,36 +269,3 @@ def prefill_num_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, gro
     tiles = -(-max_query_len // block_q) * num_kv_heads
     wanted = min(4 * num_sms // max(tiles, 1), 4096 // max(tiles * num_seqs, 1), 16)
     return 1 << (max(wanted, 1).bit_length() - 1)
-
-
-def paged_prefill_attention_reference(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`paged_prefill_attention` in plain torch (float32 math, one sequence at a time; a float8
-    cache's keys and values are upcast, exactly, like any other); padded rows are 0."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    starts = query_start_loc.tolist()
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        rows = slice(starts[seq], starts[seq + 1])
-        query_len = starts[seq + 1] - starts[seq]
-        if query_len == 0:
-            continue
-        blocks = block_tables[seq, : -(-seq_len // block_size)].long()
-        keys = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        values = cache_values(kv_cache, layer)[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * scale
-        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
-    return out.to(q.dtype)

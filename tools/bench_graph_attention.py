@@ -98,7 +98,7 @@ def launcher(kind: str, b: dict, suffix_rows: int | None = None):
 
 def check(run, b: dict, layer: int = 1) -> float:
     """Relative error of the launch's real rows against the prefill reference of `layer`."""
-    from spillway.kernels.paged_attention_prefill import paged_prefill_attention_reference
+    from spillway.kernels.ragged_attention_reference import paged_prefill_attention_reference
 
     seqs, rows = b["seqs"], b["rows"]
     got = run(layer)[:rows].float()

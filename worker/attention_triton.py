@@ -64,13 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spillway.kernels.cascade_attention import (
-    SHORT_SUFFIX_ROWS,
-    SUFFIX_ROWS,
-    cascade_attention,
-    cascade_num_splits,
-    short_query_tokens,
-)
+from spillway.kernels.cascade_attention import SUFFIX_ROWS, cascade_attention, cascade_num_splits, suffix_rows_for
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.paged_attention_decode import paged_decode_attention
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention, prefill_num_splits
@@ -134,14 +128,6 @@ def graph_prefill_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor
     cascade_splits = cascade_num_splits(num_rows, num_kv_heads, group, head_dim, max_prefix_len, num_sms)
     return PrefillMetadata(query_start_loc, seq_lens, block_tables, num_rows, slot_mapping, num_splits,
                            shared_prefix, cascade_splits, cascade_suffix_rows)
-
-
-def suffix_rows_for(longest_query: int, group: int, head_dim: int) -> int:
-    """Cascade attention's suffix rows a program for a step whose longest query is
-    `longest_query` tokens: SHORT_SUFFIX_ROWS where every query fits one such program (a few
-    new tokens a sequence, where 64 rows would leave most of each program empty), else
-    SUFFIX_ROWS (a long query after many own keys re-reads them once a program)."""
-    return SHORT_SUFFIX_ROWS if longest_query <= short_query_tokens(group, head_dim) else SUFFIX_ROWS
 
 
 @dataclass(slots=True)

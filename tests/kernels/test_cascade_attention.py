@@ -10,9 +10,9 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
-from spillway.kernels.cascade_attention import (_launch, cascade_attention, cascade_attention_reference,
-                                                cascade_num_splits)
-from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from spillway.kernels.cascade_attention import _launch, cascade_attention, cascade_num_splits
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.kernels.ragged_attention_reference import cascade_attention_reference, paged_prefill_attention_reference
 from spillway.kernels.utils import multiprocessor_count
 
 FP8 = torch.float8_e4m3fn

@@ -8,7 +8,8 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
-from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.kernels.ragged_attention_reference import paged_prefill_attention_reference
 
 
 FP8 = torch.float8_e4m3fn

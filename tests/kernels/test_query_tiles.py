@@ -12,8 +12,9 @@ from kernel_testing import paged_kv, random_tensor, relative_error
 from test_cascade_attention import shared_batch, staged
 
 from spillway.kernels.attention_tile import query_tile_grid
-from spillway.kernels.cascade_attention import cascade_attention, cascade_attention_reference
-from spillway.kernels.paged_attention_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from spillway.kernels.cascade_attention import cascade_attention
+from spillway.kernels.paged_attention_prefill import paged_prefill_attention
+from spillway.kernels.ragged_attention_reference import cascade_attention_reference, paged_prefill_attention_reference
 
 
 def test_the_grid_covers_every_query_tile():
