@@ -152,7 +152,7 @@ def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate
     has landed and no sooner than `rate` bytes/s allows; and the bytes/s loaded meanwhile."""
     import threading
 
-    from spillway.worker.kv_copies import copy_blocks
+    from spillway.worker.block_copies import copy_blocks
 
     chunks = [loads[i:i + PACED_CHUNK_BLOCKS] for i in range(0, len(loads), PACED_CHUNK_BLOCKS)]
     stop, loaded = threading.Event(), [0]
@@ -200,7 +200,7 @@ def step_seconds_beside_traffic(replays, num_steps: int, copier, *, rounds: int,
     empty) run on the copier's streams, unordered against compute (whose replays start once
     every copy has begun); whether the copies ran until the last step ended; each direction's
     bytes/s."""
-    from spillway.worker.kv_copies import copy_blocks
+    from spillway.worker.block_copies import copy_blocks
 
     torch.cuda.synchronize()
     compute = torch.cuda.current_stream()

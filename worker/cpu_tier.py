@@ -65,6 +65,7 @@ class CpuTier:
         self._batch_ids: deque[tuple[int, list[int]]] = deque()  # taken batches not landed, in order
         self._step_batches: list[tuple[int, list[int], int]] = []  # not taken yet: (batch, ids, end)
         self._wait_for_loads = False
+        self._wait_by_layer = False  # the step was planned before the landing (KVCopies.wait_by_layer)
         self._stores: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._ahead: list[tuple[int, int]] = []  # this step's write-back ahead of eviction
@@ -174,8 +175,8 @@ class CpuTier:
 
     def wait_for_loads_this_step(self) -> None:
         """This step computes requests whose loads may still be landing: its forward waits for
-        every load queued (planned before the landing, worker/tier_driver.py)."""
-        self._wait_for_loads = True
+        every load queued, layer by layer (planned before the landing, worker/tier_driver.py)."""
+        self._wait_for_loads = self._wait_by_layer = True
 
     def ahead_stored(self) -> None:
         """Every ahead store taken so far has finished on the device."""
@@ -247,7 +248,7 @@ class CpuTier:
         copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads),
                           ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead,
                           load_batch=ends[-1][0] if ends else 0, load_batch_ends=ends,
-                          wait_for_loads=self._wait_for_loads)
+                          wait_for_loads=self._wait_for_loads, wait_by_layer=self._wait_by_layer)
         if self._wait_for_ahead:
             self._ahead_pending.clear()  # this step waits for all of them
         self._ahead_pending.update(self._ahead_ids)
@@ -255,7 +256,7 @@ class CpuTier:
         self._loads.clear()
         self._ahead.clear()
         self._ahead_ids.clear()
-        self._wait_for_ahead = self._wait_for_loads = False
+        self._wait_for_ahead = self._wait_for_loads = self._wait_by_layer = False
         return copies
 
     def forget(self, block: Block) -> None:

@@ -79,11 +79,13 @@ import bisect
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from spillway.worker.graph_segments import SegmentCapture, replay_segments, segment_starts
 
 if TYPE_CHECKING:
     from spillway.worker.model_runner import ModelRunner
@@ -170,12 +172,16 @@ class GraphBuckets:
 class StepGraphs:
     """Captured steps by bucket; `replay(bucket)` returns that graph's logits buffer."""
 
-    def __init__(self, buckets: list[int], device: torch.device, kind: str = "decode") -> None:
+    def __init__(self, buckets: list[int], device: torch.device, kind: str = "decode",
+                 num_layers: int | None = None) -> None:
         self.buckets = sorted(buckets)
         self.device = device
         self.kind = kind
         self.max_bucket = self.buckets[-1]
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # `num_layers`: each step a graph per segment of layers (worker/graph_segments.py)
+        self.num_layers = num_layers
+        self.segment_starts = segment_starts(num_layers) if num_layers else None
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
     def bucket_for(self, size: int) -> int:
@@ -197,16 +203,26 @@ class StepGraphs:
             with torch.cuda.stream(stream):
                 step()  # compiles and autotunes kernels, creates library handles
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._outputs[bucket] = step()
-            self._graphs[bucket] = graph
+            if self.segment_starts is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._outputs[bucket] = step()
+                self._graphs[bucket] = [graph]
+            else:
+                with torch.cuda.stream(stream):
+                    capture = SegmentCapture(pool, self.segment_starts, self.num_layers)
+                    self._graphs[bucket], self._outputs[bucket] = capture.run(step)
         torch.cuda.synchronize(self.device)
         logger.info("captured %s graphs for buckets %s in %.1f s", self.kind, self.buckets,
                     time.perf_counter() - started)
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        self._graphs[bucket].replay()
+    def replay(self, bucket: int, layer_ready: Sequence | None = None) -> torch.Tensor:
+        """`layer_ready`: an event per layer that the step waits for (segmented graphs only)."""
+        if self.segment_starts is None:
+            assert layer_ready is None, "a graph of one segment cannot wait for its layers"
+            self._graphs[bucket][0].replay()
+        else:
+            replay_segments(self._graphs[bucket], self.segment_starts, self.num_layers, layer_ready)
         return self._outputs[bucket]
 
 
@@ -267,8 +283,8 @@ def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
                                       cascade_suffix_rows=SHORT_SUFFIX_ROWS if short else SUFFIX_ROWS)
     logits = runner.logits_rows(rows.shape[0])
 
-    def step() -> torch.Tensor:
-        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+    def step(layer_ready: Sequence | None = None) -> torch.Tensor:
+        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata, layer_ready)
         return model.compute_logits(hidden[rows], out=logits)
 
     return step
@@ -287,7 +303,8 @@ def capture_step_graphs(
     def token_graphs(kind: str, sizes: list[int], step, pad: Callable[[int, int], None]) -> StepGraphs | None:
         if not sizes:
             return None
-        graphs = StepGraphs(sizes, device, kind=kind)
+        # The steps that compute on KV still landing are prefill steps: their graphs in segments.
+        graphs = StepGraphs(sizes, device, kind=kind, num_layers=None if kind == "verify" else runner.model.num_layers)
         graphs.capture(functools.partial(step, runner),
                        lambda bucket: pad(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs, kind)), pool)
         return graphs

@@ -179,13 +179,14 @@ class Executor:
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")
 
-    def copy_kv(self, copies: KVCopies, pace: bool = False) -> None:
+    def copy_kv(self, copies: KVCopies, pace: bool = False) -> list[torch.cuda.Event] | None:
         """Start a step's copies between the tiers (worker/kv_copies.py); `execute` does this
-        itself (`pace`: its forward runs beside the loads), a step without chunks calls it alone."""
+        itself (`pace`: its forward runs beside the loads), a step without chunks calls it alone.
+        Returns the events its forward waits for layer by layer, if it does (`KVCopier.run`)."""
         if self.kv_copier is None:
             # Only the CPU tier plans copies; a plan with some cannot be run without it.
             raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
-        self.kv_copier.run(copies, pace)
+        return self.kv_copier.run(copies, pace)
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs(self.max_num_seqs, verify=self.speculative)
@@ -204,12 +205,13 @@ class Executor:
         """
         if self.step_sender is not None:
             self.step_sender(step, fed_tokens if step.feed_rows else None)
+        layer_ready = None
         if step.kv_copies != NO_KV_COPIES:
-            self.copy_kv(step.kv_copies, pace=True)
+            layer_ready = self.copy_kv(step.kv_copies, pace=True)
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         if step.logits_rows:
-            return self.runner.execute(step.chunks, feed, step.logits_rows)
-        logits = self.runner.execute(step.chunks, feed)
+            return self.runner.execute(step.chunks, feed, step.logits_rows, layer_ready=layer_ready)
+        logits = self.runner.execute(step.chunks, feed, layer_ready=layer_ready)
         if len(step.sample_rows) == len(step.chunks):
             return logits
         return logits[step.sample_rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def _kv_dims(config) -> tuple[int, int, int]:
+def kv_dims(config) -> tuple[int, int, int]:
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -19,7 +19,7 @@ def _kv_dims(config) -> tuple[int, int, int]:
 def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block: `block_size` tokens' keys and values in every layer, in the
     cache's `dtype` (one byte each for float8)."""
-    num_layers, num_kv_heads, head_dim = _kv_dims(config)
+    num_layers, num_kv_heads, head_dim = kv_dims(config)
     return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 

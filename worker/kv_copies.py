@@ -23,6 +23,14 @@ work at once; events order them:
   while nothing else runs (worker/tier_driver.py `plan_before_landing`: its host time passes
   while the loads land). `loads_land_in` estimates the landing on the host clock from the
   bytes queued and the loads' timed speed.
+- Loads go a group of layers at a time, first layers first (worker/paced_loads.py), and the
+  copier keeps an event per layer after that layer of every load queued. A step planned
+  before the landing (`wait_by_layer`) waits layer by layer: `run` returns those events and
+  its forward (eager) waits for layer l's before computing layer l, so it computes the first
+  layers while the last ones arrive and ends about one layer's time after the landing:
+
+    load stream:    ... layer 0 ─● ─ layer 1 ─● ─ ... ─ layer L-1 ─●
+    compute stream:    wait 0 ─ layer 0 ─ wait 1 ─ layer 1 ─ ... ─ wait L-1 ─ layer L-1 ─ logits
 - A load into a GPU slot that a store of the same step reads waits for the stores (the
   block manager may give an evicted block's slot to a block loaded in the same step); when
   the step's load destinations and store sources are disjoint, both directions run at once.
@@ -53,6 +61,7 @@ from collections.abc import Sequence
 
 import torch
 
+from spillway.worker.block_copies import copy_blocks, copy_layers
 from spillway.worker.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
 from spillway.worker.step_plan import KVCopies
 
@@ -61,38 +70,6 @@ logger = logging.getLogger(__name__)
 # A load's speed before any was timed: a little under the pinned host-to-device copies measured
 # on the H200 (55 GB/s). Only the estimate of when loads land uses it (`loads_land_in`).
 LOAD_SPEED_GUESS = 45e9
-
-
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
-    """`dst[d] = src[s]` for every `(s, d)` in `pairs`, in order, on the current stream
-    (asynchronously between pinned host memory and a GPU), a copy per run (`block_runs`).
-    A benchmark times this between a pool and the other."""
-    non_blocking = src.device.type != dst.device.type
-    for src_start, dst_start, length in block_runs(pairs):
-        dst[dst_start:dst_start + length].copy_(src[src_start:src_start + length], non_blocking=non_blocking)
-
-
-def block_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """`pairs` as runs of consecutive slots on both sides, (src start, dst start, length), in
-    order. A run may go down as well as up: the LRU evicts a sequence's blocks from its last,
-    so its write-back takes CPU slots in the reverse of its order and a reload finds them,
-    and the GPU slots it is given, descending (a 10k-token prefix: one copy, not 626). A run's
-    slots are all distinct, so copying it ascending writes what copying it in order would."""
-    runs = []
-    index, count = 0, len(pairs)
-    while index < count:
-        first_src, first_dst = pairs[index]
-        step = -1 if index + 1 < count and pairs[index + 1] == (first_src - 1, first_dst - 1) else 1
-        length = 1
-        while (index + length < count and pairs[index + length][0] == first_src + step * length
-               and pairs[index + length][1] == first_dst + step * length):
-            length += 1
-        if step == 1:
-            runs.append((first_src, first_dst, length))
-        else:
-            runs.append((first_src - length + 1, first_dst - length + 1, length))
-        index += length
-    return runs
 
 
 def _overlap(copies: KVCopies) -> bool:
@@ -118,8 +95,14 @@ class KVCopier:
         on_cuda = gpu_pool.device.type == "cuda"
         self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
-        self.pending_loads = PacedLoads(self.block_bytes, load_bytes_per_s)  # load_bytes_per_s 0: never paced
+        self.num_layers = gpu_pool.shape[1]
+        # load_bytes_per_s 0: never paced
+        self.pending_loads = PacedLoads(self.block_bytes, load_bytes_per_s, self.num_layers)
         self._last_loads: torch.cuda.Event | None = None  # after every load queued so far
+        # Per layer, an event after that layer of every load queued so far (once every chunk of
+        # the last batch is queued; None after a batch in whole blocks): what a forward planned
+        # before the landing waits for.
+        self._layer_landed: list[torch.cuda.Event | None] = [None] * self.num_layers
         # (load batch, event after its loads) of the batches not known to have landed, in order
         self._load_events: deque[tuple[int, torch.cuda.Event]] = deque()
         self._landed_through = 0  # the last load batch known to have landed
@@ -138,10 +121,14 @@ class KVCopier:
         self._seconds_to_cpu = 0.0
         self._seconds_to_gpu = 0.0
 
-    def run(self, copies: KVCopies, pace: bool = False) -> None:
+    def run(self, copies: KVCopies, pace: bool = False) -> list[torch.cuda.Event] | None:
         """Start the step's copies: stores on the store stream, loads on the load stream (after
         the stores when a load fills a GPU slot a store reads). Call before the step's forward.
-        `pace`: other requests compute, so loads go no faster than the set rate (module doc)."""
+        `pace`: other requests compute, so loads go no faster than the set rate (module doc).
+
+        Returns, for a step that waits for the loads layer by layer (`wait_by_layer`), an event
+        per layer that the forward waits for before that layer; otherwise None (any wait the
+        forward needs is queued on the compute stream here)."""
         self.seconds()  # fold the finished timings: the lists stay short without stats reads
         self.bytes_to_cpu += (len(copies.gpu_to_cpu) + len(copies.ahead_to_cpu)) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
@@ -153,17 +140,20 @@ class KVCopier:
             self._seconds_to_cpu += stored - started
             self._seconds_to_gpu += time.perf_counter() - stored
             self._landed_through = max(self._landed_through, copies.load_batch)
-            return
+            return None
         compute = torch.cuda.current_stream(self.gpu_pool.device)
         if copies.wait_for_ahead and self._ahead_stored is not None:
             # A GPU slot an ahead store reads is reused by this step: its forward writes it,
             # and a load may fill it.
             compute.wait_event(self._ahead_stored)
             self.load_stream.wait_event(self._ahead_stored)
+        layer_waits = None
         if copies.wait_for_loads:
             self.pump(pace=False)
-            if self._last_loads is not None:
-                compute.wait_event(self._last_loads)  # it reuses the GPU slot of a block still landing
+            if copies.wait_by_layer and self.lands_by_layer():
+                layer_waits = list(self._layer_landed)
+            elif self._last_loads is not None:
+                compute.wait_event(self._last_loads)
         # Stores never wait for loads: the CPU slot a load reads is held out of the CPU LRU until
         # it lands (worker/cpu_tier.py), and a block still loading has its CPU copy, so it is
         # never stored. A direction with nothing to copy queues nothing: an empty batch of
@@ -188,6 +178,7 @@ class KVCopier:
             self.pump(pace)
         if stored is not None:
             compute.wait_event(stored)
+        return layer_waits
 
     def pump(self, pace: bool) -> None:
         """Queue the pending loads that the rate allows by now (all of them unless `pace`)."""
@@ -199,9 +190,13 @@ class KVCopier:
         self.load_stream.wait_event(chunk.ready)
         if chunk.after is not None:
             self.load_stream.wait_event(chunk.after)
+        layers = None if chunk.num_layers == self.num_layers else (chunk.first_layer, chunk.num_layers)
         self._last_loads = self._queue(self.load_stream, self.cpu_pool, self.gpu_pool, chunk.pairs,
-                                       self._load_timings)
-        size = len(chunk.pairs) * self.block_bytes
+                                       self._load_timings, layers)
+        if chunk.layers_end:  # a batch in whole blocks leaves no layer landed apart: none to wait for by layer
+            for layer in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
+                self._layer_landed[layer] = self._last_loads if layers is not None else None
+        size = chunk.nbytes
         self._load_sizes.append(size)
         self._loads_done_at = max(time.monotonic(), self._loads_done_at) + size / self.load_speed()
         if chunk.batch:
@@ -209,13 +204,18 @@ class KVCopier:
 
     @staticmethod
     def _queue(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]],
-               timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> torch.cuda.Event:
+               timings: list[tuple[torch.cuda.Event, torch.cuda.Event]],
+               layers: tuple[int, int] | None = None) -> torch.cuda.Event:
         """Queue `copy_blocks(src, dst, pairs)` on `stream` (after what it waits for already),
-        between two timing events; returns the one after the copies."""
+        or `copy_layers` of `layers` (first, count), between two timing events; returns the
+        one after the copies."""
         started, finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             started.record()
-            copy_blocks(src, dst, pairs)
+            if layers is None:
+                copy_blocks(src, dst, pairs)
+            else:
+                copy_layers(src, dst, pairs, *layers)
             finished.record()
         timings.append((started, finished))
         return finished
@@ -278,6 +278,11 @@ class KVCopier:
         if self._timed_load_seconds < 0.01:
             return LOAD_SPEED_GUESS
         return self._timed_load_bytes / self._timed_load_seconds
+
+    def lands_by_layer(self) -> bool:
+        """Whether the loads queued so far land layer by layer (the last batch went in groups
+        of layers), so a forward queued behind them can wait for each layer (`wait_by_layer`)."""
+        return self._last_loads is not None and None not in self._layer_landed
 
     def loads_land_in(self) -> float | None:
         """Seconds until every load queued so far should have landed, by the host clock and the

@@ -154,13 +154,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput], feed: TokenFeed | None = None,
-                logits_rows: list[int] | None = None) -> torch.Tensor:
+                logits_rows: list[int] | None = None, layer_ready: list[torch.cuda.Event] | None = None
+                ) -> torch.Tensor:
         """float32 logits `[len(chunks), vocab]` for the last token of each chunk.
 
         `feed` takes some chunks' one token from the device (see `TokenFeed`). `logits_rows`:
         return the logits of these rows of the step's flattened tokens instead, in that order
-        (draft tokens to verify, prompt logprobs: a verify graph, or eagerly). The result
-        may be a view of a buffer that the next step overwrites.
+        (draft tokens to verify, prompt logprobs: a verify graph, or eagerly). `layer_ready`:
+        an event per layer that the layer waits for (KV still landing from the CPU tier,
+        worker/kv_copies.py): a prefill graph's segments each wait for theirs
+        (worker/graph_segments.py), an eager step's layers for theirs. The result may be a view
+        of a buffer that the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
@@ -168,9 +172,9 @@ class ModelRunner:
         if feed is not None:
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
         if logits_rows is not None:
-            return self._execute_rows(chunks, feed, logits_rows, num_tokens)
+            return self._execute_rows(chunks, feed, logits_rows, num_tokens, layer_ready)
         graphs = self.graphs
-        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket:
+        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket and layer_ready is None:
             bucket = graphs.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
             if feed is not None:
@@ -180,23 +184,25 @@ class ModelRunner:
         if bucket is not None:
             layout = self.inputs.stage_prefill(chunks, bucket, self._graph_seqs(bucket, "prefill"))
             self._feed_rows(layout, feed)
-            return self._prefill_graphs_for(chunks, bucket, layout.shared_prefix_len).replay(bucket)[: len(chunks)]
+            graphs = self._prefill_graphs_for(chunks, bucket, layout.shared_prefix_len)
+            return graphs.replay(bucket, layer_ready)[: len(chunks)]
         layout = self.inputs.stage(chunks)
         self._feed_rows(layout, feed)
-        return self._forward(layout)
+        return self._forward(layout, None, layer_ready)
 
     def _execute_rows(self, chunks: list[ChunkInput], feed: TokenFeed | None, logits_rows: list[int],
-                      num_tokens: int) -> torch.Tensor:
+                      num_tokens: int, layer_ready: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """The logits of `logits_rows`, in order: the verify graph of the smallest bucket that
-        holds the step (every row it asks for is one of its tokens), else eagerly."""
+        holds the step (every row it asks for is one of its tokens), else eagerly (and with
+        `layer_ready`: the verify graphs are one segment)."""
         bucket = self._token_bucket(self.verify_graphs, num_tokens, len(chunks))
-        if bucket is not None and len(logits_rows) <= bucket:
+        if bucket is not None and len(logits_rows) <= bucket and layer_ready is None:
             layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._graph_seqs(bucket, "verify"))
             self._feed_rows(layout, feed)
             return self.verify_graphs.replay(bucket)[: len(logits_rows)]
         layout = self.inputs.stage(chunks, logits_rows)
         self._feed_rows(layout, feed)
-        return self._forward(layout, layout.logits_rows)
+        return self._forward(layout, layout.logits_rows, layer_ready)
 
     def _prefill_graphs_for(self, chunks: list[ChunkInput], bucket: int, shared_prefix_len: int):
         """The graphs whose `bucket` a staged prefill step replays: without a shared prefix the
@@ -242,10 +248,11 @@ class ModelRunner:
         tokens = feed.tokens.index_select(0, torch.tensor(sources, device=feed.tokens.device))
         input_ids.index_copy_(0, index, tokens.to(input_ids.dtype))
 
-    def _forward(self, layout: StepLayout, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, layout: StepLayout, logits_rows: torch.Tensor | None = None,
+                 layer_ready: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """Eagerly: logits of `logits_rows` (a device index), or of each sequence's last row."""
         metadata = self.backend.metadata_for(layout)
-        hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata)
+        hidden = self.model(layout.input_ids, layout.positions, self.kv_cache, self.backend, metadata, layer_ready)
         return self.model.compute_logits(hidden[layout.last_rows if logits_rows is None else logits_rows])
 
     def _check_contexts(self, chunks: list[ChunkInput]) -> None:

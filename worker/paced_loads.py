@@ -12,6 +12,13 @@ accrued during it goes when it ends. While none are pending it fills to BURST_S 
 most: the first chunks after a quiet spell go at once. While nothing computes (every request
 waits for loads) or a step must wait for the loads, what is pending is queued at once. Loads still land in order (one stream), a batch's landing event after
 its last chunk.
+
+A batch is queued a group of layers at a time, the first layers first (every block's slice of
+layers 0..k, then k+1..2k, ...: worker/block_copies.py `copy_layers`), so that a forward queued
+behind the loads can start on its first layers while the last ones still arrive
+(worker/kv_copies.py). A group is the fewest layers whose slice of a block is at least
+MIN_SLICE_BYTES (one layer of an 8B model's block: 64 KiB), and a batch whose blocks lie in so
+many runs that it would take more than MAX_SLICE_COPIES transfers goes in whole blocks instead.
 """
 
 from __future__ import annotations
@@ -21,11 +28,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from spillway.worker.block_copies import block_runs
+
 # ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s). The engine takes
 # its rate from WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
 LOAD_BYTES_PER_S = 32e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
 BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms
+MIN_SLICE_BYTES = 64 * 2**10  # a pitched copy's rows: one layer of an 8B model's block
+MAX_SLICE_COPIES = 1024  # ~5 ms of host time at ~5 us a launch
 
 
 @dataclass(slots=True)
@@ -36,16 +47,23 @@ class LoadChunk:
     ready: object  # an event after the compute queued before its step's forward
     after: object | None  # the step's stores, where a load refills a GPU slot they read
     batch: int  # its load batch, on the batch's last chunk; 0 on the others
+    first_layer: int  # the blocks' layers it copies: [first_layer, first_layer + num_layers)
+    num_layers: int
+    layers_end: bool  # the last chunk of its layers in its batch: they have all landed after it
+    nbytes: int
 
 
 class PacedLoads:
     """Loads planned and not yet queued on the load stream, in order, and the bucket that
     says how many bytes of them may go now."""
 
-    def __init__(self, block_bytes: int, bytes_per_s: float = LOAD_BYTES_PER_S) -> None:
+    def __init__(self, block_bytes: int, bytes_per_s: float = LOAD_BYTES_PER_S, num_layers: int = 1) -> None:
         if bytes_per_s < 0:
             raise ValueError(f"a load rate must not be negative, got {bytes_per_s}")
         self.block_bytes = block_bytes
+        self.num_layers = num_layers
+        layer_bytes = block_bytes // num_layers
+        self.layers_per_group = min(num_layers, max(1, -(-MIN_SLICE_BYTES // layer_bytes)))
         self.bytes_per_s = bytes_per_s  # 0: never paced
         self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
         self._capacity = max(bytes_per_s * BURST_S, self.chunk_blocks * block_bytes)
@@ -59,16 +77,30 @@ class PacedLoads:
 
     @property
     def pending_bytes(self) -> int:
-        return sum(len(chunk.pairs) for chunk in self._pending) * self.block_bytes
+        return sum(chunk.nbytes for chunk in self._pending)
 
     def add(self, pairs: Sequence[tuple[int, int]], ready: object, after: object | None, batch: int) -> None:
-        """One load batch's copies, cut into chunks behind those pending."""
+        """One load batch's copies, cut into chunks behind those pending: a group of layers
+        after another (module doc), each in chunks of about CHUNK_BYTES."""
         if not self._pending:
             self._refill(bound=True)  # the quiet spell since the last chunk went
-        step = self.chunk_blocks
-        for start in range(0, len(pairs), step):
-            last = start + step >= len(pairs)
-            self._pending.append(LoadChunk(pairs[start:start + step], ready, after, batch if last else 0))
+        groups = self.layer_groups(pairs)
+        for index, (first, count) in enumerate(groups):
+            slice_bytes = self.block_bytes // self.num_layers * count
+            step = max(1, CHUNK_BYTES // slice_bytes)
+            for start in range(0, len(pairs), step):
+                group_end = start + step >= len(pairs)
+                last = group_end and index == len(groups) - 1
+                chunk_pairs = pairs[start:start + step]
+                self._pending.append(LoadChunk(chunk_pairs, ready, after, batch if last else 0, first, count,
+                                               group_end, len(chunk_pairs) * slice_bytes))
+
+    def layer_groups(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(first layer, count) of each group a batch of `pairs` is queued in, in order."""
+        size = self.layers_per_group
+        if size >= self.num_layers or len(block_runs(pairs)) * -(-self.num_layers // size) > MAX_SLICE_COPIES:
+            return [(0, self.num_layers)]
+        return [(first, min(size, self.num_layers - first)) for first in range(0, self.num_layers, size)]
 
     def take(self, pace: bool) -> list[LoadChunk]:
         """The chunks to queue now, in order: all of them unless `pace`, else as many as the
@@ -76,7 +108,7 @@ class PacedLoads:
         self._refill(bound=False)  # loads have been pending since the last refill
         taken = []
         while self._pending:
-            size = len(self._pending[0].pairs) * self.block_bytes
+            size = self._pending[0].nbytes
             if pace and self.bytes_per_s and size > self._bucket:
                 break
             self._bucket = max(0.0, self._bucket - size)

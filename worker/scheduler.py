@@ -93,6 +93,7 @@ class Scheduler(StepCommits, Admission):
         self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []  # sorted by queue_key: the newest is last
         self._requests: dict[str, Request] = {}
+        self.last_received = 0.0  # the newest request's arrival, on the monotonic clock
         # Running requests admitted on prefix blocks whose load has not landed, with the load
         # batch they wait for (`loads_landed`).
         self._awaiting_load: dict[str, int] = {}
@@ -158,6 +159,7 @@ class Scheduler(StepCommits, Admission):
             self._hash_full_blocks(request)  # when the sender did not hash the prompt
         insort(self.waiting, request, key=queue_key)
         self._requests[request.request_id] = request
+        self.last_received = max(self.last_received, request.received)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the known ones among `request_ids` as aborted, releasing their blocks now."""

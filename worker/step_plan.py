@@ -46,7 +46,9 @@ class KVCopies:
     loads). A batch is what the device reports as landed, and what its request waits for, so
     a request computes once its own blocks are in, not those of requests admitted with it.
     No forward waits for loads, except one of a step that reuses the GPU slot of a block
-    whose load may still run (`wait_for_loads`: it waits for every load queued)."""
+    whose load may still run, or one planned before the loads land (`wait_for_loads`: it
+    waits for every load queued). `wait_by_layer`: the step was planned before the landing,
+    and its forward may wait layer by layer (each layer after that layer of every load)."""
 
     gpu_to_cpu: tuple[tuple[int, int], ...] = ()
     cpu_to_gpu: tuple[tuple[int, int], ...] = ()
@@ -55,6 +57,7 @@ class KVCopies:
     load_batch: int = 0
     load_batch_ends: tuple[tuple[int, int], ...] = ()
     wait_for_loads: bool = False
+    wait_by_layer: bool = False
 
     def load_batches(self) -> tuple[tuple[int, int], ...]:
         """(number, end) of each load batch; loads given without batches are one, `load_batch`."""

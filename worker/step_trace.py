@@ -5,12 +5,13 @@ One JSON line per loop iteration that stepped the engine, times in milliseconds 
 first line:
 
     {"t": 12.31, "recv": 3, "step_ms": 4.02, "chunks": 5, "tokens": 20, "running": 5, "waiting": 0,
-     "to_gpu_mb": 1440.0, "to_cpu_mb": 0.0, "deltas": 4, "firsts": 4}
+     "to_gpu_mb": 1440.0, "to_cpu_mb": 0.0, "deltas": 4, "firsts": 4, "early": false}
 
 `recv`: Generate messages taken in before the step; `step_ms`: host time of `Engine.step`
 (with asynchronous scheduling a step's device work ends in a later call); `chunks`/`tokens`:
 the step's plan; `to_gpu_mb` / `to_cpu_mb`: tier copies queued so far (cumulative);
-`firsts`: first tokens among the step's `deltas`.
+`firsts`: first tokens among the step's `deltas`; `early`: the step was planned before the loads
+it waits for landed (worker/tier_driver.py).
 Off by default: it costs a few microseconds a step and a write.
 """
 
@@ -41,4 +42,5 @@ class StepTrace:
             "to_cpu_mb": round(copier.bytes_to_cpu / 1e6, 1) if copier else 0.0,
             "deltas": len(deltas),
             "firsts": sum(delta.num_cached_tokens >= 0 for delta in deltas),
+            "early": bool(plan and plan.kv_copies.wait_for_loads),
         }) + "\n")

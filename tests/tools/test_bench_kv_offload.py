@@ -23,6 +23,11 @@ def test_every_row_runs_by_default_with_the_defaults_of_the_h200_figures():
         "qwen3-8b", 2048, 64, 32768, 8192)
 
 
+def test_a_block_is_the_models_layers_of_keys_and_values():
+    assert bench_kv_offload.block_shape(parse_args(["--model", "smollm2-135m"])) == (30, 2, 16, 3, 64)
+    assert bench_kv_offload.block_shape(parse_args(["--block-size", "32"])) == (36, 2, 32, 8, 128)
+
+
 def test_rows_are_taken_in_the_order_given_once_each():
     assert parse_args(["--rows", "reload, both,reload"]).rows == ("reload", "both")
     assert parse_args(["--rows", "interference", "--prefix-tokens", "4096"]).prefix_tokens == 4096

@@ -108,3 +108,45 @@ def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():
     kernel_runner.warm_up(num_tokens=40)
     assert [metadata.shared_prefix_len for metadata in found] == [0]
 
+
+
+class RecordedEvent:
+    """Stands in for a CUDA event that a layer's loads record: its wait is logged."""
+
+    def __init__(self, log: list[tuple[str, int]], layer: int) -> None:
+        self.log, self.layer = log, layer
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.layer))
+
+
+def test_a_step_planned_before_its_loads_land_waits_before_each_layer(monkeypatch):
+    """The step's KV still lands layer by layer (worker/kv_copies.py): its graph's step (here run
+    eagerly over the graph's views; on a GPU its segments wait, worker/graph_segments.py)
+    waits for each layer's event before the layer and computes what the torch path computes;
+    logits rows asked for come back the same way, eagerly."""
+    torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)
+    cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(2))
+    torch_runner.kv_cache.copy_(cache)
+    kernel_runner.kv_cache.copy_(cache)
+    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    log: list[tuple[str, int]] = []
+    for index, layer in enumerate(kernel_runner.model.model.layers):
+        forward = layer.forward
+        monkeypatch.setattr(layer, "forward", lambda *args, index=index, forward=forward: (
+            log.append(("layer", index)), forward(*args))[1])
+    num_layers = kernel_runner.model.num_layers
+    events = [RecordedEvent(log, layer) for layer in range(num_layers)]
+    chunks = _shared_prefix_chunks()
+    got = kernel_runner.execute(chunks, layer_ready=events)
+    assert (cascade.replayed, prefill.replayed) == ([16], [])
+    assert log == [(kind, layer) for layer in range(num_layers) for kind in ("wait", "layer")]
+    assert (got - torch_runner.execute(chunks)).abs().max().item() < 1e-4
+    rows = [0, 2, 5]
+    log.clear()
+    got = kernel_runner.execute(chunks, logits_rows=rows, layer_ready=events)
+    assert (cascade.replayed, prefill.replayed) == ([16], [])
+    assert log == [(kind, layer) for layer in range(num_layers) for kind in ("wait", "layer")]
+    assert got.shape[0] == 3 and (got - torch_runner.execute(chunks, logits_rows=rows)).abs().max().item() < 1e-4
+    assert torch.allclose(kernel_runner.kv_cache, torch_runner.kv_cache, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_manager import BlockManager
-from spillway.worker.kv_copies import block_runs
+from spillway.worker.block_copies import block_runs
 from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
 
 

@@ -244,11 +244,17 @@ def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model_dir, params, monkeypatch):
+@pytest.mark.parametrize("slice_bytes", [1 << 30, 1], ids=["whole-blocks", "by-layer"])
+def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model_dir, params, slice_bytes,
+                                                                           monkeypatch):
     """The device is asked after every load and says "not landed" (a slow link): with nothing
     else to run and the loads due within the lead, the engine plans turn 2 anyway, its forward
-    queued behind the loads' event; the tokens are those of a pool that kept the blocks. The
-    landing is reported later, and the CPU copies are held until then."""
+    queued behind the loads' events, layer by layer where the loads go a layer at a time; the
+    tokens are those of a pool that kept the blocks. The landing is reported later, and the
+    CPU copies are held until then."""
+    from spillway.worker import paced_loads
+
+    monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", slice_bytes)
     def cuda_engine(num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:
         engine = Engine(WorkerConfig(model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
                                      num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
@@ -257,6 +263,10 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
 
     engine, reference = cuda_engine(4, 8), cuda_engine(64, 0)
     copier = engine.executor.kv_copier
+    runner, layer_waits = engine.executor.runner, []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda *args, layer_ready=None, **kwargs: (
+        layer_waits.append(layer_ready), execute(*args, layer_ready=layer_ready, **kwargs))[1])
     reported = copier.landed_through
     held = {"on": False}
     monkeypatch.setattr(copier, "landed_through", lambda wait=False: (
@@ -278,6 +288,10 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
         plans.append(engine.last_plan)
     early = [plan for plan in plans if plan.chunks and plan.kv_copies.wait_for_loads]
     assert len(early) == 1 and early[0].chunks[0].start == 32  # the history came from the tier
+    assert early[0].kv_copies.wait_by_layer
+    waited = [waits for waits in layer_waits if waits is not None]
+    num_layers = runner.kv_cache.shape[1]
+    assert [len(waits) for waits in waited] == ([num_layers] if slice_bytes == 1 else [])
     assert engine.block_manager.tier.num_loading == 2  # never reported landed: still held
     held["on"] = False
     engine.step() if engine.has_work else engine.tier.before_step()

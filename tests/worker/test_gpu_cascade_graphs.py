@@ -27,7 +27,7 @@ PREFIX_BLOCKS = CASCADE_MIN_TOKENS // BLOCK
 def counted_replays(graphs) -> list[int]:
     replayed: list[int] = []
     replay = graphs.replay
-    graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    graphs.replay = lambda bucket, layer_ready=None: replayed.append(bucket) or replay(bucket, layer_ready)
     return replayed
 
 
@@ -84,3 +84,38 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
     new_region = slice(PREFIX_BLOCKS + 8, None)
     drift = (graphed.kv_cache[new_region].float() - eager.kv_cache[new_region].float()).norm()
     assert float(drift / eager.kv_cache[new_region].float().norm()) < tolerance
+
+
+def test_a_step_whose_kv_lands_layer_by_layer_replays_each_segment_after_its_layers():
+    """The prefix's KV arrives a layer at a time on another stream, each layer late (a sleep
+    before it): the step queued at once, its graph's segments each after their last layer's
+    event, gives the logits of the step run once everything is in."""
+    dtype = torch.float32
+    hf = random_hf("qwen3", dtype, vocab=VOCAB, layers=10)  # segments of layers 0-3, 4-7, 8-9
+    model = build_model(hf.config, device=CUDA, dtype=dtype)
+    model.load_weights(hf.state_dict().items())
+    num_blocks = PREFIX_BLOCKS + 96
+    graphed, eager = (ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, device=CUDA, dtype=dtype,
+                                  max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048) for _ in range(2))
+    eager.kv_cache.normal_()
+    graphed.capture_graphs(8)
+    num_layers = model.num_layers
+    assert graphed.cascade_graphs.segment_starts == [0, 4, 8]
+    replayed = counted_replays(graphed.cascade_graphs)
+    chunks = convoy(random.Random(7), PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 3 + [9])
+    expected = eager.execute(chunks)
+    landed = torch.zeros_like(eager.kv_cache)
+    graphed.kv_cache.copy_(landed)
+    loads, events = torch.cuda.Stream(), []
+    loads.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(loads):
+        for layer in range(num_layers):
+            torch.cuda._sleep(20_000_000)  # ~10 ms a layer: far longer than the step's segments
+            graphed.kv_cache[:, layer].copy_(eager.kv_cache[:, layer])
+            events.append(torch.cuda.Event())
+            events[-1].record()
+    got = graphed.execute(chunks, layer_ready=events).clone()
+    assert not events[-1].query()  # queued behind the loads, not after them
+    torch.cuda.synchronize()
+    assert replayed == [32]
+    assert float((got - expected).norm() / expected.norm()) < 1e-3

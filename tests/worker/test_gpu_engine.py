@@ -66,7 +66,7 @@ def test_fp32_logits_match_hf_through_prefill_and_padded_decode_graphs(family, u
     if use_graphs:
         runner.capture_graphs(8)
         replay = runner.prefill_graphs.replay
-        runner.prefill_graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+        runner.prefill_graphs.replay = lambda bucket, layer_ready=None: replayed.append(bucket) or replay(bucket, layer_ready)
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 15, 16, 17, 70)]
     pool = list(range(64))

@@ -10,7 +10,7 @@ from test_cpu_tier_engine import DEVICES, engine_for, model_dir  # noqa: F401 (a
 
 from spillway.protocol.config import WorkerConfig
 from spillway.worker.engine import Engine
-from spillway.worker.kv_copies import block_runs, copy_blocks
+from spillway.worker.block_copies import block_runs, copy_blocks
 
 
 def test_the_copier_paces_loads_at_the_configured_rate(model_dir):

@@ -163,15 +163,16 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
 
 def test_paced_loads_wait_to_be_pumped_and_land_after_the_compute_before_their_step():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)  # 128 blocks a chunk; one goes at once
+    # A layer of a block is 64 KiB: a chunk is one layer of all 1,024 blocks; one goes at once.
+    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)
     cpu.fill_(3.0)
     torch.cuda._sleep(50_000_000)  # compute is busy when the loads are planned
     gpu.fill_(1.0)  # written by the steps before: the loads must land after it
     copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(NUM_BLOCKS)), load_batch=1), pace=True)
-    assert len(copier.pending_loads) == NUM_BLOCKS // 128 - 1
+    assert len(copier.pending_loads) == BLOCK_SHAPE[0] - 1
     torch.cuda.synchronize()
     assert copier.landed_through() == 0  # its last chunk is not even queued
-    assert bool((gpu[:128] == 3.0).all()) and bool((gpu[128:] == 1.0).all())
+    assert bool((gpu[:, 0] == 3.0).all()) and bool((gpu[:, 1:] == 1.0).all())
     copier.pump(pace=False)
     assert not copier.pending_loads
     assert copier.landed_through(wait=True) == 1
@@ -190,3 +191,52 @@ def test_a_step_reusing_a_slot_still_loading_waits_for_the_paced_loads_too():
     torch.cuda.synchronize()
     assert bool((gpu == 9.0).all())
     assert copier.landed_through() == 1
+
+
+def test_a_forward_planned_before_the_landing_waits_for_each_layer_of_every_load_queued():
+    """Two batches, the second late: the events returned are per layer, and each says that
+    layer of both batches has landed while later layers may still be on their way."""
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    for layer in range(BLOCK_SHAPE[0]):
+        cpu[:, layer].fill_(10.0 + layer)
+    half = NUM_BLOCKS // 2
+    copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(half)), load_batch=1))
+    with torch.cuda.stream(copier.load_stream):
+        torch.cuda._sleep(STALL_CYCLES)
+    # Descending slots: the run a write-back in eviction order makes.
+    loads = tuple((slot, slot) for slot in reversed(range(half, NUM_BLOCKS)))
+    waits = copier.run(KVCopies(cpu_to_gpu=loads, load_batch=2, wait_for_loads=True, wait_by_layer=True))
+    assert waits is not None and len(waits) == BLOCK_SHAPE[0] and len(set(map(id, waits))) == BLOCK_SHAPE[0]
+    sums = []
+    for layer, event in enumerate(waits):  # what the forward reads at each layer, in order
+        event.wait()
+        sums.append(gpu[:, layer].float().sum())
+    torch.cuda.synchronize()
+    per_layer = gpu[:, 0].numel()
+    assert [total.item() for total in sums] == [(10.0 + layer) * per_layer for layer in range(BLOCK_SHAPE[0])]
+    assert copier.landed_through() == 2
+
+
+def test_a_forward_that_only_reuses_a_loading_slot_waits_for_the_loads_as_a_whole():
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    copier.run(KVCopies(cpu_to_gpu=((0, 0),), load_batch=1))
+    assert copier.run(KVCopies(wait_for_loads=True)) is None
+
+
+def test_a_batch_in_whole_blocks_gives_no_layer_to_wait_for_and_the_forward_waits_for_it_all(monkeypatch):
+    from spillway.worker import paced_loads
+
+    monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 8)  # two scattered blocks: 16 copies by layer
+    gpu, cpu = pools()
+    copier = KVCopier(gpu, cpu)
+    copier.run(KVCopies(cpu_to_gpu=((0, 0), (1, 1)), load_batch=1))
+    assert copier.lands_by_layer()
+    cpu[4].fill_(5.0)
+    with torch.cuda.stream(copier.load_stream):
+        torch.cuda._sleep(STALL_CYCLES)  # the whole batch is late
+    copier.run(KVCopies(cpu_to_gpu=((2, 2), (4, 6)), load_batch=2))
+    assert not copier.lands_by_layer()
+    assert copier.run(KVCopies(wait_for_loads=True, wait_by_layer=True)) is None  # queued on compute instead
+    assert gpu[6].float().mean().item() == 5.0  # read after that wait

@@ -59,9 +59,9 @@ class EagerGraphs(StepGraphs):
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 
-    def replay(self, bucket: int) -> torch.Tensor:
+    def replay(self, bucket: int, layer_ready=None) -> torch.Tensor:
         self.replayed.append(bucket)
-        return self.steps[bucket]()
+        return self.steps[bucket]() if layer_ready is None else self.steps[bucket](layer_ready)
 
 
 def qwen3_pair(seed: int = 0):

@@ -14,7 +14,7 @@ Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -172,12 +172,17 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         metadata: AttentionMetadata,
+        layer_ready: Sequence[torch.cuda.Event] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states `[rows, hidden_size]` for packed tokens `[rows]`."""
+        """Final hidden states `[rows, hidden_size]` for packed tokens `[rows]`. `layer_ready`:
+        an event per layer that the current stream waits for before that layer (its KV is
+        still landing: worker/kv_copies.py)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.ops.rope_for_step(self.rotary, positions, hidden.dtype)
         residual = None
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
+            if layer_ready is not None:
+                layer_ready[index].wait()
             hidden, residual = layer(hidden, residual, rope, kv_cache, backend, metadata)
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden

@@ -1,0 +1,39 @@
+"""A step's graph in segments of layers (worker/graph_segments.py): where the segments start,
+the order of waits and replays (host only, stand-ins for graphs and events), and on a GPU a
+segmented prefill graph's step against the same step in one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spillway.worker.graph_segments import replay_segments, segment_starts
+
+
+class Logged:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(f"wait {self.name}")
+
+    def replay(self) -> None:
+        self.log.append(f"replay {self.name}")
+
+
+def test_segments_start_every_four_layers_and_the_last_takes_the_rest():
+    assert segment_starts(36) == [0, 4, 8, 12, 16, 20, 24, 28, 32]
+    assert segment_starts(30) == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert segment_starts(3) == [0]
+    assert segment_starts(10, layers_per_segment=5) == [0, 5]
+
+
+def test_each_segment_replays_after_the_event_of_its_last_layer_and_without_events_at_once():
+    log: list[str] = []
+    graphs = [Logged(log, f"g{index}") for index in range(3)]
+    events = [Logged(log, f"layer {layer}") for layer in range(10)]
+    replay_segments(graphs, [0, 4, 8], 10, events)
+    assert log == ["wait layer 3", "replay g0", "wait layer 7", "replay g1", "wait layer 9", "replay g2"]
+    log.clear()
+    replay_segments(graphs, [0, 4, 8], 10)
+    assert log == ["replay g0", "replay g1", "replay g2"]
