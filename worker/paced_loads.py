@@ -16,9 +16,12 @@ its last chunk.
 A batch is queued a group of layers at a time, the first layers first (every block's slice of
 layers 0..k, then k+1..2k, ...: worker/block_copies.py `copy_layers`), so that a forward queued
 behind the loads can start on its first layers while the last ones still arrive
-(worker/kv_copies.py). A group is the fewest layers whose slice of a block is at least
-MIN_SLICE_BYTES (one layer of an 8B model's block: 64 KiB), and a batch whose blocks lie in so
-many runs that it would take more than MAX_SLICE_COPIES transfers goes in whole blocks instead.
+(worker/kv_copies.py). A group is a whole number of the step graphs' segments (4 layers,
+worker/graph_segments.py) whose slice of a block is at least MIN_SLICE_BYTES: the driver
+builds a pitched copy row by row on the host, so a group a layer took the admission of a
+10k-token prefix's load 4-8 ms more host time on the H200's host (36 x 626 rows), while the
+graphs wait a segment at a time anyway. A batch whose blocks lie in so many runs that it would
+take more than MAX_SLICE_COPIES transfers goes in whole blocks instead.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spillway.worker.block_copies import block_runs
+from spillway.worker.graph_segments import LAYERS_PER_SEGMENT
 
 # ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s). The engine takes
 # its rate from WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
 LOAD_BYTES_PER_S = 32e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
 BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms
-MIN_SLICE_BYTES = 64 * 2**10  # a pitched copy's rows: one layer of an 8B model's block
+MIN_SLICE_BYTES = 64 * 2**10  # a pitched copy's rows at least: one layer of an 8B model's block
 MAX_SLICE_COPIES = 1024  # ~5 ms of host time at ~5 us a launch
 
 
@@ -62,8 +66,10 @@ class PacedLoads:
             raise ValueError(f"a load rate must not be negative, got {bytes_per_s}")
         self.block_bytes = block_bytes
         self.num_layers = num_layers
+        # Whole segments of the step's graphs (worker/graph_segments.py), at least MIN_SLICE_BYTES
         layer_bytes = block_bytes // num_layers
-        self.layers_per_group = min(num_layers, max(1, -(-MIN_SLICE_BYTES // layer_bytes)))
+        group = max(LAYERS_PER_SEGMENT, -(-MIN_SLICE_BYTES // layer_bytes))
+        self.layers_per_group = min(num_layers, -(-group // LAYERS_PER_SEGMENT) * LAYERS_PER_SEGMENT)
         self.bytes_per_s = bytes_per_s  # 0: never paced
         self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
         self._capacity = max(bytes_per_s * BURST_S, self.chunk_blocks * block_bytes)

@@ -255,6 +255,7 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
     from spillway.worker import paced_loads
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)  # the model has 2 layers: a group each
     def cuda_engine(num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:
         engine = Engine(WorkerConfig(model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
                                      num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))

@@ -82,29 +82,30 @@ def test_a_rate_of_zero_never_paces_and_a_negative_one_is_refused(clock):
         PacedLoads(block_bytes=MiB, bytes_per_s=-1)
 
 
-def test_a_batch_goes_a_layer_at_a_time_first_layers_first_and_names_each_layers_end(clock):
-    # 4 layers of 16 MiB a block: a chunk holds one layer of 4 blocks.
-    loads = PacedLoads(block_bytes=64 * MiB, num_layers=4)
+def test_a_batch_goes_a_group_of_layers_at_a_time_first_layers_first_and_names_each_groups_end(clock):
+    # 8 layers of 4 MiB a block: groups of 4 layers (a graph segment), a chunk one group of 4 blocks.
+    loads = PacedLoads(block_bytes=32 * MiB, num_layers=8)
     loads.add(pairs(6), "ready", None, batch=3)
     chunks = loads.take(pace=False)
     assert [(chunk.first_layer, chunk.num_layers, len(chunk.pairs)) for chunk in chunks] == [
-        (layer, 1, size) for layer in range(4) for size in (4, 2)]
-    assert [chunk.layers_end for chunk in chunks] == [False, True] * 4
-    assert [chunk.batch for chunk in chunks] == [0] * 7 + [3]
-    assert [chunk.nbytes for chunk in chunks] == [64 * MiB, 32 * MiB] * 4
+        (first, 4, size) for first in (0, 4) for size in (4, 2)]
+    assert [chunk.layers_end for chunk in chunks] == [False, True] * 2
+    assert [chunk.batch for chunk in chunks] == [0, 0, 0, 3]
+    assert [chunk.nbytes for chunk in chunks] == [64 * MiB, 32 * MiB] * 2
     assert all(chunk.pairs == pairs(6)[:4] for chunk in chunks[::2])
 
 
-def test_layers_smaller_than_a_copy_row_go_in_groups_and_scattered_blocks_whole(clock, monkeypatch):
+def test_small_layers_go_in_larger_groups_whole_segments_and_scattered_blocks_whole(clock, monkeypatch):
     loads = PacedLoads(block_bytes=30 * 12 * 2**10, num_layers=30)  # SmolLM2-135M: 12 KiB a layer
-    assert loads.layer_groups(pairs(3)) == [(first, 6) for first in range(0, 30, 6)]
+    assert loads.layer_groups(pairs(3)) == [(0, 8), (8, 8), (16, 8), (24, 6)]  # 64 KiB: 6 layers, 2 segments
     loads = PacedLoads(block_bytes=7 * 40 * 2**10, num_layers=7)
-    assert loads.layer_groups(pairs(3)) == [(0, 2), (2, 2), (4, 2), (6, 1)]
-    monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 8)
-    scattered = tuple((2 * i, 2 * i) for i in range(3))  # three runs: 12 copies by layer groups
-    assert loads.layer_groups(pairs(3)) == [(0, 2), (2, 2), (4, 2), (6, 1)]
+    assert loads.layer_groups(pairs(3)) == [(0, 4), (4, 3)]
+    monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 4)
+    scattered = tuple((2 * i, 2 * i) for i in range(3))  # three runs: 6 copies by layer groups
+    assert loads.layer_groups(pairs(3)) == [(0, 4), (4, 3)]
     assert loads.layer_groups(scattered) == [(0, 7)]
     loads.add(scattered, "ready", None, batch=1)
     (chunk,) = loads.take(pace=False)
     assert (chunk.first_layer, chunk.num_layers, chunk.layers_end, chunk.batch) == (0, 7, True, 1)
     assert PacedLoads(block_bytes=MiB).layer_groups(pairs(2)) == [(0, 1)]  # one layer: whole blocks
+    assert PacedLoads(block_bytes=4 * MiB, num_layers=4).layer_groups(pairs(2)) == [(0, 4)]  # one segment
