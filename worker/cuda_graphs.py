@@ -75,22 +75,17 @@ consumed (sampled) before the next replay.
 
 from __future__ import annotations
 
-import bisect
 import functools
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from spillway.worker.graph_segments import SegmentCapture, replay_segments, segment_starts
+from spillway.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from spillway.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 
 # Past 512 tokens a step still pays ~20 ms of eager launches for an 8B model (36 layers), as much
@@ -167,63 +162,6 @@ class GraphBuckets:
         verify bucket's."""
         seqs = [prefill_graph_seqs(size, self.max_num_seqs) for size in self.prefill]
         return max(self.decode[-1], *seqs, *self.verify)
-
-
-class StepGraphs:
-    """Captured steps by bucket; `replay(bucket)` returns that graph's logits buffer."""
-
-    def __init__(self, buckets: list[int], device: torch.device, kind: str = "decode",
-                 num_layers: int | None = None) -> None:
-        self.buckets = sorted(buckets)
-        self.device = device
-        self.kind = kind
-        self.max_bucket = self.buckets[-1]
-        # `num_layers`: each step a graph per segment of layers (worker/graph_segments.py)
-        self.num_layers = num_layers
-        self.segment_starts = segment_starts(num_layers) if num_layers else None
-        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-
-    def bucket_for(self, size: int) -> int:
-        """The smallest bucket >= size; size must be <= `max_bucket`."""
-        return self.buckets[bisect.bisect_left(self.buckets, size)]
-
-    @torch.inference_mode()
-    def capture(self, step_for: Callable[[int], Callable[[], torch.Tensor]],
-                pad: Callable[[int], None], pool=None) -> None:
-        """Capture `step_for(bucket)()` for every bucket over inputs that `pad(bucket)` fills,
-        into the memory `pool` (a new one when None)."""
-        started = time.perf_counter()
-        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        for bucket in reversed(self.buckets):
-            step = step_for(bucket)
-            pad(bucket)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                step()  # compiles and autotunes kernels, creates library handles
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self.segment_starts is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._outputs[bucket] = step()
-                self._graphs[bucket] = [graph]
-            else:
-                with torch.cuda.stream(stream):
-                    capture = SegmentCapture(pool, self.segment_starts, self.num_layers)
-                    self._graphs[bucket], self._outputs[bucket] = capture.run(step)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %s graphs for buckets %s in %.1f s", self.kind, self.buckets,
-                    time.perf_counter() - started)
-
-    def replay(self, bucket: int, layer_ready: Sequence | None = None) -> torch.Tensor:
-        """`layer_ready`: an event per layer that the step waits for (segmented graphs only)."""
-        if self.segment_starts is None:
-            assert layer_ready is None, "a graph of one segment cannot wait for its layers"
-            self._graphs[bucket][0].replay()
-        else:
-            replay_segments(self._graphs[bucket], self.segment_starts, self.num_layers, layer_ready)
-        return self._outputs[bucket]
 
 
 def decode_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:

@@ -23,14 +23,13 @@ work at once; events order them:
   while nothing else runs (worker/tier_driver.py `plan_before_landing`: its host time passes
   while the loads land). `loads_land_in` estimates the landing on the host clock from the
   bytes queued and the loads' timed speed.
-- Loads go a group of layers at a time, first layers first (worker/paced_loads.py), and the
-  copier keeps an event per layer after that layer of every load queued. A step planned
-  before the landing (`wait_by_layer`) waits layer by layer: `run` returns those events and
-  its forward (eager) waits for layer l's before computing layer l, so it computes the first
-  layers while the last ones arrive and ends about one layer's time after the landing:
+- Loads go a group of layers at a time, first layers first (worker/paced_loads.py), with an
+  event per layer after that layer of every load queued. A step planned before the landing
+  (`wait_by_layer`) gets them from `run`, and its graph's segments each wait for their own
+  (worker/step_graphs.py): it computes the first layers while the last ones arrive.
 
-    load stream:    ... layer 0 ─● ─ layer 1 ─● ─ ... ─ layer L-1 ─●
-    compute stream:    wait 0 ─ layer 0 ─ wait 1 ─ layer 1 ─ ... ─ wait L-1 ─ layer L-1 ─ logits
+    load stream:    ... layers 0-3 ─● ─ layers 4-7 ─● ─ ... ─ layers 32-35 ─●
+    compute stream:   wait ─ graph 0 ─ wait ─ graph 1 ─ ... ─ wait ─ graph 8 ─ logits
 - A load into a GPU slot that a store of the same step reads waits for the stores (the
   block manager may give an evicted block's slot to a block loaded in the same step); when
   the step's load destinations and store sources are disjoint, both directions run at once.
@@ -48,13 +47,12 @@ While other requests compute, loads are queued in chunks no faster than a set ra
 stores) are recorded at `run`, and `pump` queues what the rate allows since. A step that waits
 for loads (`wait_for_loads`) first queues every chunk still pending, as does waiting for them all.
 
-Each direction is timed by events on its own stream (a load's time starts after its wait).
-On the CPU device the same copies run in order, synchronously.
+Each direction is timed by events on its own stream (a load's time starts after its wait). On
+the CPU device the same copies run in order, synchronously.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -64,8 +62,6 @@ import torch
 from spillway.worker.block_copies import copy_blocks, copy_layers
 from spillway.worker.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
 from spillway.worker.step_plan import KVCopies
-
-logger = logging.getLogger(__name__)
 
 # A load's speed before any was timed: a little under the pinned host-to-device copies measured
 # on the H200 (55 GB/s). Only the estimate of when loads land uses it (`loads_land_in`).

@@ -12,7 +12,9 @@ A step, on any device:
                `short_query_tokens` (and the bucket has one);
                a step asking for `logits_rows` (verification, prompt logprobs) of at most
                256 tokens, with speculative decoding on: the verify graph of its token bucket;
-               anything else (larger steps, enforce_eager, CPU): run the model eagerly
+               anything else (larger steps, enforce_eager, CPU): run the model eagerly;
+               a step whose KV still lands from the CPU tier: its prefill graph's segments
+               each after their layers (worker/step_graphs.py), or eagerly layer by layer
            ──► float32 logits of each chunk's last token, or of the `logits_rows` asked for
 
 Nothing on this path reads device memory back; the sampler's copy of the sampled tokens is
@@ -161,10 +163,8 @@ class ModelRunner:
         `feed` takes some chunks' one token from the device (see `TokenFeed`). `logits_rows`:
         return the logits of these rows of the step's flattened tokens instead, in that order
         (draft tokens to verify, prompt logprobs: a verify graph, or eagerly). `layer_ready`:
-        an event per layer that the layer waits for (KV still landing from the CPU tier,
-        worker/kv_copies.py): a prefill graph's segments each wait for theirs
-        (worker/graph_segments.py), an eager step's layers for theirs. The result may be a view
-        of a buffer that the next step overwrites.
+        an event per layer (KV landing from the CPU tier): each graph segment or eager layer
+        waits for its own. The result may be a view of a buffer the next step overwrites.
         """
         assert chunks, "a step needs at least one chunk"
         self._check_contexts(chunks)
@@ -193,8 +193,8 @@ class ModelRunner:
     def _execute_rows(self, chunks: list[ChunkInput], feed: TokenFeed | None, logits_rows: list[int],
                       num_tokens: int, layer_ready: list[torch.cuda.Event] | None = None) -> torch.Tensor:
         """The logits of `logits_rows`, in order: the verify graph of the smallest bucket that
-        holds the step (every row it asks for is one of its tokens), else eagerly (and with
-        `layer_ready`: the verify graphs are one segment)."""
+        holds the step (every row it asks for is one of its tokens), else (or with
+        `layer_ready`: verify graphs are one segment) eagerly."""
         bucket = self._token_bucket(self.verify_graphs, num_tokens, len(chunks))
         if bucket is not None and len(logits_rows) <= bucket and layer_ready is None:
             layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._graph_seqs(bucket, "verify"))

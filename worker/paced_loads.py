@@ -17,7 +17,7 @@ A batch is queued a group of layers at a time, the first layers first (every blo
 layers 0..k, then k+1..2k, ...: worker/block_copies.py `copy_layers`), so that a forward queued
 behind the loads can start on its first layers while the last ones still arrive
 (worker/kv_copies.py). A group is a whole number of the step graphs' segments (4 layers,
-worker/graph_segments.py) whose slice of a block is at least MIN_SLICE_BYTES: the driver
+worker/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the driver
 builds a pitched copy row by row on the host, so a group a layer took the admission of a
 10k-token prefix's load 4-8 ms more host time on the H200's host (36 x 626 rows), while the
 graphs wait a segment at a time anyway. A batch whose blocks lie in so many runs that it would
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spillway.worker.block_copies import block_runs
-from spillway.worker.graph_segments import LAYERS_PER_SEGMENT
+from spillway.worker.step_graphs import LAYERS_PER_SEGMENT
 
 # ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s). The engine takes
 # its rate from WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
@@ -66,7 +66,7 @@ class PacedLoads:
             raise ValueError(f"a load rate must not be negative, got {bytes_per_s}")
         self.block_bytes = block_bytes
         self.num_layers = num_layers
-        # Whole segments of the step's graphs (worker/graph_segments.py), at least MIN_SLICE_BYTES
+        # Whole segments of the step's graphs (worker/step_graphs.py), at least MIN_SLICE_BYTES
         layer_bytes = block_bytes // num_layers
         group = max(LAYERS_PER_SEGMENT, -(-MIN_SLICE_BYTES // layer_bytes))
         self.layers_per_group = min(num_layers, -(-group // LAYERS_PER_SEGMENT) * LAYERS_PER_SEGMENT)

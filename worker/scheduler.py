@@ -183,13 +183,17 @@ class Scheduler(StepCommits, Admission):
         (speculative decoding; never with `ahead`), where blocks are free without preempting.
         `before_landing`: the running requests that wait for CPU-tier loads are planned too,
         and the step's forward waits for every load queued (the engine asks for it when
-        nothing else runs and the loads are about to land: worker/tier_driver.py)."""
+        nothing else runs and the loads are about to land: worker/tier_driver.py), as are
+        requests admitted now on those loads."""
         assert not (ahead and lookahead), "draft tokens need every token of the step before"
         if self._finished_holding:
             self.release_finished()
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         num_preemptions_before = self.num_preemptions
+        # Before the landing, a request arriving now on blocks of those loads (a burst's late
+        # member) joins the step too: it waits for nothing the step does not wait for already.
+        join_through = max(self._awaiting_load.values(), default=0) if before_landing else 0
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -214,7 +218,7 @@ class Scheduler(StepCommits, Admission):
         # After running out of blocks, admitting new work would only be preempted again.
         preempted = self.num_preemptions != num_preemptions_before
         while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
-            admitted, chunk = self._admit(self.waiting[0], budget)
+            admitted, chunk = self._admit(self.waiting[0], budget, join_through)
             if not admitted:
                 break  # strict queue order: nobody overtakes a request that does not fit
             if chunk is not None:  # None: it waits for a load

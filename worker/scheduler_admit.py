@@ -24,9 +24,11 @@ def queue_key(request: Request) -> tuple[int, int]:
 class Admission:
     """`_admit` and `_count_hits` of `Scheduler` (module doc)."""
 
-    def _admit(self, request: Request, budget: int) -> tuple[bool, ScheduledChunk | None]:
+    def _admit(self, request: Request, budget: int, join_through: int = 0) -> tuple[bool, ScheduledChunk | None]:
         """Move the head of the waiting queue to running: (True, its first chunk), or
-        (True, None) when it waits for a load this step; (False, None) when it does not fit."""
+        (True, None) when it waits for a load this step; (False, None) when it does not fit.
+        `join_through`: the step waits for the load batches up to it (planned before the
+        landing), so a request waiting for no later one computes in it."""
         manager = self.block_manager
         # The last token is always recomputed: its logits give the next token. Prompt
         # logprobs need every prompt position computed: such a request reads no cache.
@@ -49,9 +51,11 @@ class Admission:
         request.num_computed_tokens = num_cached
         insort(self.running, request, key=queue_key)
         awaited = manager.awaited_load_batch(request.request_id)
-        if awaited:
+        if awaited > join_through:
             self._awaiting_load[request.request_id] = awaited
             return True, None
+        if awaited:
+            manager.tier.wait_for_loads_this_step()
         return True, self._chunk(request, num_tokens)
 
     def _count_hits(self, num_queried: int, num_on_gpu: int, num_on_cpu: int) -> None:

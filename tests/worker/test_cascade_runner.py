@@ -122,7 +122,7 @@ class RecordedEvent:
 
 def test_a_step_planned_before_its_loads_land_waits_before_each_layer(monkeypatch):
     """The step's KV still lands layer by layer (worker/kv_copies.py): its graph's step (here run
-    eagerly over the graph's views; on a GPU its segments wait, worker/graph_segments.py)
+    eagerly over the graph's views; on a GPU its segments wait, worker/step_graphs.py)
     waits for each layer's event before the layer and computes what the torch path computes;
     logits rows asked for come back the same way, eagerly."""
     torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)

@@ -223,6 +223,28 @@ def two_histories_on_the_cpu() -> TierHarness:
     return harness
 
 
+def test_a_burst_member_arriving_as_its_step_is_planned_before_the_landing_joins_it():
+    """a-2 waits for batch 1; as its step is planned before the landing, a-late arrives on the
+    same history (the same loads) and joins the step, while b-2, whose history loads in a batch
+    of its own planned now, waits for it: the step would otherwise wait for b's loads too."""
+    harness = two_histories_on_the_cpu()
+    harness.add("a-2", TURN_1[:8] + [70, 71], max_tokens=2)
+    plan, _ = harness.step()
+    assert plan.kv_copies.load_batch == 1 and harness.scheduler.num_awaiting_load == 1
+    harness.add("a-late", TURN_1[:8] + [72, 73], max_tokens=2)
+    harness.add("b-2", list(range(50, 58)) + [80, 81], max_tokens=2)
+    harness.plan_before_landing = True
+    plan, _ = harness.step()
+    assert [chunk.request.request_id for chunk in plan.chunks] == ["a-2", "a-late"]
+    assert plan.kv_copies.wait_for_loads and plan.kv_copies.wait_by_layer
+    assert plan.kv_copies.load_batch == 2 and len(plan.kv_copies.cpu_to_gpu) == 2  # b's history
+    assert harness.scheduler.num_awaiting_load == 1 and harness.scheduler.first_awaited_load == 2
+    harness.hold_loads = False
+    harness.run()  # every step's KV reads are checked
+    assert {name: len(harness.outputs[name]) for name in ("a-2", "a-late", "b-2")} == {"a-2": 2, "a-late": 2, "b-2": 2}
+    harness.manager.check_invariants()
+
+
 def test_requests_waiting_for_loads_planned_before_the_landing_wait_for_the_loads_in_their_step():
     """Nothing else runs: the requests on blocks still landing are planned anyway, their step
     waits for every load queued (the harness applies them first, as the device orders them);

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from spillway.worker.cuda_graphs import StepGraphs, prefill_buckets, prefill_graph_seqs
+from spillway.worker.cuda_graphs import prefill_buckets, prefill_graph_seqs
+from spillway.worker.step_graphs import StepGraphs
 from spillway.worker.attention_triton import graph_prefill_metadata
 from spillway.worker.model_runner import ChunkInput, TokenFeed
 from spillway.worker.step_inputs import StepInputs

@@ -16,7 +16,6 @@ import transformers
 
 from spillway.worker.cuda_graphs import (
     GraphBuckets,
-    StepGraphs,
     cascade_step,
     decode_buckets,
     decode_step,
@@ -24,6 +23,7 @@ from spillway.worker.cuda_graphs import (
     short_cascade_step,
     verify_step,
 )
+from spillway.worker.step_graphs import StepGraphs
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 

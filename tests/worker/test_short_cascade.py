@@ -12,7 +12,8 @@ from test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
 
 import spillway.worker.attention_triton as attention_triton
 from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS, short_query_tokens
-from spillway.worker.cuda_graphs import GraphBuckets, StepGraphs, prefill_buckets
+from spillway.worker.cuda_graphs import GraphBuckets, prefill_buckets
+from spillway.worker.step_graphs import StepGraphs
 from spillway.worker.model_runner import ChunkInput
 from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
 

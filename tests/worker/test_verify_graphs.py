@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from spillway.protocol.config import SpeculativeConfig
-from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS, GraphBuckets, StepGraphs, prefill_buckets
+from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS, GraphBuckets, prefill_buckets
+from spillway.worker.step_graphs import StepGraphs
 from spillway.worker.model_runner import ChunkInput, TokenFeed
 from spillway.worker.step_inputs import StepInputs
 from test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)

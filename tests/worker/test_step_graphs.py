@@ -1,4 +1,4 @@
-"""A step's graph in segments of layers (worker/graph_segments.py): where the segments start,
+"""A step's graph in segments of layers (worker/step_graphs.py): where the segments start,
 the order of waits and replays (host only, stand-ins for graphs and events), and on a GPU a
 segmented prefill graph's step against the same step in one graph."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.graph_segments import replay_segments, segment_starts
+from spillway.worker.step_graphs import replay_segments, segment_starts
 
 
 class Logged:
