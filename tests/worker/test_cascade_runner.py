@@ -47,6 +47,18 @@ def _shared_prefix_chunks() -> list[ChunkInput]:
             ChunkInput([VOCAB - 1, 2], CASCADE_MIN_TOKENS + 20, [*prefix, PREFIX_BLOCKS + 2, PREFIX_BLOCKS + 3])]
 
 
+def _graphed_runners(seed: int):
+    """The torch and kernel runners over one random cache, the kernel runner's prefill graphs
+    and cascade twins run eagerly over their views (EagerGraphs)."""
+    torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)
+    cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(seed))
+    torch_runner.kv_cache.copy_(cache)
+    kernel_runner.kv_cache.copy_(cache)
+    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    return torch_runner, kernel_runner, prefill, cascade
+
+
 # The graph's padded rows hold whatever its buffers held (unspecified by design, never read):
 # the interpreter's numpy says so when that is NaN or huge times something.
 @pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in multiply:RuntimeWarning")
@@ -55,12 +67,7 @@ def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkey
     it reads from the staged inputs, the prefix split 4 ways (sized for the tables' reach of
     1,088 tokens: 16 rows x 3 KV heads on the CPU's 8 stand-in multiprocessors). A step with
     no shared prefix replays the plain prefill graph."""
-    torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)
-    cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(1))
-    torch_runner.kv_cache.copy_(cache)
-    kernel_runner.kv_cache.copy_(cache)
-    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
-    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    torch_runner, kernel_runner, prefill, cascade = _graphed_runners(seed=1)
     launches = []
     launch = attention_triton.cascade_attention
 
@@ -125,12 +132,7 @@ def test_a_step_planned_before_its_loads_land_waits_before_each_layer(monkeypatc
     eagerly over the graph's views; on a GPU its segments wait, worker/step_graphs.py)
     waits for each layer's event before the layer and computes what the torch path computes;
     logits rows asked for come back the same way, eagerly."""
-    torch_runner, kernel_runner, _ = _runners(PREFIX_BLOCKS + 8)
-    cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(2))
-    torch_runner.kv_cache.copy_(cache)
-    kernel_runner.kv_cache.copy_(cache)
-    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
-    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    torch_runner, kernel_runner, prefill, cascade = _graphed_runners(seed=2)
     log: list[tuple[str, int]] = []
     for index, layer in enumerate(kernel_runner.model.model.layers):
         forward = layer.forward

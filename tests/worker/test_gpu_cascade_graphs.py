@@ -44,14 +44,18 @@ def convoy(rng: random.Random, prefix_blocks: int, first_block: int, new: list[i
     return chunks
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(dtype, tolerance):
-    hf = random_hf("qwen3", dtype, vocab=VOCAB)
+def runner_pair(dtype: torch.dtype, layers: int = 3) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners over one random Qwen3 and pools of their own (to capture graphs on the first)."""
+    hf = random_hf("qwen3", dtype, vocab=VOCAB, layers=layers)
     model = build_model(hf.config, device=CUDA, dtype=dtype)
     model.load_weights(hf.state_dict().items())
-    num_blocks = PREFIX_BLOCKS + 96
-    graphed, eager = (ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, device=CUDA, dtype=dtype,
-                                  max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048) for _ in range(2))
+    return tuple(ModelRunner(model, num_blocks=PREFIX_BLOCKS + 96, block_size=BLOCK, device=CUDA, dtype=dtype,
+                             max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(dtype, tolerance):
+    graphed, eager = runner_pair(dtype)
     graphed.kv_cache.normal_()
     eager.kv_cache.copy_(graphed.kv_cache)
     graphed.capture_graphs(8)
@@ -91,12 +95,8 @@ def test_a_step_whose_kv_lands_layer_by_layer_replays_each_segment_after_its_lay
     before it): the step queued at once, its graph's segments each after their last layer's
     event, gives the logits of the step run once everything is in."""
     dtype = torch.float32
-    hf = random_hf("qwen3", dtype, vocab=VOCAB, layers=10)  # segments of layers 0-3, 4-7, 8-9
-    model = build_model(hf.config, device=CUDA, dtype=dtype)
-    model.load_weights(hf.state_dict().items())
-    num_blocks = PREFIX_BLOCKS + 96
-    graphed, eager = (ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK, device=CUDA, dtype=dtype,
-                                  max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048) for _ in range(2))
+    graphed, eager = runner_pair(dtype, layers=10)  # segments of layers 0-3, 4-7, 8-9
+    model = graphed.model
     eager.kv_cache.normal_()
     graphed.capture_graphs(8)
     num_layers = model.num_layers

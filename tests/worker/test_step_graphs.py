@@ -1,11 +1,8 @@
-"""A step's graph in segments of layers (worker/step_graphs.py): where the segments start,
-the order of waits and replays (host only, stand-ins for graphs and events), and on a GPU a
-segmented prefill graph's step against the same step in one graph."""
+"""A step's graph in segments of layers (worker/step_graphs.py): where the segments start, and
+the order of waits and replays (host only, stand-ins for graphs and events; the capture and
+replay on a GPU: tests/worker/test_gpu_cascade_graphs.py)."""
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 from spillway.worker.step_graphs import replay_segments, segment_starts
 
