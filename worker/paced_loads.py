@@ -17,10 +17,10 @@ A batch is queued a group of layers at a time, the first layers first (every blo
 layers 0..k, then k+1..2k, ...: worker/block_copies.py `copy_layers`), so that a forward queued
 behind the loads can start on its first layers while the last ones still arrive
 (worker/kv_copies.py). A group is a whole number of the step graphs' segments (4 layers,
-worker/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the driver
-builds a pitched copy row by row on the host, so a group a layer took the admission of a
-10k-token prefix's load 4-8 ms more host time on the H200's host (36 x 626 rows), while the
-graphs wait a segment at a time anyway. A batch whose blocks lie in so many runs that it would
+worker/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the graphs wait a
+segment at a time anyway, and with a group a layer the step that queued a 10k-token prefix's
+loads took 4-8 ms more host time on the H200's host (36 pitched copies of 626 rows; whether
+the driver's work per row or the copier's per chunk was not measured). A batch whose blocks lie in so many runs that it would
 take more than MAX_SLICE_COPIES transfers goes in whole blocks instead.
 """
 
