@@ -20,8 +20,9 @@ behind the loads can start on its first layers while the last ones still arrive
 worker/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the graphs wait a
 segment at a time anyway, and with a group a layer the step that queued a 10k-token prefix's
 loads took 4-8 ms more host time on the H200's host (36 pitched copies of 626 rows; whether
-the driver's work per row or the copier's per chunk was not measured). A batch whose blocks lie in so many runs that it would
-take more than MAX_SLICE_COPIES transfers goes in whole blocks instead.
+the driver's work per row or the copier's per chunk was not measured). A batch whose blocks
+lie in so many runs that it would take more than MAX_SLICE_COPIES transfers goes in whole
+blocks instead.
 """
 
 from __future__ import annotations

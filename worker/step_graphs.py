@@ -102,7 +102,7 @@ class StepGraphs:
         self.device = device
         self.kind = kind
         self.max_bucket = self.buckets[-1]
-        # `num_layers`: each step a graph per segment of layers (worker/step_graphs.py)
+        # `num_layers`: each step a graph per segment of LAYERS_PER_SEGMENT layers (module doc)
         self.num_layers = num_layers
         self.segment_starts = segment_starts(num_layers) if num_layers else None
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
