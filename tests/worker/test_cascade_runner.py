@@ -127,6 +127,8 @@ class RecordedEvent:
         self.log.append(("wait", self.layer))
 
 
+# As above: the graph's padded rows hold whatever its buffers held.
+@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in (multiply|reduce):RuntimeWarning")
 def test_a_step_planned_before_its_loads_land_waits_before_each_layer(monkeypatch):
     """The step's KV still lands layer by layer (worker/kv_copies.py): its graph's step (here run
     eagerly over the graph's views; on a GPU its segments wait, worker/step_graphs.py)
