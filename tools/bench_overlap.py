@@ -7,7 +7,8 @@ landing, then replays the step's graph), Qwen3-8B's shape with dummy weights.
     python tools/bench_overlap.py --convoy 8x16@32768
 
 Each case times, on the host's clock, from queueing the prefix's loads (`KVCopier.run`) to the
-step's logits on the host: the load alone, the step after the landing, and the step by layer
+step's logits on the host: the load alone (in groups of layers, and in whole blocks as before
+the groups), the step after the landing, and the step by layer
 (with the host time its launch took, which must stay under the load's for the overlap to
 hold, and the host time of queueing the loads); medians of `--repeats`. The step's staged
 inputs go by kernel, as with the engine's tier (kernels/host_copy.py): a copy engine's input
@@ -54,15 +55,23 @@ def build(model: str, seqs: int, new: int, prefix_len: int):
 
 def timed_case(engine, prefix_blocks: int, chunks: list, mode: str) -> tuple[float, float, float]:
     """Milliseconds from queueing the prefix's loads to the step's logits on the host (`mode`
-    "load": the loads alone), and the host milliseconds of queueing the loads and of the
-    step's launch."""
+    "load": the loads alone, in groups of layers; "whole blocks": alone, a copy per run of
+    whole blocks), and the host milliseconds of queueing the loads and of the step's launch."""
     from spillway.worker.step_plan import KVCopies
+
+    from spillway.worker import paced_loads
 
     copier, runner = engine.executor.kv_copier, engine.executor.runner
     loads = tuple((slot, slot) for slot in range(prefix_blocks))
+    groups_at_most = paced_loads.MAX_SLICE_COPIES
+    if mode == "whole blocks":
+        paced_loads.MAX_SLICE_COPIES = -1  # any batch goes in whole blocks, as before the groups
     synchronize()
     begun = time.perf_counter()
-    copier.run(KVCopies(cpu_to_gpu=loads, load_batch=1))
+    try:
+        copier.run(KVCopies(cpu_to_gpu=loads, load_batch=1))
+    finally:
+        paced_loads.MAX_SLICE_COPIES = groups_at_most
     queued = time.perf_counter() - begun
     launch = 0.0
     if mode == "by layer":
@@ -99,7 +108,7 @@ def measure(args) -> dict[str, dict[str, list[tuple[float, float]]]]:
     return results
 
 
-MODES = ("load", "after landing", "by layer")
+MODES = ("load", "whole blocks", "after landing", "by layer")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,15 +126,14 @@ def main(argv: list[str] | None = None) -> None:
           f"on it, and 1 x {new}; {args.model} shape; ms from the loads' start to the logits "
           f"(medians of {args.repeats})", flush=True)
     results = measure(args)
-    print(f"{'case':>7} {'load':>8} {'after landing':>14} {'by layer':>9} {'after / by layer':>17} "
-          f"{'host ms: loads queued, launch (after, by layer)':>48}")
+    print(f"{'case':>7} {'load':>8} {'whole blocks':>13} {'after landing':>14} {'by layer':>9} "
+          f"{'after / by layer':>17}   host ms: loads queued (groups, whole blocks), launch (after, by layer)")
     for case, modes in results.items():
-        load, after, by_layer = (statistics.median(total for total, _, _ in modes[mode]) for mode in MODES)
-        queued = statistics.median(queue for mode in MODES for _, queue, _ in modes[mode])
-        launches = [statistics.median(launch for _, _, launch in modes[mode]) for mode in MODES[1:]]
-        print(f"{case:>7} {load:8.2f} {after:14.2f} {by_layer:9.2f} {after / by_layer:17.3f} "
-              f"{queued:24.2f}, {launches[0]:.2f}, {launches[1]:.2f}")
-
+        load, whole, after, by_layer = (statistics.median(total for total, _, _ in modes[mode]) for mode in MODES)
+        queued = [statistics.median(queue for _, queue, _ in modes[mode]) for mode in MODES[:2]]
+        launches = [statistics.median(launch for _, _, launch in modes[mode]) for mode in MODES[2:]]
+        print(f"{case:>7} {load:8.2f} {whole:13.2f} {after:14.2f} {by_layer:9.2f} {after / by_layer:17.3f}   "
+              f"{queued[0]:.2f}, {queued[1]:.2f}, {launches[0]:.2f}, {launches[1]:.2f}")
 
 if __name__ == "__main__":
     main()

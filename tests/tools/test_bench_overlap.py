@@ -16,5 +16,6 @@ def test_a_run_reports_the_load_and_both_steps_of_each_case(capsys):
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()[:1] in (["convoy"], ["lone"])}
     assert set(rows) == {"convoy", "lone"}
     for values in rows.values():
-        load, after, by_layer, ratio = (float(value.rstrip(",")) for value in values[:4])
-        assert 0 < load <= after and by_layer > 0 and abs(ratio - after / by_layer) < 0.01
+        load, whole, after, by_layer, ratio, *host = (float(value.rstrip(",")) for value in values)
+        assert 0 < load <= after and 0 < whole <= after and by_layer > 0 and abs(ratio - after / by_layer) < 0.01
+        assert len(host) == 4 and all(value >= 0 for value in host)
