@@ -83,17 +83,23 @@ def kernel_table(runner, chunks: list, rows: int = 14) -> str:
     return "\n".join(lines)
 
 
-def measure(model: str, seqs: int, new: int, prefix_len: int, steps: int, profile: bool) -> dict:
-    """This process's tree (whatever `spillway` imports): the convoy's and the lone step."""
+def landing_engine(model: str, seqs: int, new: int, prefix_len: int):
+    """An engine (dummy weights, bfloat16, CUDA where there is one) whose GPU pool holds the
+    prefix's blocks and `seqs` requests' own blocks after them."""
     import torch
 
     from spillway.protocol.config import worker_config_from_env
     from spillway.worker.engine import Engine
 
     num_blocks = prefix_len // BLOCK_SIZE + seqs * -(-new // BLOCK_SIZE) + 64
-    engine = Engine(worker_config_from_env(model=model, load_format="dummy", dtype="bfloat16",
-                                           device="cuda" if torch.cuda.is_available() else "cpu",
-                                           max_model_len=prefix_len + new + 64, num_gpu_blocks_override=num_blocks))
+    return Engine(worker_config_from_env(model=model, load_format="dummy", dtype="bfloat16",
+                                         device="cuda" if torch.cuda.is_available() else "cpu",
+                                         max_model_len=prefix_len + new + 64, num_gpu_blocks_override=num_blocks))
+
+
+def measure(model: str, seqs: int, new: int, prefix_len: int, steps: int, profile: bool) -> dict:
+    """This process's tree (whatever `spillway` imports): the convoy's and the lone step."""
+    engine = landing_engine(model, seqs, new, prefix_len)
     runner = engine.executor.runner
     runner.kv_cache.normal_(0, 0.5)
     convoy = landing_chunks(seqs, new, prefix_len, engine.vocab_size)

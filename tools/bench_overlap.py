@@ -26,21 +26,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
-from tools.bench_landing import BLOCK_SIZE, landing_chunks, synchronize  # noqa: E402
+from tools.bench_landing import BLOCK_SIZE, landing_chunks, landing_engine, synchronize  # noqa: E402
 
 
 def build(model: str, seqs: int, new: int, prefix_len: int):
     """An engine whose GPU pool holds the convoy's blocks and whose CPU tier holds the prefix's."""
-    import torch
-
-    from spillway.protocol.config import worker_config_from_env
-    from spillway.worker.engine import Engine
-
     prefix_blocks = prefix_len // BLOCK_SIZE
-    num_blocks = prefix_blocks + seqs * -(-new // BLOCK_SIZE) + 64
-    engine = Engine(worker_config_from_env(model=model, load_format="dummy", dtype="bfloat16",
-                                           device="cuda" if torch.cuda.is_available() else "cpu",
-                                           max_model_len=prefix_len + new + 64, num_gpu_blocks_override=num_blocks))
+    engine = landing_engine(model, seqs, new, prefix_len)
     executor = engine.executor
     if executor.kv_copier is None:
         executor.allocate_cpu_kv_cache(prefix_blocks, load_bytes_per_s=0)

@@ -1,7 +1,7 @@
 """How many copies the CPU tier's block moves take: the engine on the CPU (a tiny random Llama,
 both pools in host memory, the same plan as on a GPU) through conversations whose histories
 outgrow the GPU pool, counting each step's planned block pairs and the copies
-`kv_copies.copy_blocks` launches for them (one per run of consecutive slots). On a GPU each
+`block_copies.copy_blocks` launches for them (one per run of consecutive slots). On a GPU each
 copy is a host-side launch (~10 us), so a prefix of 626 blocks moved in 626 copies costs a
 step ~6 ms of host time that one copy does not.
 

@@ -39,8 +39,13 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int,
     """`dst[d] = src[s]` for every `(s, d)` in `pairs`, in order, on the current stream
     (asynchronously between pinned host memory and a GPU), a copy per run (`block_runs`).
     A benchmark times this between a pool and the other."""
+    copy_runs(src, dst, block_runs(pairs))
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    """`copy_blocks` of the runs `block_runs` found."""
     non_blocking = src.device.type != dst.device.type
-    for src_start, dst_start, length in block_runs(pairs):
+    for src_start, dst_start, length in runs:
         dst[dst_start:dst_start + length].copy_(src[src_start:src_start + length], non_blocking=non_blocking)
 
 
@@ -81,13 +86,13 @@ def _memcpy_2d_async():
     return _driver
 
 
-def copy_layers(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]], first: int,
+def copy_layers(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]], first: int,
                 count: int) -> None:
-    """`dst[d, first:first + count] = src[s, first:first + count]` for every `(s, d)` in
-    `pairs`, on the current stream (asynchronously between pinned host memory and a GPU), a
-    transfer per run of consecutive slots (`block_runs`)."""
+    """`dst[d, first:first + count] = src[s, first:first + count]` for every block of `runs`
+    (`block_runs` of the (s, d) pairs), on the current stream (asynchronously between pinned
+    host memory and a GPU), a transfer per run."""
     if src.device.type != "cuda" and dst.device.type != "cuda":
-        for src_start, dst_start, length in block_runs(pairs):
+        for src_start, dst_start, length in runs:
             dst[dst_start:dst_start + length, first:first + count] = src[src_start:src_start + length,
                                                                          first:first + count]
         return
@@ -95,7 +100,7 @@ def copy_layers(src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int,
     block_bytes, layer_bytes = src[0].nbytes, src[0, 0].nbytes
     copy = _memcpy_2d_async()
     stream = torch.cuda.current_stream(dst.device if dst.device.type == "cuda" else src.device).cuda_stream
-    for src_start, dst_start, length in block_runs(pairs):
+    for src_start, dst_start, length in runs:
         region = _Memcpy2D(
             srcMemoryType=_MEMORY_UNIFIED, srcDevice=src.data_ptr() + src_start * block_bytes + first * layer_bytes,
             srcPitch=block_bytes,

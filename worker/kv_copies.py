@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from spillway.worker.block_copies import copy_blocks, copy_layers
+from spillway.worker.block_copies import block_runs, copy_blocks, copy_layers, copy_runs
 from spillway.worker.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
 from spillway.worker.step_plan import KVCopies
 
@@ -159,11 +159,11 @@ class KVCopier:
         if copies.gpu_to_cpu or copies.ahead_to_cpu:
             self.store_stream.wait_stream(compute)
         if copies.gpu_to_cpu:
-            stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool, copies.gpu_to_cpu,
+            stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool, block_runs(copies.gpu_to_cpu),
                                  self._store_timings)
         if copies.ahead_to_cpu:
-            self._ahead_stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool, copies.ahead_to_cpu,
-                                             self._store_timings)
+            self._ahead_stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool,
+                                             block_runs(copies.ahead_to_cpu), self._store_timings)
         start, after = 0, stored if _overlap(copies) else None
         if copies.cpu_to_gpu:
             ready = torch.cuda.Event()
@@ -187,7 +187,7 @@ class KVCopier:
         if chunk.after is not None:
             self.load_stream.wait_event(chunk.after)
         layers = None if chunk.num_layers == self.num_layers else (chunk.first_layer, chunk.num_layers)
-        self._last_loads = self._queue(self.load_stream, self.cpu_pool, self.gpu_pool, chunk.pairs,
+        self._last_loads = self._queue(self.load_stream, self.cpu_pool, self.gpu_pool, chunk.runs,
                                        self._load_timings, layers)
         if chunk.layers_end:  # a batch in whole blocks leaves no layer landed apart: none to wait for by layer
             for layer in range(chunk.first_layer, chunk.first_layer + chunk.num_layers):
@@ -199,19 +199,19 @@ class KVCopier:
             self._load_events.append((chunk.batch, self._last_loads))
 
     @staticmethod
-    def _queue(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor, pairs: Sequence[tuple[int, int]],
+    def _queue(stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]],
                timings: list[tuple[torch.cuda.Event, torch.cuda.Event]],
                layers: tuple[int, int] | None = None) -> torch.cuda.Event:
-        """Queue `copy_blocks(src, dst, pairs)` on `stream` (after what it waits for already),
-        or `copy_layers` of `layers` (first, count), between two timing events; returns the
-        one after the copies."""
+        """Queue the copies of `runs` (`block_runs`) on `stream` (after what it waits for
+        already), whole blocks or `layers` (first, count) of them, between two timing events;
+        returns the one after the copies."""
         started, finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             started.record()
             if layers is None:
-                copy_blocks(src, dst, pairs)
+                copy_runs(src, dst, runs)
             else:
-                copy_layers(src, dst, pairs, *layers)
+                copy_layers(src, dst, runs, *layers)
             finished.record()
         timings.append((started, finished))
         return finished

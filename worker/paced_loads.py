@@ -56,6 +56,7 @@ class LoadChunk:
     num_layers: int
     layers_end: bool  # the last chunk of its layers in its batch: they have all landed after it
     nbytes: int
+    runs: list[tuple[int, int, int]]  # `block_runs(pairs)`: a copy each (of its layers)
 
 
 class PacedLoads:
@@ -92,6 +93,7 @@ class PacedLoads:
         if not self._pending:
             self._refill(bound=True)  # the quiet spell since the last chunk went
         groups = self.layer_groups(pairs)
+        runs_of: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # the groups cut the same slices
         for index, (first, count) in enumerate(groups):
             slice_bytes = self.block_bytes // self.num_layers * count
             step = max(1, CHUNK_BYTES // slice_bytes)
@@ -99,8 +101,10 @@ class PacedLoads:
                 group_end = start + step >= len(pairs)
                 last = group_end and index == len(groups) - 1
                 chunk_pairs = pairs[start:start + step]
+                if (start, step) not in runs_of:
+                    runs_of[(start, step)] = block_runs(chunk_pairs)
                 self._pending.append(LoadChunk(chunk_pairs, ready, after, batch if last else 0, first, count,
-                                               group_end, len(chunk_pairs) * slice_bytes))
+                                               group_end, len(chunk_pairs) * slice_bytes, runs_of[(start, step)]))
 
     def layer_groups(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         """(first layer, count) of each group a batch of `pairs` is queued in, in order."""

@@ -4,8 +4,8 @@ landed from the CPU tier waits for each segment's layers alone (worker/kv_copies
 land a group of layers at a time, first layers first).
 
 A forward inside one graph cannot wait for an event recorded outside it, and running the step
-eagerly instead costs the host ~1.1-1.5 ms a layer on the H200's host for Qwen3-8B (the
-launches of 36 layers outlast a 10k-token prefix's ~27 ms load: docs/performance.md). So the
+eagerly instead took the H200's host 23-29 ms to launch for Qwen3-8B (tools/bench_overlap.py:
+longer than a 10k-token prefix's ~27 ms load, docs/performance.md). So the
 prefill graphs and their cascade twins are captured as a graph per LAYERS_PER_SEGMENT layers
 (the embedding goes with the first, the final norm and the logits with the last), and a step
 replays them in order: as one graph, a few host microseconds a segment more; planned before

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.block_copies import copy_blocks, copy_layers
+from spillway.worker.block_copies import block_runs, copy_blocks, copy_layers
 from spillway.worker.cpu_pool import allocate_cpu_pool
 
 SHAPE = (5, 2, 4, 3, 8)  # layers, K/V, block size, KV heads, head dim
@@ -35,7 +35,7 @@ def expected_after(src: torch.Tensor, dst: torch.Tensor, first: int, count: int)
 def test_a_slice_of_layers_lands_in_its_blocks_and_nothing_else_changes(first, count):
     src, dst = numbered_pool(12), -numbered_pool(12)
     expected = expected_after(src, dst, first, count)
-    copy_layers(src, dst, PAIRS, first, count)
+    copy_layers(src, dst, block_runs(PAIRS), first, count)
     assert torch.equal(dst, expected)
 
 
@@ -43,7 +43,7 @@ def test_every_layer_one_at_a_time_is_the_whole_block_copy():
     src = numbered_pool(12)
     by_layer, whole = torch.zeros_like(src), torch.zeros_like(src)
     for layer in range(SHAPE[0]):
-        copy_layers(src, by_layer, PAIRS, layer, 1)
+        copy_layers(src, by_layer, block_runs(PAIRS), layer, 1)
     copy_blocks(src, whole, PAIRS)
     assert torch.equal(by_layer, whole)
 
@@ -54,12 +54,12 @@ def test_every_layer_one_at_a_time_is_the_whole_block_copy():
 def test_a_slice_of_layers_goes_from_pinned_memory_to_the_gpu_and_back_byte_for_byte(first, count):
     host, device = numbered_pool(12, pinned=True), -numbered_pool(12, "cuda")
     expected = expected_after(host, device.cpu(), first, count)
-    copy_layers(host, device, PAIRS, first, count)
+    copy_layers(host, device, block_runs(PAIRS), first, count)
     torch.cuda.synchronize()
     assert torch.equal(device.cpu(), expected)
     back = allocate_cpu_pool(12, SHAPE, torch.float32, pinned=True)
     back.zero_()
-    copy_layers(device, back, [(dst, src) for src, dst in PAIRS], first, count)
+    copy_layers(device, back, block_runs([(dst, src) for src, dst in PAIRS]), first, count)
     torch.cuda.synchronize()
     reference = torch.zeros_like(back)
     for src_slot, dst_slot in PAIRS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.worker import paced_loads
+from spillway.worker.block_copies import block_runs
 from spillway.worker.paced_loads import PacedLoads
 
 MiB = 2**20
@@ -93,6 +94,8 @@ def test_a_batch_goes_a_group_of_layers_at_a_time_first_layers_first_and_names_e
     assert [chunk.batch for chunk in chunks] == [0, 0, 0, 3]
     assert [chunk.nbytes for chunk in chunks] == [64 * MiB, 32 * MiB] * 2
     assert all(chunk.pairs == pairs(6)[:4] for chunk in chunks[::2])
+    assert all(chunk.runs == block_runs(chunk.pairs) for chunk in chunks)
+    assert chunks[0].runs is chunks[2].runs  # each slice's runs found once for every group
 
 
 def test_small_layers_go_in_larger_groups_whole_segments_and_scattered_blocks_whole(clock, monkeypatch):
