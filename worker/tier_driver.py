@@ -29,10 +29,15 @@ IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
 # once they should land within PLAN_OVERLAPPED_S, and most of its device time (5.6 ms for one
 # request, 11.4 for 50 on the H200) passes meanwhile too; but not while requests still come in
 # (none for ARRIVALS_QUIET_S): a burst on one prefix reaches the worker over ~10 ms, and a member
-# that arrives after the plan computes in the step after, which waits behind it.
+# that arrives after the plan computes in the step after, which waits behind it. Once they land
+# within ARRIVALS_DEADLINE_S it is planned whatever still arrives: a burst's step planned later
+# than that (its host time, ~3.5 ms for 50, then ~11 ms of device time for 50 on a 10k-token
+# prefix) no longer overlaps the loads, and every member waits for the stragglers' step's whole
+# device time after the landing, where a straggler left out waits for one step more.
 PLAN_BEFORE_LANDING_S = 0.006
 PLAN_OVERLAPPED_S = 0.02
 ARRIVALS_QUIET_S = 0.003
+ARRIVALS_DEADLINE_S = 0.014
 
 
 class TierDriver:
@@ -69,8 +74,8 @@ class TierDriver:
         before_landing=True)`): every running request waits for loads, all of them are queued
         on the device, and they should land within PLAN_BEFORE_LANDING_S (`KVCopier.loads_land_in`,
         an estimate on the host clock), or within PLAN_OVERLAPPED_S where they land layer by
-        layer and no request arrived for ARRIVALS_QUIET_S. Only on CUDA: elsewhere loads land
-        as they are queued."""
+        layer and no request arrived for ARRIVALS_QUIET_S (within ARRIVALS_DEADLINE_S whatever
+        arrives). Only on CUDA: elsewhere loads land as they are queued."""
         scheduler = self.scheduler
         if self.copier.load_stream is None or not scheduler.num_awaiting_load:
             return False
@@ -81,7 +86,9 @@ class TierDriver:
             return False
         if land_in <= PLAN_BEFORE_LANDING_S:
             return True
-        return self.copier.lands_by_layer() and time.monotonic() - scheduler.last_received >= ARRIVALS_QUIET_S
+        if not self.copier.lands_by_layer():
+            return False
+        return land_in <= ARRIVALS_DEADLINE_S or time.monotonic() - scheduler.last_received >= ARRIVALS_QUIET_S
 
     def awaited_load_landed(self) -> bool:
         """Whether a load batch some request waits for has landed since the last step (an event

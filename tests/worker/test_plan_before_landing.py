@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from spillway.worker import tier_driver
-from spillway.worker.tier_driver import ARRIVALS_QUIET_S, PLAN_BEFORE_LANDING_S, PLAN_OVERLAPPED_S, TierDriver
+from spillway.worker.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, PLAN_BEFORE_LANDING_S,
+                                         PLAN_OVERLAPPED_S, TierDriver)
 
 NOW = 1000.0
 
@@ -50,6 +51,14 @@ def test_loads_landing_layer_by_layer_are_planned_a_long_lead_ahead_once_arrival
     still_arriving = Scheduler(last_received=NOW - ARRIVALS_QUIET_S / 2)
     assert not driver(Copier(PLAN_OVERLAPPED_S), still_arriving).plan_before_landing()
     assert not driver(Copier(PLAN_OVERLAPPED_S, by_layer=False)).plan_before_landing()
+
+
+def test_a_burst_still_arriving_is_planned_by_the_deadline_where_loads_land_by_layer():
+    still_arriving = Scheduler(last_received=NOW)
+    assert PLAN_BEFORE_LANDING_S < ARRIVALS_DEADLINE_S < PLAN_OVERLAPPED_S
+    assert not driver(Copier(ARRIVALS_DEADLINE_S + 0.001), still_arriving).plan_before_landing()
+    assert driver(Copier(ARRIVALS_DEADLINE_S), still_arriving).plan_before_landing()
+    assert not driver(Copier(ARRIVALS_DEADLINE_S, by_layer=False), still_arriving).plan_before_landing()
 
 
 def test_within_the_short_lead_they_are_planned_whatever_arrives_and_however_they_land():
