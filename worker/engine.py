@@ -103,6 +103,7 @@ class Engine:
         self._readback = TokenReadback(config.max_num_seqs, self.device,
                                        by_kernel=self.tier is not None and self.tier.small_copies_by_kernel)
         self._in_flight: LaunchedStep | None = None
+        self._holding = False  # the step in flight is left there while loads land (TierDriver.hold_in_flight)
         self.num_async_steps = 0  # steps launched before the one before was committed
         self.last_plan: StepPlan | None = None  # for the step trace (worker/step_trace.py)
         self.num_steps = 0
@@ -169,10 +170,10 @@ class Engine:
     @property
     def waits_for_loads(self) -> bool:
         """Nothing to compute until loads from the CPU tier land: the last plan was empty, no
-        step is in flight, and requests wait for their blocks (the busy loop then polls the
-        inbox with a short timeout instead of spinning)."""
+        step is in flight (or one left there while they land), and requests wait for their
+        blocks (the busy loop then polls the inbox with a short timeout instead of spinning)."""
         plan = self.last_plan
-        return (self._in_flight is None and plan is not None and not plan.chunks
+        return ((self._in_flight is None or self._holding) and plan is not None and not plan.chunks
                 and self.scheduler.num_awaiting_load > 0)
 
     def awaited_load_landed(self) -> bool:
@@ -199,13 +200,20 @@ class Engine:
             self._in_flight = None
             deltas = self._commit(previous)
             previous = None
-        # Nothing runs and the loads the requests wait for are about to land: plan them now,
-        # their forward queued behind the loads (TierDriver.plan_before_landing).
-        before_landing = previous is None and self.tier is not None and self.tier.plan_before_landing()
+        # Nothing runs (or only a step planned so) and the loads the requests wait for are
+        # about to land: plan them now, their forward queued behind the loads
+        # (TierDriver.plan_before_landing).
+        before_landing = self.tier is not None and self.tier.plan_before_landing(previous)
         plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead,
                                                         before_landing=before_landing)
         if lookahead:
             self.spec.propose(plan)  # a plan with drafts does not run ahead
+        self._holding = (previous is not None and not plan.chunks and self.tier is not None
+                         and self.tier.hold_in_flight(previous))
+        if self._holding:  # its tokens are committed once it has finished, at the top
+            if plan.kv_copies is not NO_KV_COPIES:
+                self.executor.copy_kv(plan.kv_copies)
+            return deltas
         run_ahead = self.async_scheduling and plan.run_ahead
         if previous is not None and not run_ahead:
             self._in_flight = None

@@ -14,6 +14,7 @@ import time
 from spillway.kernels.host_copy import warm_up_copies
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.executor import Executor
+from spillway.worker.pipeline import LaunchedStep
 from spillway.worker.scheduler import Scheduler
 
 # Bytes of cached GPU blocks written back ahead of their eviction, per step, and per batch while
@@ -38,6 +39,12 @@ PLAN_BEFORE_LANDING_S = 0.006
 PLAN_OVERLAPPED_S = 0.02
 ARRIVALS_QUIET_S = 0.003
 ARRIVALS_DEADLINE_S = 0.014
+# Members that arrive after that step was launched wait for the same loads: while those land in
+# more than HOLD_IN_FLIGHT_S the engine leaves the step in flight instead of waiting for its
+# tokens, so that the late members' step can be planned before the landing too (once arrivals
+# stop, or within PLAN_BEFORE_LANDING_S), queued behind it on the device; closer to the landing
+# it waits for the first step's tokens, which come ~1-2 ms after the landing.
+HOLD_IN_FLIGHT_S = 0.002
 
 
 class TierDriver:
@@ -69,17 +76,25 @@ class TierDriver:
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
             self.tier.ahead_stored()
 
-    def plan_before_landing(self) -> bool:
+    def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:
         """Whether to plan the requests waiting for loads now (`Scheduler.schedule(
         before_landing=True)`): every running request waits for loads, all of them are queued
         on the device, and they should land within PLAN_BEFORE_LANDING_S (`KVCopier.loads_land_in`,
         an estimate on the host clock), or within PLAN_OVERLAPPED_S where they land layer by
         layer and no request arrived for ARRIVALS_QUIET_S (within ARRIVALS_DEADLINE_S whatever
-        arrives). Only on CUDA: elsewhere loads land as they are queued."""
+        arrives). `in_flight`: the step on the device, if any; only one planned before the
+        landing too, whose requests count as waiting (a burst's late members go behind it,
+        once arrivals stop or within PLAN_BEFORE_LANDING_S: each such step costs a whole
+        step's device time). Only on CUDA: elsewhere loads land as they are queued."""
         scheduler = self.scheduler
         if self.copier.load_stream is None or not scheduler.num_awaiting_load:
             return False
-        if scheduler.num_running != scheduler.num_awaiting_load:
+        beside = 0
+        if in_flight is not None:
+            if not in_flight.plan.kv_copies.wait_for_loads:
+                return False
+            beside = len(in_flight.plan.chunks)
+        if scheduler.num_running != scheduler.num_awaiting_load + beside:
             return False
         land_in = self.copier.loads_land_in()
         if land_in is None or land_in > PLAN_OVERLAPPED_S:
@@ -88,7 +103,18 @@ class TierDriver:
             return True
         if not self.copier.lands_by_layer():
             return False
-        return land_in <= ARRIVALS_DEADLINE_S or time.monotonic() - scheduler.last_received >= ARRIVALS_QUIET_S
+        quiet = time.monotonic() - scheduler.last_received >= ARRIVALS_QUIET_S
+        return quiet or (in_flight is None and land_in <= ARRIVALS_DEADLINE_S)
+
+    def hold_in_flight(self, step: LaunchedStep) -> bool:
+        """Whether to leave `step` in flight rather than wait for its tokens, with nothing else
+        to launch: it was planned before the landing, requests wait for loads that land in more
+        than HOLD_IN_FLIGHT_S, and the device has not finished it (its tokens go out as soon as
+        the engine sees it has, `Engine.step`)."""
+        if not step.plan.kv_copies.wait_for_loads or not self.scheduler.num_awaiting_load:
+            return False
+        land_in = self.copier.loads_land_in()
+        return land_in is not None and land_in > HOLD_IN_FLIGHT_S and not step.finished()
 
     def awaited_load_landed(self) -> bool:
         """Whether a load batch some request waits for has landed since the last step (an event

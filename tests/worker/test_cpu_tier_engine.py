@@ -241,6 +241,13 @@ def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
     assert engine.scheduler.num_awaiting_load == 0 and not engine.awaited_load_landed()
 
 
+def cuda_engine(model_dir, num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:
+    engine = Engine(WorkerConfig(model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
+                                 num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
+    engine.debug_invariants = True
+    return engine
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -256,13 +263,7 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", slice_bytes)
     monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)  # the model has 2 layers: a group each
-    def cuda_engine(num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:
-        engine = Engine(WorkerConfig(model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
-                                     num_gpu_blocks_override=num_gpu_blocks, num_cpu_blocks_override=num_cpu_blocks))
-        engine.debug_invariants = True
-        return engine
-
-    engine, reference = cuda_engine(4, 8), cuda_engine(64, 0)
+    engine, reference = cuda_engine(model_dir, 4, 8), cuda_engine(model_dir, 64, 0)
     copier = engine.executor.kv_copier
     runner, layer_waits = engine.executor.runner, []
     execute = runner.execute
@@ -298,6 +299,52 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
     engine.step() if engine.has_work else engine.tier.before_step()
     assert engine.block_manager.tier.num_loading == 0
     assert tokens == run(reference, "turn-2", turn_2, params)[0]
+    engine.block_manager.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_late_member_is_planned_behind_the_early_step_still_in_flight(model_dir, monkeypatch):
+    """A burst's first member computes in a step planned before its loads land; a second
+    member on the same prefix arrives while that step is on the device (it never says
+    "finished" here, and the loads "land" in 10 ms): the engine leaves the step in flight
+    rather than wait for its token, plans the second member behind it once arrivals stop,
+    and only then reads the first member's token. Both answers are a full pool's."""
+    from spillway.worker import paced_loads
+    from spillway.worker.pipeline import LaunchedStep
+
+    monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", 1)  # loads by layer, as a large model's go
+    monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engine, reference = cuda_engine(model_dir, 4, 8), cuda_engine(model_dir, 64, 0)
+    copier = engine.executor.kv_copier
+    reported, held = copier.landed_through, {"on": True}
+    turn_1 = [(7 * i) % 90 + 1 for i in range(32)]
+    tokens, _ = run(engine, "turn-1", turn_1, GREEDY)
+    run(engine, "filler", [(5 * i) % 90 + 2 for i in range(63)], GREEDY)  # turn 1 only in the tier now
+    first, second = turn_1 + tokens + [3, 1, 4], turn_1 + tokens + [2, 7, 1]
+    monkeypatch.setattr(copier, "loads_land_in", lambda: 0.010)
+    monkeypatch.setattr(copier, "landed_through", lambda wait=False: (  # the device says "not landed"
+        copier._landed_through if held["on"] and not wait else reported(wait)))
+    assert engine.add_request(Generate(request_id="first", prompt_token_ids=first, block_hashes=[], params=one)) is None
+    engine.step()  # its loads queued
+    monkeypatch.setattr(LaunchedStep, "finished", lambda self: False)
+    assert engine.step() == [] and engine.last_plan.kv_copies.wait_for_loads  # planned before the landing
+    early = engine._in_flight
+    assert engine.add_request(Generate(request_id="second", prompt_token_ids=second, block_hashes=[],
+                                       params=one)) is None
+    assert engine.step() == [] and engine._in_flight is early and engine.waits_for_loads  # held: still arriving
+    engine.scheduler.last_received -= 1.0  # no request since: arrivals have stopped
+    deltas = engine.step()
+    assert [d.request_id for d in deltas] == ["first"] and deltas[0].num_cached_tokens == 32
+    assert [chunk.request.request_id for chunk in engine.last_plan.chunks] == ["second"]
+    assert engine.last_plan.kv_copies.wait_for_loads and engine._in_flight is not early
+    outputs = {d.request_id: d.new_token_ids for d in deltas}
+    held["on"] = False
+    while engine.has_work:
+        outputs.update({d.request_id: d.new_token_ids for d in engine.step()})
+    run(reference, "turn-1", turn_1, GREEDY)
+    assert outputs == {"first": run(reference, "first", first, one)[0], "second": run(reference, "second", second, one)[0]}
     engine.block_manager.check_invariants()
 
 

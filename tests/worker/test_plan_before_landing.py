@@ -3,13 +3,13 @@ before the loads land (host only: the copier and the scheduler are stand-ins).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from spillway.worker import tier_driver
-from spillway.worker.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, PLAN_BEFORE_LANDING_S,
-                                         PLAN_OVERLAPPED_S, TierDriver)
+from spillway.worker.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, HOLD_IN_FLIGHT_S,
+                                         PLAN_BEFORE_LANDING_S, PLAN_OVERLAPPED_S, TierDriver)
 
 NOW = 1000.0
 
@@ -32,6 +32,32 @@ class Scheduler:
     num_running: int = 50
     num_awaiting_load: int = 50
     last_received: float = NOW - 0.010
+
+
+@dataclass
+class Copies:
+    wait_for_loads: bool
+
+
+@dataclass
+class Plan:
+    chunks: list
+    kv_copies: Copies
+
+
+@dataclass
+class InFlight:
+    """A launched step: its plan (how many requests, whether it waits for loads) and the device."""
+    num_requests: int = 40
+    early: bool = True
+    done: bool = False
+    plan: Plan = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plan = Plan([object()] * self.num_requests, Copies(self.early))
+
+    def finished(self) -> bool:
+        return self.done
 
 
 def driver(copier: Copier, scheduler: Scheduler | None = None) -> TierDriver:
@@ -75,3 +101,26 @@ def test_within_the_short_lead_they_are_planned_whatever_arrives_and_however_the
 ])
 def test_nothing_is_planned_early_when_something_else_runs_or_nothing_lands(copier, scheduler):
     assert not driver(copier, scheduler).plan_before_landing()
+
+
+def test_late_members_go_behind_the_early_step_in_flight_once_arrivals_stop_not_by_the_deadline():
+    """40 in the step planned before the landing, 10 arrived since on the same loads: their
+    step is planned behind it once no request arrives for a while, or close to the landing;
+    the deadline that plans a burst whatever still arrives is not theirs (each step behind
+    costs a whole step's device time)."""
+    quiet, arriving = Scheduler(num_awaiting_load=10), Scheduler(num_awaiting_load=10, last_received=NOW)
+    assert driver(Copier(PLAN_OVERLAPPED_S), quiet).plan_before_landing(InFlight(40))
+    assert not driver(Copier(ARRIVALS_DEADLINE_S), arriving).plan_before_landing(InFlight(40))
+    assert driver(Copier(PLAN_BEFORE_LANDING_S), arriving).plan_before_landing(InFlight(40))
+    assert not driver(Copier(0.0), quiet).plan_before_landing(InFlight(40, early=False))  # it computes
+    assert not driver(Copier(0.0), quiet).plan_before_landing(InFlight(39))  # another request computes
+
+
+def test_an_early_step_stays_in_flight_while_loads_others_wait_for_land_later_than_the_margin():
+    step = InFlight(40)
+    assert driver(Copier(HOLD_IN_FLIGHT_S + 0.001)).hold_in_flight(step)
+    assert not driver(Copier(HOLD_IN_FLIGHT_S)).hold_in_flight(step)  # its tokens come soon: wait for them
+    assert not driver(Copier(None)).hold_in_flight(step)  # loads still to be queued: no landing time
+    assert not driver(Copier(0.010)).hold_in_flight(InFlight(40, done=True))  # its tokens are there
+    assert not driver(Copier(0.010)).hold_in_flight(InFlight(40, early=False))
+    assert not driver(Copier(0.010), Scheduler(num_awaiting_load=0)).hold_in_flight(step)  # nobody else waits
