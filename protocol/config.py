@@ -95,7 +95,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_cpu_blocks_override: int | None = None
     # GB/s the tier's loads take at most while other requests compute (worker/paced_loads.py;
     # SPILLWAY_KV_LOAD_GB_S, read by `worker_config_from_env`); 0: full speed always.
-    kv_load_gb_s: float = 32.0
+    kv_load_gb_s: float = 26.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # Plan the next decode step while the device runs this one; None: on for CUDA.

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from spillway.worker.block_copies import block_runs
 from spillway.worker.step_graphs import LAYERS_PER_SEGMENT
 
-# ~3% of a decode step beside it, by the figures above (about 0.08% per GB/s). The engine takes
-# its rate from WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
-LOAD_BYTES_PER_S = 32e9
+# Under 3% of a decode step beside it: at 32 GB/s set, loads that reached 30.2 GB/s cost the
+# step 1.031x on the H200 (about 0.1% per GB/s). The engine takes its rate from
+# WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
+LOAD_BYTES_PER_S = 26e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
 BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms
 MIN_SLICE_BYTES = 64 * 2**10  # a pitched copy's rows at least: one layer of an 8B model's block

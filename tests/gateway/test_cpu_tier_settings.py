@@ -65,7 +65,7 @@ def test_a_bad_environment_value_is_refused(monkeypatch):
 
 def test_the_load_pace_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("SPILLWAY_KV_LOAD_GB_S", raising=False)
-    assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 32.0
+    assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 26.0
     monkeypatch.setenv("SPILLWAY_KV_LOAD_GB_S", "12.5")
     assert engine_config(None, cpu_offload_gb=4)[0].kv_load_gb_s == 12.5
     monkeypatch.setenv("SPILLWAY_KV_LOAD_GB_S", "0")  # full speed always
