@@ -7,19 +7,11 @@ here (see main.py).
 
 from __future__ import annotations
 
-import msgspec
 import torch
 
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
-from spillway.protocol.messages import (
-    FinishReason,
-    Generate,
-    Ready,
-    RequestDelta,
-    Stats,
-    PROTOCOL_VERSION,
-)
+from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, Stats
 from spillway.protocol import envs
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
@@ -37,7 +29,7 @@ from spillway.worker.sampler import Sampler, SamplingInput
 from spillway.worker.scheduler import Scheduler
 from spillway.worker.spec.decoder import SpecDecoder
 from spillway.worker.spec.setup import build_spec_decoder
-from spillway.worker.stats import collect_stats
+from spillway.worker.stats import engine_stats, ready_message
 from spillway.worker.tier_driver import TierDriver
 from spillway.worker.tp_group import RankGroup, check_tensor_parallel
 from spillway.worker.step_plan import NO_KV_COPIES, StepPlan
@@ -122,22 +114,7 @@ class Engine:
                                      int(config.cpu_offload_gb * 2**30))
 
     def ready(self) -> Ready:
-        return Ready(
-            protocol_version=PROTOCOL_VERSION,
-            model=self.model_name,
-            block_size=self.block_size,
-            hash_seed=self.config.hash_seed,
-            num_gpu_blocks=self.block_manager.num_gpu_blocks,
-            num_cpu_blocks=self.block_manager.num_cpu_blocks,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            vocab_size=self.vocab_size,
-            eos_token_ids=list(self.eos_token_ids),
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        )
+        return ready_message(self)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -292,18 +269,8 @@ class Engine:
         return SamplingInput(request.request_id, request.params, request.sampling_prompt, request.outputs, forced)
 
     def stats(self, check_invariants: bool = False) -> Stats:
-        """Counters for the gateway; the block manager's invariants (a walk over every block)
-        are checked only when asked or in debug mode (`invariants_ok` is None otherwise)."""
-        stats = collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
-                              check_invariants=check_invariants or self.debug_invariants,
-                              copier=self.executor.kv_copier)
-        if self.spec is None:
-            return stats
-        metrics = self.spec.metrics
-        return msgspec.structs.replace(
-            stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
-            spec_num_accepted_tokens=metrics.num_accepted_tokens,
-            spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
+        """Counters for the gateway (worker/stats.py); the invariants only when asked or in debug mode."""
+        return engine_stats(self, check_invariants or self.debug_invariants)
 
     def idle_write_back(self) -> bool:
         """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);

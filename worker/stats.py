@@ -1,4 +1,5 @@
-"""The worker's counters for the gateway (`Stats`), cheap enough for every report.
+"""The worker's counters for the gateway (`Stats`), cheap enough for every report, and what it
+tells a gateway at the start (`Ready`).
 
 `check_invariants` walks every block (58 ms at 55k blocks, 127 ms at 131k): it runs only
 when asked (ControlCommand.CHECK_INVARIANTS) or in debug mode, never on a routine report.
@@ -7,13 +8,51 @@ when asked (ControlCommand.CHECK_INVARIANTS) or in debug mode, never on a routin
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from spillway.protocol.messages import Stats
+import msgspec
+
+from spillway.protocol.messages import PROTOCOL_VERSION, Ready, Stats
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.kv_copies import KVCopier
 from spillway.worker.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from spillway.worker.engine import Engine
+
 logger = logging.getLogger(__name__)
+
+
+def ready_message(engine: Engine) -> Ready:
+    return Ready(
+        protocol_version=PROTOCOL_VERSION,
+        model=engine.model_name,
+        block_size=engine.block_size,
+        hash_seed=engine.config.hash_seed,
+        num_gpu_blocks=engine.block_manager.num_gpu_blocks,
+        num_cpu_blocks=engine.block_manager.num_cpu_blocks,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        vocab_size=engine.vocab_size,
+        eos_token_ids=list(engine.eos_token_ids),
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+    )
+
+
+def engine_stats(engine: Engine, check_invariants: bool) -> Stats:
+    """`collect_stats` of the engine's parts, with speculative decoding's counters where it runs."""
+    stats = collect_stats(engine.block_manager, engine.scheduler, num_steps=engine.num_steps,
+                          check_invariants=check_invariants, copier=engine.executor.kv_copier)
+    if engine.spec is None:
+        return stats
+    metrics = engine.spec.metrics
+    return msgspec.structs.replace(
+        stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
+        spec_num_accepted_tokens=metrics.num_accepted_tokens,
+        spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
 
 
 def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_steps: int,
