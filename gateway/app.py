@@ -17,8 +17,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -27,6 +26,7 @@ from spillway.gateway import openai as api
 from spillway.gateway.chat_messages import ChatRender, template_messages
 from spillway.gateway.guards import ApiKeyMiddleware, check_json_body, check_json_values
 from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
+from spillway.gateway.error_handlers import HANDLERS
 from spillway.gateway.intake_turns import IntakeTurns
 from spillway.gateway.jobs import JobBuilder
 from spillway.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -34,7 +34,7 @@ from spillway.gateway.info_routes import models, openapi_endpoint, version_endpo
 from spillway.gateway.reasoning import ReasoningMarkers, resolve_markers
 from spillway.gateway.remote_worker import RemoteWorker
 from spillway.gateway.logprob_answers import TokenStrings
-from spillway.gateway.responses import GenerationResponse, error_response, json_response
+from spillway.gateway.responses import GenerationResponse, json_response
 from spillway.gateway.server_settings import ServerSettings
 from spillway.gateway.serving import Generation
 from spillway.gateway.stats_log import StatsLogger
@@ -164,9 +164,7 @@ def build_app(settings: ServerSettings, start_worker=None,
         Route("/version", version_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
-    handlers = {api.ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
-                Exception: _internal_error}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=HANDLERS)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
@@ -269,24 +267,3 @@ async def detokenize(request: Request) -> Response:
     body = await _read_json(request, api.DetokenizeRequest)
     gateway.jobs.check_model(body.model)
     return json_response(answers.DetokenizeResponse(await gateway.jobs.decode(body.tokens)))
-
-
-# ---- errors and auth ------------------------------------------------------------------------
-
-
-async def _api_error(request: Request, exc: api.ApiError) -> Response:
-    return error_response(exc)
-
-
-async def _http_error(request: Request, exc: HTTPException) -> Response:
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(api.ApiError(exc.status_code, str(exc.detail), type=kind))
-
-
-async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
-    return Response(status_code=400)  # nobody is listening
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(api.ApiError(500, "internal server error", type="server_error"))

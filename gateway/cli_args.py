@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     server = serve.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on /v1/*")
+    server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on every route but /health, "
+                                          "/ping and /metrics")
     server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
     server.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="tokenize special-token text in chat messages (e.g. <|im_end|>) as those tokens, "

@@ -40,8 +40,13 @@ def check_json_body(content_type: str | None) -> None:
                            code="unsupported_media_type")
 
 
+# What a load balancer or Prometheus polls, without a key; they tell nothing of the model or its prompts.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
+
+
 class ApiKeyMiddleware:
-    """With --api-key, /v1/* and /invocations require `Authorization: Bearer <key>`."""
+    """With --api-key, every route but OPEN_PATHS requires `Authorization: Bearer <key>`
+    (/tokenize renders the operator's chat template; an unknown path says nothing without it)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -55,7 +60,7 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(given, self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/invocations"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 error = api.ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
                                      code="invalid_api_key")
