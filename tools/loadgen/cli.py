@@ -14,21 +14,21 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from tools.loadgen import plot
-from tools.loadgen.client import RequestOptions
-from tools.loadgen.corpus import RandomTokenPrompts, prompt_source, stdlib_words
-from tools.loadgen.dataset import Dataset, dataset_conversations, load_dataset
-from tools.loadgen.report import (
+from . import plot
+from .client import RequestOptions
+from .corpus import RandomTokenPrompts, prompt_source, stdlib_words
+from .dataset import Dataset, dataset_conversations, load_dataset
+from .report import (
     DEFAULT_PERCENTILES,
     load_results,
     results_document,
     summarize,
     write_results,
 )
-from tools.loadgen.runner import LoadShape, Runner
-from tools.loadgen.server_metrics import MetricsWatcher
-from tools.loadgen.table import format_compare, format_summary
-from tools.loadgen.workloads import (
+from .runner import LoadShape, Runner
+from .server_metrics import MetricsWatcher
+from .table import format_compare, format_summary
+from .workloads import (
     CHAT_WORKLOADS,
     DEFAULTS,
     WORKLOADS,

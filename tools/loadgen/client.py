@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tools.loadgen.workloads import Conversation
+from .workloads import Conversation
 
 ERROR_KINDS = ("connect", "http_4xx", "http_5xx", "stream_error", "stream_cut", "timeout", "bad_response")
 

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.loadgen.corpus import ESTIMATED_TOKENS_PER_WORD, Segment, TextPrompts
-from tools.loadgen.workloads import Conversation, Lengths, Turn
+from .corpus import ESTIMATED_TOKENS_PER_WORD, Segment, TextPrompts
+from .workloads import Conversation, Lengths, Turn
 
 USER_ROLES = ("human", "user")
 REPLY_ROLES = ("gpt", "assistant", "model", "chatgpt", "bard")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from tools.loadgen.report import percentile
+from .report import percentile
 
 DISTRIBUTION_PANELS = [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "Inter-token latency"),
                        ("e2e_s", "E2E latency")]

@@ -11,8 +11,8 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from tools.loadgen.client import RequestRecord
-from tools.loadgen.server_metrics import GaugeSample, ServerReport
+from .client import RequestRecord
+from .server_metrics import GaugeSample, ServerReport
 
 RESULTS_VERSION = 1
 DEFAULT_PERCENTILES = (90.0, 99.0)

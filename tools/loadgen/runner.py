@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from tools.loadgen.client import RequestOptions, RequestRecord, request_body, send
-from tools.loadgen.workloads import Conversation
+from .client import RequestOptions, RequestRecord, request_body, send
+from .workloads import Conversation
 
 
 @dataclass(slots=True, frozen=True)

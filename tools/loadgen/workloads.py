@@ -19,7 +19,7 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tools.loadgen.corpus import Segment
+from .corpus import Segment
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "document-qa", "reasoning")
 CHAT_WORKLOADS = ("multi-turn", "reasoning")
