@@ -72,6 +72,8 @@ class Request:
     arrival_index: int
     priority: int = 0
     cache_salt: str | None = None
+    # The client request it is one choice of (`Generate.parent_id`); empty: its own id.
+    parent_id: str = ""
     # The output ids so far: appended by `append_token`, only read elsewhere.
     outputs: list[int] = field(init=False, default_factory=list)
     # The prompt and outputs as one list, made on first use (`all_token_ids`), then kept in step.
@@ -100,6 +102,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.parent_id:
+            self.parent_id = self.request_id
         if self.thinking_policy is not None:
             self.thinking_state = initial_state(self.thinking_policy)
         params = self.params
@@ -124,6 +128,7 @@ class Request:
             arrival_index=arrival_index,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            parent_id=msg.parent_id,
             thinking_policy=msg.thinking,
         )
 

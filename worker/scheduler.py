@@ -15,6 +15,12 @@ released into the prefix cache, whose evictions write them back to the CPU tier 
 is one (a swap-out); resumed, it takes them back as cache hits (loaded from the CPU tier
 where needed) and recomputes only the rest.
 
+The choices of one client request (`n` of them, `Request.parent_id`) share the pool and the
+step with other clients' requests (worker/fair_share.py): the newest choice of the client
+request holding the most is preempted first, a waiting request of one holding fewer is admitted
+first, and a client request's choices beyond its share of the step's budget are planned after
+admission. With one choice per client request, all of this is the order above.
+
 With a CPU tier, a request whose prefix hits need a load (planned this step, its own or
 another's: one load per block, shared; or on its way from an earlier step) is admitted without
 a chunk and computes from the first step after the load batch it waits for (its blocks' last)
@@ -27,12 +33,14 @@ taking requests in meanwhile.
 from __future__ import annotations
 
 from bisect import insort
+from collections import Counter
 from collections.abc import Iterable
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.block_manager import BlockManager
+from spillway.worker.fair_share import FairShare
 from spillway.worker.request import Request, RequestStatus, refusal
-from spillway.worker.scheduler_admit import Admission, queue_key
+from spillway.worker.scheduler_admit import Admission, StepDraft, queue_key
 from spillway.worker.scheduler_commit import StepCommits
 from spillway.worker.step_plan import ScheduledChunk, StepPlan, StepResult
 
@@ -93,6 +101,7 @@ class Scheduler(StepCommits, Admission):
         self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []  # sorted by queue_key: the newest is last
         self._requests: dict[str, Request] = {}
+        self._parent_sizes: Counter[str] = Counter()  # unfinished choices per client request
         self.last_received = 0.0  # the newest request's arrival, on the monotonic clock
         # Running requests admitted on prefix blocks whose load has not landed, with the load
         # batch they wait for (`loads_landed`).
@@ -159,6 +168,7 @@ class Scheduler(StepCommits, Admission):
             self._hash_full_blocks(request)  # when the sender did not hash the prompt
         insort(self.waiting, request, key=queue_key)
         self._requests[request.request_id] = request
+        self._parent_sizes[request.parent_id] += 1
         self.last_received = max(self.last_received, request.received)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -184,50 +194,66 @@ class Scheduler(StepCommits, Admission):
         `before_landing`: the running requests that wait for CPU-tier loads are planned too,
         and the step's forward waits for every load queued (the engine asks for it when
         nothing else runs and the loads are about to land: worker/tier_driver.py), as are
-        requests admitted now on those loads."""
+        requests admitted now on those loads. Client requests share the step (FairShare):
+        choices of one beyond its share of the step are planned after admission."""
         assert not (ahead and lookahead), "draft tokens need every token of the step before"
         if self._finished_holding:
             self.release_finished()
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        num_preemptions_before = self.num_preemptions
+        step = StepDraft(budget, FairShare.of(self.running, self._parent_sizes, budget))
         # Before the landing, a request arriving now on blocks of those loads (a burst's late
         # member) joins the step too: it waits for nothing the step does not wait for already.
         join_through = max(self._awaiting_load.values(), default=0) if before_landing else 0
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            index += 1
+        deferred = self._plan_running(list(self.running), step, ahead, before_landing)
+        if lookahead:  # after every running request has its blocks: drafts never cause a preemption
+            step.budget = self._reserve_draft_slots(list(step.chunks.values()), lookahead, step.budget)
+        self._admit_waiting(step, join_through, ahead)
+        if step.budget > 0 and step.share.held_back:  # what the shares left, to whoever is next
+            step.share.capped = False
+            self._plan_running(deferred, step, ahead, before_landing)
+            if lookahead:
+                late = [step.chunks[r.request_id] for r in deferred if r.request_id in step.chunks]
+                step.budget = self._reserve_draft_slots(late, lookahead, step.budget)
+            self._admit_waiting(step, join_through, ahead)
+        if self.write_ahead_blocks:
+            self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
+        chunks = list(step.chunks.values())
+        return StepPlan(chunks, self.max_num_batched_tokens - step.budget, _may_run_ahead(chunks),
+                        self.block_manager.take_copies())
+
+    def _plan_running(self, requests: list[Request], step: StepDraft, ahead: bool,
+                      before_landing: bool) -> list[Request]:
+        """Chunks for running requests, oldest first: 1 token for a decode, the next chunk of
+        a prefill, under the budget. A choice whose client request has had its share of the
+        step is left out and returned (deferred: FairShare.cap)."""
+        deferred = []
+        for request in requests:
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted by a request before it in this step
             if ahead and request.num_pending_tokens and self._last_token_is_pending(request):
                 continue
-            if request.request_id in self._awaiting_load:
-                if not before_landing:
-                    continue  # admitted on blocks still landing: computes once they have, holding up nobody
+            awaiting = request.request_id in self._awaiting_load
+            if awaiting and not before_landing:
+                continue  # admitted on blocks still landing: computes once they have, holding up nobody
+            num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
+                             step.budget)
+            num_tokens = step.share.cap(request, num_tokens)
+            if not num_tokens:
+                deferred.append(request)
+                continue
+            if awaiting:
                 del self._awaiting_load[request.request_id]
                 self.block_manager.tier.wait_for_loads_this_step()
-            num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
                     break
-            elif not self._allocate_or_preempt(request, num_tokens):
-                break  # the request was the newest and preempted itself
-            chunks.append(self._chunk(request, num_tokens))
-            budget -= num_tokens
-        if lookahead:  # after every running request has its blocks: drafts never cause a preemption
-            budget = self._reserve_draft_slots(chunks, lookahead, budget)
-        # After running out of blocks, admitting new work would only be preempted again.
-        preempted = self.num_preemptions != num_preemptions_before
-        while not preempted and self.waiting and budget > 0 and self._has_free_seq_slot():
-            admitted, chunk = self._admit(self.waiting[0], budget, join_through)
-            if not admitted:
-                break  # strict queue order: nobody overtakes a request that does not fit
-            if chunk is not None:  # None: it waits for a load
-                chunks.append(chunk)
-                budget -= chunk.num_tokens
-        if self.write_ahead_blocks:
-            self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
-        return StepPlan(chunks, self.max_num_batched_tokens - budget, _may_run_ahead(chunks),
-                        self.block_manager.take_copies())
+            elif not self._allocate_or_preempt(request, num_tokens, step):
+                continue  # the request was the one to go
+            step.add(self._chunk(request, num_tokens))
+            step.share.planned(request, num_tokens)
+        return deferred
 
     def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, budget: int) -> int:
         """Slots for up to `lookahead` drafts after each one-token decode, from free blocks and
@@ -258,26 +284,6 @@ class Scheduler(StepCommits, Admission):
 
     def _has_free_seq_slot(self) -> bool:
         return len(self.running) < self.max_num_seqs
-
-    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
-        """Blocks for the request's next `num_tokens`, preempting the newest running requests
-        until they fit. False when the request itself was the newest and had to go."""
-        num_tokens_covered = request.num_computed_tokens + num_tokens
-        while not self.block_manager.allocate(request.request_id, num_tokens_covered):
-            victim = self.running.pop()
-            self._preempt(victim)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request) -> None:
-        self._awaiting_load.pop(request.request_id, None)
-        self.block_manager.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        insort(self.waiting, request, key=queue_key)
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens

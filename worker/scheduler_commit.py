@@ -116,6 +116,10 @@ class StepCommits:
         else:
             self.block_manager.free(request.request_id)
         del self._requests[request.request_id]
+        sizes = self._parent_sizes
+        sizes[request.parent_id] -= 1
+        if not sizes[request.parent_id]:
+            del sizes[request.parent_id]  # the share of the step goes to the client requests still held
 
     def release_finished(self) -> None:
         """Free the blocks of the requests finished with `defer_release` set."""
