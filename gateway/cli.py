@@ -1,4 +1,6 @@
-"""`spillway serve [MODEL] [flags]` and `spillway worker MODEL --connect tcp://HOST:PORT`.
+"""`spillway serve [MODEL] [flags]` and `spillway worker MODEL --connect tcp://HOST:PORT`; also
+`spillway --version`, `bench serve|throughput|latency` (gateway/cli_bench.py), `chat`, `complete`
+(gateway/chat_client.py) and `collect-env` (gateway/collect_env.py), as vLLM's commands.
 
 Flags follow `vllm serve` (gateway/cli_args.py; `--config FILE` in gateway/config_file.py).
 A vLLM flag Spillway cannot honour is refused with a message naming it and exit status 2,
@@ -8,13 +10,14 @@ never accepted and ignored; so is one it does not know (argparse's "unrecognized
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from spillway.gateway import engine_args
+from spillway.gateway import chat_client, cli_bench, collect_env, engine_args
 from spillway.gateway.cli_args import build_parser, option_strings
 from spillway.gateway.config_file import ConfigFileError, expand_config
 from spillway.gateway.engine_args import engine_config
@@ -226,8 +229,36 @@ def worker_command(args: argparse.Namespace) -> int:
         return 0
 
 
+def add_other_commands(parser: argparse.ArgumentParser) -> None:
+    """`--version` and the commands besides serve and worker, each in a module of its own whose
+    heavy imports wait until it runs."""
+    parser.add_argument("-v", "--version", action="version", version=importlib.metadata.version("spillway"))
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    cli_bench.add_parser(commands)
+    chat_client.add_parsers(commands)
+    collect_env.add_parser(commands)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    match args.command:
+        case "serve":
+            return serve_command(args)
+        case "worker":
+            return worker_command(args)
+        case "bench":
+            return cli_bench.run(args)
+        case "chat":
+            return chat_client.run_chat(args)
+        case "complete":
+            return chat_client.run_complete(args)
+        case "collect-env":
+            return collect_env.run(args)
+    raise AssertionError(f"no command {args.command!r}")  # argparse allows only the ones above
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    add_other_commands(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         try:
@@ -241,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"spillway {args.command}: {problem}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return serve_command(args) if args.command == "serve" else worker_command(args)
+    if args.command in ("serve", "worker") or getattr(args, "bench_command", "serve") != "serve":
+        # Not for the clients: httpx logs every request it sends at INFO.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_command(args)
 
 
 if __name__ == "__main__":
