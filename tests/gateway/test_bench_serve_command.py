@@ -123,3 +123,21 @@ def test_a_short_run_prints_and_saves_vllms_figures(server, tmp_path):
     assert sum(result["input_lens"]) == result["total_input_tokens"] > 0
     assert result["output_lens"] == [4] * 5 and len(result["ttfts"]) == 5 and result["errors"] == [""] * 5
     assert all(len(gaps) <= 3 for gaps in result["itls"])  # a gap between chunks; a chunk may carry more tokens
+
+
+def test_a_sharegpt_file_is_replayed_as_chat_at_a_request_rate(server, tmp_path):
+    url, recording = server
+    recording.posts.clear()
+    conversations = [{"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "Yes."}]}
+                     for i in range(3)]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    done = bench("--base-url", url + "/v1", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                 "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--sharegpt-output-len", "3",
+                 "--num-prompts", "3", "--request-rate", "50", "--disable-tqdm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Request rate configured (RPS):           50.00" in done.stdout
+    assert "Total generated tokens:                  9" in done.stdout
+    sent = recording.bodies("/v1/chat/completions")
+    assert sorted(b["messages"][-1]["content"] for b in sent) == ["Question 0?", "Question 1?", "Question 2?"]
+    assert [(b["max_tokens"], "ignore_eos" in b) for b in sent] == [(3, False)] * 3  # vLLM's default: no ignore_eos
