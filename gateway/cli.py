@@ -21,6 +21,7 @@ from spillway.gateway import chat_client, cli_bench, collect_env, engine_args
 from spillway.gateway.cli_args import build_parser, option_strings
 from spillway.gateway.config_file import ConfigFileError, expand_config
 from spillway.gateway.engine_args import engine_config
+from spillway.gateway.file_handles import raise_open_file_limit
 from spillway.gateway.request_defaults import read_request_defaults
 from spillway.gateway.sampling_params import MAX_LOGPROBS
 from spillway.gateway.serve_run import (
@@ -113,6 +114,7 @@ def _read_reasoning_config(value: str | None) -> dict | None:
 def serve_command(args: argparse.Namespace) -> int:
     """Run the server until Ctrl-C or SIGTERM (exit status 0 either way, also while the model
     loads); 1 when it cannot start."""
+    raise_open_file_limit()  # each connection holds a file handle; the worker and API servers inherit it
     try:
         sock = bind_port(args.host, args.port)  # before anything slow: a port in use ends it at once
     except PortInUse as exc:
@@ -214,6 +216,7 @@ def worker_command(args: argparse.Namespace) -> int:
     from spillway.worker.config import resolve_device_settings
     from spillway.worker.main import run_worker
 
+    raise_open_file_limit()
     try:
         config, _ = worker_config(args)
         resolve_device_settings(config)  # this is the worker: say what its device cannot run, then stop

@@ -10,6 +10,9 @@ import argparse
 
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES
+from spillway.gateway.http_protocol import (
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S, DEFAULT_TIMEOUT_REQUEST_BODY_S, DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+)
 from spillway.gateway.reasoning import PARSERS
 from spillway.gateway.sampling_params import MAX_LOGPROBS
 from spillway.protocol.config import KV_CACHE_DTYPES
@@ -27,6 +30,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -132,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-pending-requests", type=_positive_int,
                         help="sequences in flight beyond which requests get 429 (default 4 x --max-num-seqs)")
     server.add_argument("--max-request-body-bytes", type=_positive_int, default=8 << 20)
+    server.add_argument("--timeout-keep-alive", type=_positive_float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                        metavar="S", help="close a keep-alive connection idle for S seconds after a response "
+                                          "(default %(default)g)")
+    server.add_argument("--timeout-request-head", type=_positive_float, default=DEFAULT_TIMEOUT_REQUEST_HEAD_S,
+                        metavar="S", help="close a connection whose request line and headers have not all arrived "
+                                          "S seconds after it opened or the head began (408; default %(default)g)")
+    server.add_argument("--timeout-request-body", type=_positive_float, default=DEFAULT_TIMEOUT_REQUEST_BODY_S,
+                        metavar="S", help="close a connection whose request body has not all arrived S seconds "
+                                          "after its head (408; default %(default)g); responses are never timed")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--disable-log-requests", action="store_true", help="accepted: requests are not logged")

@@ -142,7 +142,9 @@ def uvicorn_config(args: argparse.Namespace, app) -> uvicorn.Config:
     from spillway.gateway.http_protocol import server_config
 
     return server_config(app, host=args.host, port=args.port, loop="uvloop" if _has_uvloop() else "asyncio",
-                         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+                         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                         timeout_keep_alive=args.timeout_keep_alive, timeout_request_head=args.timeout_request_head,
+                         timeout_request_body=args.timeout_request_body)
 
 
 def local_workers(config, extra_links: list[tuple[str, str]] | None = None):

@@ -12,6 +12,11 @@ Connections that come further apart find every server looking; for those the ser
 count of the connections each holds open (`OpenConnections`, shared memory made before they
 fork): a server holding more than the fewest leaves a ready connection to the others for up to
 MAX_DEFER_S, so a pool opened slowly and used all at once spreads too, as do long streams.
+
+A server alone on its socket takes every waiting connection at once, as the loop's server
+would, through the same `Acceptor`: either way it holds at most the connections its file
+handles leave room for (gateway/connection_bound.py), and an accept() that fails for want of
+a handle (EMFILE) pauses it instead of leaving it to poll a socket it cannot take from.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import select
 import socket
 
 import uvicorn
+
+from spillway.gateway.connection_bound import ConnectionBound
+from spillway.gateway.file_handles import connection_limit
 
 logger = logging.getLogger("spillway.gateway")
 
@@ -39,6 +47,9 @@ ACCEPT_INTERVAL_S = 0.001
 # A server holding more open connections than another leaves a ready one to the others at most
 # this long (then takes it: the others may all be busy with a long intake).
 MAX_DEFER_S = 0.002
+# accept() failed for want of a file handle, with no connection of this server's to close:
+# asyncio's own servers wait this long before they try again.
+ACCEPT_RETRY_S = 1.0
 
 
 class OpenConnections:
@@ -95,41 +106,81 @@ def counted(protocol_class: type, slot: ConnectionSlot) -> type:
     return Counted
 
 
-class OneAtATime:
-    """Accepts one connection from `sock` per turn of `loop` and hands it to `protocol_factory`
-    (uvicorn's HTTP protocol). Stands in for the `asyncio.Server` uvicorn keeps: `close()`
-    stops accepting, `wait_closed()` returns once the connections taken are set up. With
-    `slot` (the protocols count their connections there) a server holding more than another
-    leaves a ready connection to the others, for MAX_DEFER_S at most."""
+def bounded(protocol_class: type, bound: ConnectionBound) -> type:
+    """`protocol_class` releasing its place in `bound` when its connection goes (the accept took
+    it); a BoundedHeadProtocol also tells the bound when it waits for a head."""
+
+    class Bounded(protocol_class):
+        def connection_lost(self, exc) -> None:
+            super().connection_lost(exc)
+            bound.released(self)
+
+    Bounded.bound = bound
+    Bounded.__name__ = Bounded.__qualname__ = f"Bounded{protocol_class.__name__}"
+    return Bounded
+
+
+class Acceptor:
+    """Accepts connections from `sock` and hands each to `protocol_factory` (uvicorn's HTTP
+    protocol). Stands in for the `asyncio.Server` uvicorn keeps: `close()` stops accepting,
+    `wait_closed()` returns once the connections taken are set up.
+
+    With `one_per_turn` (the socket is shared with other servers) it takes one connection per
+    turn of `loop`, then pauses ACCEPT_INTERVAL_S; else all that wait. With `slot` (the
+    protocols count their connections there) a server holding more than another leaves a ready
+    connection to the others, for MAX_DEFER_S at most. With `bound` (the protocols release
+    their places in it) it holds at most `bound.limit` connections: at the bound it closes the
+    one waiting longest for a head and takes the new one once that has gone, or, if none waits,
+    once any goes. It never polls a socket it cannot take from: out of file handles (EMFILE),
+    it waits for a connection to go, or ACCEPT_RETRY_S."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol_factory,
-                 backlog: int, slot: ConnectionSlot | None = None) -> None:
+                 backlog: int, slot: ConnectionSlot | None = None, bound: ConnectionBound | None = None,
+                 one_per_turn: bool = True) -> None:
         self._loop, self._sock, self._factory, self._slot = loop, sock, protocol_factory, slot
+        self._bound, self._one_per_turn, self._backlog = bound, one_per_turn, backlog
         self._deferred_since: float | None = None  # a ready connection left to the others since
         self._starting: set[asyncio.Task] = set()
+        self._reading = False
+        self._paused: asyncio.TimerHandle | None = None  # the resume after a pause, if one is due
+        self._out_of_handles = False  # accept() last failed for want of a file handle
         sock.setblocking(False)
         sock.listen(backlog)
-        loop.add_reader(sock.fileno(), self._accept_one)
         self._open = True
         self.num_accepted = 0
+        self._watch()
 
-    def _accept_one(self) -> None:
-        if self._slot is not None and self._slot.holds_more():
+    def _on_ready(self) -> None:
+        if self._one_per_turn and self._slot is not None and self._slot.holds_more():
             now = self._loop.time()
             if self._deferred_since is None:
                 self._deferred_since = now
             if now - self._deferred_since < MAX_DEFER_S:
-                self._pause()
+                self._pause(ACCEPT_INTERVAL_S)
                 return
-        try:
-            conn, _ = self._sock.accept()
-        except OSError as exc:
-            if exc.errno not in _NOT_NOW:  # out of descriptors, say: the connection waits in the backlog
-                logger.warning("accepting a connection failed: %s", exc)
-            return
+        for _ in range(1 if self._one_per_turn else self._backlog):
+            if self._bound is not None and self._bound.full():
+                self._bound.evict_oldest_waiting()  # its release wakes this
+                self._wait_for_room()
+                return
+            try:
+                conn, _ = self._sock.accept()
+            except OSError as exc:
+                if exc.errno not in _NOT_NOW:
+                    self._accept_failed(exc)
+                return
+            self._take(conn)
+        if self._one_per_turn:
+            self._pause(ACCEPT_INTERVAL_S)
+
+    def _take(self, conn: socket.socket) -> None:
         self.num_accepted += 1
         self._deferred_since = None
-        self._pause()
+        if self._out_of_handles:
+            self._out_of_handles = False
+            logger.info("accepting connections again")
+        if self._bound is not None:
+            self._bound.taken()
         conn.setblocking(False)
         if conn.family in (socket.AF_INET, socket.AF_INET6):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -137,16 +188,50 @@ class OneAtATime:
         self._starting.add(task)
         task.add_done_callback(self._starting.discard)
 
-    def _pause(self) -> None:
-        self._loop.remove_reader(self._sock.fileno())
-        self._loop.call_later(ACCEPT_INTERVAL_S, self._resume)
+    def _accept_failed(self, exc: OSError) -> None:
+        """Out of file handles, say: the connection waits in the backlog until one is free. A
+        listening socket stays ready meanwhile, so watching it would spin."""
+        if not self._out_of_handles:
+            self._out_of_handles = True
+            logger.warning("accepting a connection failed: %s; retrying once a connection closes or in %g s",
+                           exc, ACCEPT_RETRY_S)
+        if self._bound is not None:
+            self._bound.evict_oldest_waiting()
+            self._wait_for_room()
+        self._pause(ACCEPT_RETRY_S)
+
+    def _watch(self) -> None:
+        if self._open and not self._reading:
+            self._reading = True
+            self._loop.add_reader(self._sock.fileno(), self._on_ready)
+
+    def _unwatch(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._sock.fileno())
+
+    def _wait_for_room(self) -> None:
+        self._unwatch()
+        self._bound.wake_when_room(self._room)
+
+    def _room(self) -> None:
+        if self._paused is not None:  # the retry after EMFILE: a connection gone frees a handle sooner
+            self._paused.cancel()
+            self._paused = None
+        self._watch()
+
+    def _pause(self, delay_s: float) -> None:
+        self._unwatch()
+        if self._paused is None:
+            self._paused = self._loop.call_later(delay_s, self._resume)
 
     def _resume(self) -> None:
+        self._paused = None
         if not self._open:
             return
         if self._deferred_since is not None and not select.select([self._sock], [], [], 0)[0]:
             self._deferred_since = None  # another server took what was left to it
-        self._loop.add_reader(self._sock.fileno(), self._accept_one)
+        self._watch()
 
     async def _start(self, conn: socket.socket) -> None:
         try:
@@ -154,11 +239,16 @@ class OneAtATime:
         except OSError as exc:  # the client went away between the accept and the set-up
             logger.debug("a connection closed while being set up: %s", exc)
             conn.close()
+            if self._bound is not None:
+                self._bound.released(None)
 
     def close(self) -> None:
         if self._open:
+            self._unwatch()
             self._open = False
-            self._loop.remove_reader(self._sock.fileno())
+            if self._paused is not None:
+                self._paused.cancel()
+                self._paused = None
 
     async def wait_closed(self) -> None:
         if self._starting:
@@ -166,25 +256,27 @@ class OneAtATime:
 
 
 class SharedSocketServer(uvicorn.Server):
-    """uvicorn's server; with `shared` (other processes accept from its sockets too) it takes
-    their connections one per turn (`OneAtATime`) instead of through the loop's own server,
-    and with `slot` (its count among the servers' `OpenConnections`) leaves them to a server
-    holding fewer."""
+    """uvicorn's server taking its connections through an `Acceptor` rather than the loop's own
+    server: it holds at most `connection_limit()` (gateway/file_handles.py). With `shared`
+    (other processes accept from its sockets too) it takes them one per turn, and with `slot`
+    (its count among the servers' `OpenConnections`) leaves them to a server holding fewer."""
 
     def __init__(self, config: uvicorn.Config, shared: bool = True, slot: ConnectionSlot | None = None) -> None:
         super().__init__(config)
         self.shared = shared
         self.slot = slot
+        self.bound: ConnectionBound | None = None
 
     async def startup(self, sockets=None) -> None:
-        if not sockets or not self.shared:
+        if not sockets:
             return await super().startup(sockets)
         await super().startup([])  # the lifespan and the server's state; no socket served yet
         if not self.started:
             return
         config, loop = self.config, asyncio.get_running_loop()
-
-        protocol_class = config.http_protocol_class
+        # Counted once the worker link and the app's files are open: what is left is for connections.
+        self.bound = ConnectionBound(connection_limit())
+        protocol_class = bounded(config.http_protocol_class, self.bound)
         if self.slot is not None:
             protocol_class = counted(protocol_class, self.slot)
 
@@ -192,4 +284,5 @@ class SharedSocketServer(uvicorn.Server):
             return protocol_class(config=config, server_state=self.server_state, app_state=self.lifespan.state,
                                   _loop=_loop)
 
-        self.servers = [OneAtATime(loop, sock, create_protocol, config.backlog, self.slot) for sock in sockets]
+        self.servers = [Acceptor(loop, sock, create_protocol, config.backlog, self.slot, self.bound,
+                                 one_per_turn=self.shared) for sock in sockets]

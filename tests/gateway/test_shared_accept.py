@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from spillway.gateway import shared_accept
-from spillway.gateway.shared_accept import OneAtATime, OpenConnections
+from spillway.gateway.shared_accept import Acceptor, OpenConnections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tools.bench_accept import ask, serve  # noqa: E402  (servers answering with their pid)
@@ -36,7 +36,7 @@ def test_one_connection_per_turn_then_a_pause(monkeypatch):
         loop = asyncio.get_running_loop()
         sock = listening_socket()
         clients = [socket.create_connection(sock.getsockname()) for _ in range(3)]  # all in the backlog
-        server = OneAtATime(loop, sock, asyncio.Protocol, backlog=128)
+        server = Acceptor(loop, sock, asyncio.Protocol, backlog=128)
         counts = []
         for _ in range(5):  # the first turns: the socket polled, one taken, then the pause
             await asyncio.sleep(0)
@@ -76,7 +76,7 @@ def test_a_server_holding_more_leaves_a_ready_connection_to_the_others_for_a_whi
         loop = asyncio.get_running_loop()
         sock = listening_socket()
         client = socket.create_connection(sock.getsockname())
-        server = OneAtATime(loop, sock, asyncio.Protocol, backlog=128, slot=Holding(more))
+        server = Acceptor(loop, sock, asyncio.Protocol, backlog=128, slot=Holding(more))
         counts = []
         for wait in waits:
             await asyncio.sleep(wait)
