@@ -29,6 +29,16 @@ logger = logging.getLogger("spillway.worker")
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "replay")
+# How the caller wrote its settings, so that a message names the one the user gave:
+# "flags" (`spillway serve`, `spillway worker`: --max-model-len 4096) or "arguments" (`LLM`,
+# a WorkerConfig built in Python: max_model_len=4096).
+SETTINGS_SPELLINGS = ("flags", "arguments")
+
+
+def setting_name(name: str, spelling: str) -> str:
+    """The setting `name` (a WorkerConfig field, an `LLM` argument) as `spelling` writes it:
+    `--max-model-len` for "flags", `max_model_len` for "arguments"."""
+    return "--" + name.replace("_", "-") if spelling == "flags" else name
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,13 +118,28 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).
     programmatic_launch: bool = True  # Triton kernels with programmatic dependent launch
     input_major_weights: bool = True  # projection weights stored input-major on a GPU
+    # max_model_len beyond the model's trained context (SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1, read
+    # by `worker_config_from_env`): taken, not refused.
+    allow_long_max_model_len: bool = False
+    settings_spelling: str = "arguments"  # one of SETTINGS_SPELLINGS, for the worker's messages
+
+    def setting(self, name: str) -> str:
+        """The setting `name` (a field's name) as the caller spells it: `--max-model-len` or
+        `max_model_len`."""
+        return setting_name(name, self.settings_spelling)
+
+    def spell(self, name: str, value: object) -> str:
+        """The setting `name` given `value`, as the caller wrote it: `--kv-cache-dtype fp8` or
+        `kv_cache_dtype='fp8'`."""
+        return f"{self.setting(name)} {value}" if self.settings_spelling == "flags" else f"{name}={value!r}"
 
 
 def worker_config_from_env(**settings) -> WorkerConfig:
     """A WorkerConfig whose kernel switches come from the environment of the process that
     configures the worker; explicit `settings` win. The worker uses its config's fields only."""
     switches = {"programmatic_launch": envs.programmatic_launch(),
-                "input_major_weights": envs.input_major_weights()}
+                "input_major_weights": envs.input_major_weights(),
+                "allow_long_max_model_len": envs.allow_long_max_model_len()}
     if (rate := envs.kv_load_gb_s()) is not None:
         switches["kv_load_gb_s"] = rate
     return WorkerConfig(**{**switches, **settings})

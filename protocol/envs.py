@@ -48,6 +48,14 @@ def kv_load_gb_s() -> float | None:
     return rate
 
 
+def allow_long_max_model_len() -> bool:
+    """SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): take a
+    max_model_len beyond the model's trained context instead of refusing it. Read into
+    WorkerConfig by `worker_config_from_env`."""
+    return any(os.environ.get(name, "0") not in ("", "0", "false")
+               for name in ("SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"))
+
+
 def programmatic_launch() -> bool:
     """Launch the Triton kernels with programmatic dependent launch where the GPU supports it
     (SPILLWAY_PDL=0 turns it off, e.g. to measure what it saves). Read into WorkerConfig by
