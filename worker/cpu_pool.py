@@ -25,23 +25,25 @@ def host_memory_available() -> int | None:
         return None
 
 
-def check_host_memory(size: int) -> None:
+def check_host_memory(size: int, size_setting: str = "cpu_offload_gb") -> None:
     """ValueError, with the numbers, when the CPU tier's `size` bytes exceed the host memory
-    available now."""
+    available now; it names the tier's size as the caller spells it (`size_setting`:
+    `--cpu-offload-gb` for the command line, `cpu_offload_gb` for `LLM`)."""
     available = host_memory_available()
     if available is not None and size > available:
         raise ValueError(f"the CPU KV tier asks for {size / 2**30:.2f} GiB of host memory and "
-                         f"{available / 2**30:.2f} GiB is available; lower --cpu-offload-gb")
+                         f"{available / 2**30:.2f} GiB is available; lower {size_setting}")
 
 
-def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.dtype, pinned: bool,
+                      size_setting: str = "cpu_offload_gb") -> torch.Tensor:
     """The CPU tier's pool, refused (ValueError, with the numbers) beyond available host memory.
     Not zeroed: a CPU slot is only ever read after a store filled it.
 
     `pinned`: page-locked with cudaHostRegister, not `pin_memory=True`, whose caching allocator
     rounds a request up to a power of two (40 GiB would lock 64)."""
     size = num_blocks * torch.Size(block_shape).numel() * dtype.itemsize
-    check_host_memory(size)  # again: the weights took their share since the engine's first look
+    check_host_memory(size, size_setting)  # again: the weights took their share since the engine's first look
     pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
     if pinned:
         cudart = torch.cuda.cudart()

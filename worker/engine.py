@@ -18,7 +18,7 @@ from spillway.protocol.reasoning import forced_token
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.config import resolve_device_settings
 from spillway.worker.cpu_pool import check_host_memory
-from spillway.worker.executor_start import build_executor, finish_start, pool_blocks
+from spillway.worker.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
 from spillway.worker.kv_blocks import num_blocks_for_memory
 from spillway.worker.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.model_runner import ModelRunner
@@ -41,7 +41,8 @@ class Engine:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
-            check_host_memory(int(config.cpu_offload_gb * 2**30))  # refused before the model loads
+            # Refused before the model loads.
+            check_host_memory(int(config.cpu_offload_gb * 2**30), config.setting("cpu_offload_gb"))
         self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
         torch.manual_seed(config.seed)
         use_programmatic_launch(config.programmatic_launch)
@@ -67,12 +68,14 @@ class Engine:
                 config.speculative, self.sampler, target_vocab_size=self.vocab_size, device=self.device,
                 dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
                 block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
-                cuda_graphs=self.device.type == "cuda" and not config.enforce_eager)
+                cuda_graphs=self.device.type == "cuda" and not config.enforce_eager,
+                draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
         num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
         if num_cpu_blocks:
-            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, config.kv_load_gb_s * 1e9)
+            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, config.kv_load_gb_s * 1e9,
+                                                config.setting("cpu_offload_gb"))
         finish_start(self.executor, config)
         if self.group is not None:
             self.executor.step_sender = self.group.send_step

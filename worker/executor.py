@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from spillway.worker.cpu_pool import allocate_cpu_pool
+from spillway.worker.kv_budget import KVBudget
 from spillway.worker.kv_copies import KVCopier
 from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
 from spillway.worker.models import loader, model_class_for
@@ -108,37 +109,49 @@ class Executor:
                                   max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)
+        # A draft model's pool, taken from the same budget (worker/kv_budget.py): the CPU's
+        # fixed budget leaves it out; on CUDA it is measured in use.
+        self.draft_kv_bytes = 0
+        self._activation_peak_bytes: int | None = None
         # Tensor parallelism, on rank 0: sends each step (and its fed tokens) to the other ranks.
         self.step_sender: Callable[[PackedStep, torch.Tensor | None], None] | None = None
 
-    def kv_pool_blocks(self, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
-        """How many KV blocks fit this device: on CUDA, the utilisation's share of the GPU less
-        what is in use (weights, CUDA context, other processes), the peak a step of
-        max_num_batched_tokens adds and the graphs' logits buffer (`ModelRunner.graph_logits_bytes`,
-        larger with verify graphs); 1 GiB on the CPU. A block holds this device's KV heads only
-        (a tensor-parallel rank's share: `ModelRunner.kv_block_bytes`)."""
-        runner = self.runner
+    def kv_budget(self, *, gpu_memory_utilization: float, with_graphs: bool) -> KVBudget:
+        """The bytes this device's KV pools may take: on CUDA, the utilisation's share of the GPU
+        less what is in use (weights, CUDA context, other processes, a draft model's pool), the
+        peak a step of max_num_batched_tokens adds and the graphs' logits buffer
+        (`ModelRunner.graph_logits_bytes`, larger with verify graphs); on the CPU, 1 GiB less
+        `draft_kv_bytes`."""
         if self.device.type != "cuda":
-            budget = CPU_KV_CACHE_BYTES
-        else:
-            activation_peak = self._activation_peak()
-            if with_graphs:
-                activation_peak += runner.graph_logits_bytes(self.max_num_seqs, self.speculative)
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * gpu_memory_utilization - (total - free) - activation_peak
-            logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "
-                        "buffers, %.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
-                        activation_peak / 2**30, max(budget, 0) / 2**30)
-        return max(0, int(budget) // runner.kv_block_bytes)
+            return KVBudget(max(0, CPU_KV_CACHE_BYTES - self.draft_kv_bytes), gpu_memory_utilization)
+        activation_peak = self._activation_peak()
+        if with_graphs:
+            activation_peak += self.runner.graph_logits_bytes(self.max_num_seqs, self.speculative)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * gpu_memory_utilization - (total - free) - activation_peak
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "
+                    "buffers, %.2f GiB for the KV cache", total / 2**30, (total - free) / 2**30,
+                    activation_peak / 2**30, max(budget, 0) / 2**30)
+        return KVBudget(max(0, int(budget)), gpu_memory_utilization, total)
+
+    def kv_pool_blocks(self, *, gpu_memory_utilization: float, with_graphs: bool) -> int:
+        """How many KV blocks fit this device's budget (`kv_budget`). A block holds this
+        device's KV heads only (a tensor-parallel rank's share: `ModelRunner.kv_block_bytes`)."""
+        return self.kv_budget(gpu_memory_utilization=gpu_memory_utilization,
+                              with_graphs=with_graphs).blocks(self.runner.kv_block_bytes)
+
+    def _activation_peak(self) -> int:
+        """Peak bytes a step of max_num_batched_tokens prefill tokens allocates beyond the
+        weights, measured once (a draft model's share and the pool are sized from it)."""
+        if self._activation_peak_bytes is None:
+            self._activation_peak_bytes = self._measure_activation_peak()
+        return self._activation_peak_bytes
 
     @torch.inference_mode()
-    def _activation_peak(self) -> int:
-        """Peak bytes a step of max_num_batched_tokens prefill tokens allocates beyond the weights.
-
-        Runs one forward of that many tokens (sequences of at most `max_model_len - 1` tokens)
-        into a throwaway KV cache, then logits and a sort for `max_num_seqs` rows as the
-        sampler would. The throwaway cache itself is not counted.
-        """
+    def _measure_activation_peak(self) -> int:
+        """Runs one forward of max_num_batched_tokens tokens (sequences of at most
+        `max_model_len - 1` tokens) into a throwaway KV cache, then logits and a sort for
+        `max_num_seqs` rows as the sampler would. The throwaway cache itself is not counted."""
         runner, num_tokens = self.runner, self.max_num_batched_tokens
         assert self.device.type == "cuda" and runner.kv_cache is None
         seq_len = max(1, min(num_tokens, self.max_model_len - 1))
@@ -169,12 +182,14 @@ class Executor:
         logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
-    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float) -> None:
+    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float,
+                              size_setting: str = "cpu_offload_gb") -> None:
         """The CPU tier's pool (pinned on CUDA), after the GPU pool; ValueError beyond the
-        host's available memory. `load_bytes_per_s`: the loads' pace while others compute."""
+        host's available memory, naming `size_setting`. `load_bytes_per_s`: the loads' pace
+        while others compute."""
         runner = self.runner
         cpu_pool = allocate_cpu_pool(num_blocks, runner.kv_cache_shape, runner.kv_cache_dtype,
-                                     pinned=self.device.type == "cuda")
+                                     pinned=self.device.type == "cuda", size_setting=size_setting)
         self.kv_copier = KVCopier(runner.kv_cache, cpu_pool, load_bytes_per_s)
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")

@@ -66,7 +66,7 @@ def test_kv_cache_dtype_names(monkeypatch):
     assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cuda")) == torch.float32
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda")) == FP8
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.float16, torch.device("cuda")) == FP8
-    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp8_e5m2'; choose one of auto, fp8, fp8_e4m3"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2': unknown kv_cache_dtype; choose one of auto, fp8, fp8_e4m3"):
         resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
 
 

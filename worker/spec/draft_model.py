@@ -15,26 +15,25 @@ switch's largest (`max_graph_batch_size`), so the k - 1 single-token steps repla
 prefill graphs: the catch-up forward (one new token per request, as the draft holds the KV of
 the drafts it fed itself; two after a fully accepted run; a new prompt) replays one of either. Its pool and its
 graphs are allocated before the target's pool is sized, so on CUDA the target's pool takes
-only the memory the draft leaves.
+only the memory the draft leaves. The engine sizes its pool with the target's
+(`executor_start.draft_pool_blocks`): the same number of tokens out of one budget.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from spillway.worker.executor import load_model
-from spillway.worker.kv_blocks import num_blocks_for_memory
+from spillway.worker.kv_blocks import kv_block_bytes
+from spillway.worker.kv_budget import blocks_per_request
 from spillway.worker.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import loader
 from spillway.worker.request import Request
 from spillway.worker.sampler import filtered_logits
 from spillway.worker.spec.proposer import NO_PROPOSAL, Proposal
-
-DRAFT_POOL_BYTES = 256 << 20  # the draft's KV pool: 256 MiB holds ~5.8k SmolLM2-135M tokens in fp32
 
 
 @dataclass(slots=True)
@@ -60,9 +59,12 @@ class DraftModelProposer:
     @classmethod
     def load(cls, model: str, *, target_vocab_size: int, device: torch.device, dtype: torch.dtype,
              max_model_len: int, max_num_seqs: int, block_size: int, max_num_batched_tokens: int,
-             num_speculative_tokens: int, max_graph_batch_size: int | None = None) -> DraftModelProposer:
+             num_speculative_tokens: int, max_graph_batch_size: int | None = None,
+             pool_blocks: Callable[[int], int] | None = None) -> DraftModelProposer:
         """The draft model from `model` (a folder or GGUF file); ValueError when its vocabulary
-        differs from the target's (its tokens would not be the target's tokens). With
+        differs from the target's (its tokens would not be the target's tokens). `pool_blocks`:
+        its pool's block count from the bytes of one of its blocks, once its weights are loaded
+        (ValueError when too few); without it, what `max_num_seqs` requests use. With
         `max_graph_batch_size` (CUDA), its runner's CUDA graphs are captured, decode batches up
         to that size."""
         files = loader.resolve_model(model, "auto")
@@ -71,12 +73,10 @@ class DraftModelProposer:
             raise ValueError(f"the speculative model's vocabulary has {int(hf_config.vocab_size)} tokens and the "
                              f"target's {target_vocab_size}: a draft model needs the target's tokenizer")
         draft = load_model(hf_config, files, device=device, dtype=dtype, seed=0)
-        blocks_per_request = math.ceil((max_model_len + num_speculative_tokens) / block_size)
-        num_blocks = min(num_blocks_for_memory(hf_config, block_size, dtype, DRAFT_POOL_BYTES),
-                         max_num_seqs * blocks_per_request)
-        if num_blocks < blocks_per_request:
-            raise ValueError(f"the draft model's KV pool ({num_blocks} blocks) cannot hold one request of "
-                             f"max_model_len={max_model_len}")
+        if pool_blocks is not None:
+            num_blocks = pool_blocks(kv_block_bytes(hf_config, block_size, dtype))
+        else:
+            num_blocks = max_num_seqs * blocks_per_request(max_model_len, block_size, num_speculative_tokens)
         runner = ModelRunner(draft, num_blocks=num_blocks, block_size=block_size, device=device, dtype=dtype,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len + num_speculative_tokens)

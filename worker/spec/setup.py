@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,11 +21,13 @@ DRAFT_MODEL_COST = 0.1
 
 def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vocab_size: int,
                        device: torch.device, dtype: torch.dtype, max_model_len: int, max_num_seqs: int,
-                       block_size: int, max_num_batched_tokens: int, cuda_graphs: bool = False) -> SpecDecoder:
+                       block_size: int, max_num_batched_tokens: int, cuda_graphs: bool = False,
+                       draft_pool_blocks: Callable[[int], int] | None = None) -> SpecDecoder:
     """The proposer, the switch and the verification; ValueError for a configuration no
-    worker can run (a draft model whose vocabulary differs from the target's, ...).
-    `cuda_graphs`: a draft model's runner captures its graphs, decode batches up to the
-    largest the switch speculates in."""
+    worker can run (a draft model whose vocabulary differs from the target's, a draft pool
+    that cannot hold one request, ...). `cuda_graphs`: a draft model's runner captures its
+    graphs, decode batches up to the largest the switch speculates in. `draft_pool_blocks`: a
+    draft model's pool size from the bytes of one of its blocks (`DraftModelProposer.load`)."""
     problem = config.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -42,7 +45,8 @@ def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vo
                 config.model, target_vocab_size=target_vocab_size, device=device, dtype=dtype,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=block_size,
                 max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
-                max_graph_batch_size=min(config.disable_by_batch_size, max_num_seqs) if cuda_graphs else None)
+                max_graph_batch_size=min(config.disable_by_batch_size, max_num_seqs) if cuda_graphs else None,
+                pool_blocks=draft_pool_blocks)
             draft_cost = DRAFT_MODEL_COST
         case _:
             raise AssertionError(config.method)
