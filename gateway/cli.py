@@ -43,7 +43,7 @@ def _worker_keys(args: argparse.Namespace, address: str):
 
 def refusals(args: argparse.Namespace) -> list[str]:
     """Messages for every flag that asks for what Spillway cannot do (yet)."""
-    problems = engine_args.refusals(vars(args), _flag)
+    problems = engine_args.refusals(vars(args), _flag, "flags")
     if getattr(args, "api_server_count", 1) > 1 and getattr(args, "worker_address", None) is not None:
         problems.append(f"--api-server-count {args.api_server_count} with --worker-address: not available yet "
                         "(a remote worker serves one gateway process)")
@@ -69,6 +69,7 @@ def worker_config(args: argparse.Namespace):
     config, files = engine_config(
         args.model or args.model_tag, load_format=args.load_format,
         served_model_name=args.served_model_name[0] if args.served_model_name else None, spell=_flag,
+        settings_spelling="flags",
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

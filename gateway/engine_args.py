@@ -9,17 +9,19 @@ import math
 from collections.abc import Callable, Mapping
 
 from spillway.protocol import envs
-from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, worker_config_from_env
+from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, setting_name, worker_config_from_env
 from spillway.protocol.model_files import ModelFiles, resolve_model
+from spillway.protocol.model_len import long_max_model_len_problem, trained_length
 from spillway.protocol.tensor_parallel import feature_problems, layout_problems
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 
 # vLLM arguments whose features Spillway does not have yet: (argument, the value that asks for
-# nothing, feature). A value of None is never a request either.
+# nothing, feature). A value of None is never a request either. `{name}`: another setting, as
+# the caller spells it.
 NOT_YET = (
-    ("swap_space", 0, "a swap space apart from the CPU KV tier (--cpu-offload-gb)"),
+    ("swap_space", 0, "a swap space apart from the CPU KV tier ({cpu_offload_gb})"),
     ("quantization", None, "quantised execution"),
     ("enable_lora", False, "LoRA adapters"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
@@ -30,7 +32,7 @@ NOT_YET_NAMES = frozenset(name for name, _, _ in NOT_YET)
 # vLLM switches for what Spillway always does, with why it cannot be switched off.
 ALWAYS_ON = (
     ("enable_chunked_prefill", "prompts are always prefilled in chunks of the step's token budget "
-                               "(--max-num-batched-tokens): the scheduler has no whole-prompt prefill"),
+                               "({max_num_batched_tokens}): the scheduler has no whole-prompt prefill"),
 )
 ALWAYS_ON_NAMES = frozenset(name for name, _ in ALWAYS_ON)
 
@@ -40,47 +42,66 @@ class RefusedArgument(ValueError):
     (the command line exits with status 2 for it, as for a flag refused outright)."""
 
 
-def refusals(values: Mapping[str, object], spell: Callable[[str, object], str]) -> list[str]:
+def refusals(values: Mapping[str, object], spell: Callable[[str, object], str],
+             settings_spelling: str = "arguments") -> list[str]:
     """A message for every argument in `values` that asks for a feature Spillway lacks;
-    `spell(name, value)` writes the argument as its caller's user gave it."""
+    `spell(name, value)` writes the argument as its caller's user gave it, `settings_spelling`
+    (protocol/config.py) the other settings the message names."""
+    names = _SpelledNames(settings_spelling)
     messages = []
     for name, off, feature in NOT_YET:
         value = values.get(name)
         if value is not None and value != off:
-            messages.append(f"{spell(name, value)} needs {feature}, which Spillway does not have yet")
+            messages.append(f"{spell(name, value)} needs {feature.format_map(names)}, which Spillway does not have yet")
     for name, why in ALWAYS_ON:
         if values.get(name) is False:
-            messages.append(f"{spell(name, False)} cannot be honoured: {why}")
+            messages.append(f"{spell(name, False)} cannot be honoured: {why.format_map(names)}")
     return messages
 
 
+class _SpelledNames(dict):
+    """Any setting's name, as `spelling` writes it, for str.format_map."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling = spelling
+
+    def __missing__(self, name: str) -> str:
+        return setting_name(name, self.spelling)
+
+
 def check_engine_args(*, block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                      kv_cache_dtype, dtype) -> None:
-    """ValueError for a value no worker takes, before one is started."""
+                      kv_cache_dtype, dtype, setting: Callable[[str], str] = str) -> None:
+    """ValueError for a value no worker takes, before one is started; `setting` names an
+    argument as the caller spells it."""
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
+        raise ValueError(f"{setting('block_size')} must be one of {', '.join(map(str, BLOCK_SIZES))}, "
+                         f"got {block_size!r}")
     if not _is_int(max_num_seqs) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        raise ValueError(f"{setting('max_num_seqs')} must be a positive integer, got {max_num_seqs!r}")
     if max_model_len is not None and (not _is_int(max_model_len) or max_model_len < 2):
-        raise ValueError(f"max_model_len must be an integer of at least 2, got {max_model_len!r}")
+        raise ValueError(f"{setting('max_model_len')} must be an integer of at least 2, got {max_model_len!r}")
     if max_num_batched_tokens is not None and (not _is_int(max_num_batched_tokens) or max_num_batched_tokens < 1):
-        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
+        raise ValueError(f"{setting('max_num_batched_tokens')} must be a positive integer, "
+                         f"got {max_num_batched_tokens!r}")
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        raise ValueError(f"{setting('gpu_memory_utilization')} must be in (0, 1], got {gpu_memory_utilization!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(f"{setting('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"{setting('dtype')} must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
-def cpu_tier_gib(cpu_offload_gb: float | None = None, kv_offloading_size: float | None = None) -> float:
+def cpu_tier_gib(cpu_offload_gb: float | None = None, kv_offloading_size: float | None = None,
+                 spell: Callable[[str, object], str] = lambda name, value: f"{name}={value!r}") -> float:
     """GiB of host memory for the CPU KV tier: `--cpu-offload-gb` or vLLM's newer name for it,
     `--kv-offloading-size` (both given: they must agree), else SPILLWAY_CPU_KVCACHE_SPACE or
     VLLM_CPU_KVCACHE_SPACE, else 0 (no tier). In vLLM `--cpu-offload-gb` offloads weights;
-    here it sizes the KV tier."""
+    here it sizes the KV tier. `spell` writes the arguments as the caller gave them."""
     if cpu_offload_gb is not None and kv_offloading_size is not None and cpu_offload_gb != kv_offloading_size:
-        raise ValueError(f"cpu_offload_gb={cpu_offload_gb!r} and kv_offloading_size={kv_offloading_size!r} "
-                         "name the same CPU KV tier with two sizes")
+        raise ValueError(f"{spell('cpu_offload_gb', cpu_offload_gb)} and "
+                         f"{spell('kv_offloading_size', kv_offloading_size)} name the same CPU KV tier with two sizes")
     size = next((value for value in (cpu_offload_gb, kv_offloading_size) if value is not None), None)
     if size is None:
         size = envs.cpu_kvcache_space_gb() or 0.0
@@ -108,22 +129,37 @@ def check_tensor_parallel(files: ModelFiles, size: int, *, cpu_offload_gb: float
         raise RefusedArgument(f"{spell('tensor_parallel_size', size)}: " + "; ".join(problems))
 
 
+def check_max_model_len(files: ModelFiles, max_model_len: int | None, spell: Callable[[str, object], str]) -> None:
+    """RefusedArgument for a max_model_len past the model's trained context (its config.json),
+    unless SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)."""
+    if max_model_len is None:
+        return
+    with open(files.path / "config.json", encoding="utf-8") as f:
+        trained = trained_length(json.load(f))
+    problem = long_max_model_len_problem(max_model_len, trained, envs.allow_long_max_model_len(), spell)
+    if problem is not None:
+        raise RefusedArgument(problem)
+
+
 def engine_config(model: str | None, *, load_format: str = "auto", served_model_name: str | None = None,
                   spell: Callable[[str, object], str] = lambda name, value: f"{name}={value!r}",
-                  **settings) -> tuple[WorkerConfig, ModelFiles]:
+                  settings_spelling: str = "arguments", **settings) -> tuple[WorkerConfig, ModelFiles]:
     """Check the arguments, resolve the model (converting a GGUF file once) and build the
     worker's configuration, its kernel switches from this process's environment. `spell`
-    writes an argument as the caller's user gave it, for the messages."""
+    writes an argument as the caller's user gave it, for the messages; `settings_spelling`
+    (one of SETTINGS_SPELLINGS) tells the worker, for its own."""
     defaults = WorkerConfig()
-    settings["cpu_offload_gb"] = cpu_tier_gib(settings.get("cpu_offload_gb"), settings.pop("kv_offloading_size", None))
+    settings["cpu_offload_gb"] = cpu_tier_gib(settings.get("cpu_offload_gb"), settings.pop("kv_offloading_size", None),
+                                              spell)
     if settings["cpu_offload_gb"] and not settings.get("enable_prefix_caching", True):
         raise ValueError("the CPU KV tier keeps prefix-cache blocks: it needs prefix caching, which is turned off")
     check_engine_args(**{name: settings.get(name, getattr(defaults, name)) for name in (
         "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
-        "kv_cache_dtype", "dtype")})
+        "kv_cache_dtype", "dtype")}, setting=lambda name: setting_name(name, settings_spelling))
     files = resolve_model(model, load_format)  # ValueError for unknown models
     check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
                           speculative=settings.get("speculative") is not None, spell=spell)
+    check_max_model_len(files, settings.get("max_model_len"), spell)
     config = worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
-                                    load_format=files.load_format, **settings)
+                                    load_format=files.load_format, settings_spelling=settings_spelling, **settings)
     return config, files

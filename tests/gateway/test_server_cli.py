@@ -82,7 +82,7 @@ def test_settings_the_local_device_cannot_run_end_the_command_with_the_workers_r
     # serve: its worker refuses them at start (the gateway never imports torch); worker: before connecting.
     assert main([*command, "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1] == (f"spillway {command[0]}: kv_cache_dtype='fp8': an fp8 KV cache "
+    assert err.strip().splitlines()[-1] == (f"spillway {command[0]}: --kv-cache-dtype fp8: an fp8 KV cache "
                                             "needs CUDA, and the device is cpu")
 
 
