@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from spillway.gateway import answers
 from spillway.gateway import openai as api
-from spillway.gateway.chat_messages import ChatRender, template_messages
+from spillway.gateway.chat_messages import template_messages, tokenize_render
 from spillway.gateway.guards import ApiKeyMiddleware, check_json_body, check_json_values
 from spillway.gateway.client import EngineClient, EngineOverloaded, EngineUnavailable
 from spillway.gateway.error_handlers import HANDLERS
@@ -38,6 +38,7 @@ from spillway.gateway.responses import GenerationResponse, json_response
 from spillway.gateway.server_settings import ServerSettings
 from spillway.gateway.serving import Generation
 from spillway.gateway.stats_log import StatsLogger
+from spillway.gateway.template_sandbox import TemplateSandbox
 from spillway.gateway.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.worker_process import WorkerProcess
 from spillway.protocol import model_files
@@ -60,9 +61,11 @@ class Gateway:
         self.tokenizer = PromptTokenizer(hf_tokenizer, settings.chat_template, settings.allow_special_tokens_in_content) \
             if hf_tokenizer is not None else None
         self.markers = _reasoning_markers(settings, hf_tokenizer)
+        self.sandbox = TemplateSandbox(settings.request_template_limits) \
+            if settings.trust_request_chat_template and self.tokenizer is not None else None
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
                                reasoning=self.markers is not None, defaults=settings.request_defaults,
-                               max_sequences=settings.max_pending)
+                               max_sequences=settings.max_pending, sandbox=self.sandbox)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
         # A bounded share of a burst's intakes per loop iteration, larger with more streams.
@@ -147,6 +150,9 @@ def build_app(settings: ServerSettings, start_worker=None,
         finally:
             if stats_log is not None:
                 stats_log.stop()
+            gateway = getattr(app.state, "gateway", None)
+            if gateway is not None and gateway.sandbox is not None:
+                gateway.sandbox.close()
             await client.close()
             if remote is not None:
                 remote.shutdown()
@@ -252,8 +258,7 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None:
         messages = template_messages(body.messages)
         gateway.jobs.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        render = ChatRender(body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or {})
-        token_ids = await gateway.jobs.encode_chat(messages, render)
+        token_ids = await gateway.jobs.encode_chat(messages, tokenize_render(body))
     elif body.prompt is not None:
         gateway.jobs.check_prompt_chars(len(body.prompt), "prompt")
         token_ids = await gateway.jobs.encode(body.prompt, body.add_special_tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from spillway.gateway.openai import ChatCompletionRequest, ChatMessage, bad_request
+from spillway.gateway.openai import ChatCompletionRequest, ChatMessage, TokenizeRequest, bad_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -35,11 +35,30 @@ def chat_render(request: ChatCompletionRequest) -> ChatRender:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true: "
                           "send add_generation_prompt: false to continue the last message",
                           param="continue_final_message")
-    kwargs = dict(request.chat_template_kwargs or {})
+    template, kwargs = request_template(request.chat_template, request.chat_template_kwargs)
     if request.reasoning_effort is not None:
         kwargs["reasoning_effort"] = request.reasoning_effort
-    return ChatRender(request.add_generation_prompt, request.continue_final_message, request.chat_template,
+    return ChatRender(request.add_generation_prompt, request.continue_final_message, template,
                       request.documents, kwargs, request.add_special_tokens)
+
+
+def tokenize_render(request: TokenizeRequest) -> ChatRender:
+    template, kwargs = request_template(request.chat_template, request.chat_template_kwargs)
+    return ChatRender(request.add_generation_prompt, chat_template=template, chat_template_kwargs=kwargs)
+
+
+def request_template(chat_template: str | None, chat_template_kwargs: dict | None) -> tuple[str | None, dict]:
+    """The request's own template and the template's variables. A template may come as
+    `chat_template` or as `chat_template_kwargs.chat_template` (as vLLM takes it); either is the
+    request's, rendered only where the server trusts requests' templates (JobBuilder.encode_chat)."""
+    kwargs = dict(chat_template_kwargs or {})
+    nested = kwargs.pop("chat_template", None)
+    if nested is not None and not isinstance(nested, str):
+        raise bad_request("chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+    if nested is not None and chat_template is not None and nested != chat_template:
+        raise bad_request("two chat templates: give chat_template or chat_template_kwargs.chat_template, not both",
+                          param="chat_template")
+    return chat_template if chat_template is not None else nested, kwargs
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -15,6 +15,7 @@ from spillway.gateway.http_protocol import (
 )
 from spillway.gateway.reasoning import PARSERS
 from spillway.gateway.sampling_params import MAX_LOGPROBS
+from spillway.gateway.template_sandbox import DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_S
 from spillway.protocol.config import KV_CACHE_DTYPES
 from spillway.protocol.model_files import LOAD_FORMATS
 
@@ -115,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", help="require `Authorization: Bearer <key>` on every route but /health, "
                                           "/ping and /metrics")
     server.add_argument("--chat-template", help="a Jinja chat template, or a file holding one")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render chat templates sent with requests (chat_template, chat_template_kwargs."
+                             "chat_template), in a child process within the two bounds below and the context's "
+                             "length; without it such requests get a 400")
+    server.add_argument("--request-chat-template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        metavar="S", help="a request's chat template that renders for longer gets a 400, its "
+                                          "renderer killed and restarted (default %(default)g)")
+    server.add_argument("--request-chat-template-memory-mb", type=_positive_int, default=DEFAULT_MEMORY_MIB,
+                        metavar="MIB", help="the address space of the process that renders requests' chat "
+                                            "templates, its ~200 MiB of modules included; a template that "
+                                            "needs more gets a 400 (default %(default)s)")
     server.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="tokenize special-token text in chat messages (e.g. <|im_end|>) as those tokens, "
                              "letting a user write turns of other roles; for trusted clients only")

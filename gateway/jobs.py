@@ -4,7 +4,8 @@
 Nothing here holds the event loop for long: a request's prompts over INLINE_TOKENIZE_CHARS in
 all and id lists over LONG_DECODE_TOKENS are (de)tokenized on a thread, prompt text too long to
 fit the context whatever its tokens is refused with 413 before the tokenizer sees it, and a
-request for more sequences than the server takes is refused before any prompt is looked at."""
+request for more choices (n) or sequences than the server takes is refused before any prompt is
+looked at."""
 
 from __future__ import annotations
 
@@ -12,19 +13,23 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 
 from spillway.gateway import openai as api
 from spillway.gateway import request_checks as checks
 from spillway.gateway.chat_messages import ChatRender, chat_render, template_messages
 from spillway.gateway.prompt_ids import Prompt
 from spillway.gateway.request_defaults import RequestDefaults
-from spillway.gateway.sampling_params import SamplingParams
+from spillway.gateway.sampling_params import MAX_N, SamplingParams
+from spillway.gateway.template_sandbox import TemplateLimitExceeded, TemplateSandbox
 from spillway.gateway.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
 from spillway.protocol import model_files
 from spillway.protocol.messages import Ready
 
 # Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 16_384
+UNTRUSTED_TEMPLATE = ("this server does not render chat templates sent with requests (chat_template, or "
+                      "chat_template_kwargs.chat_template): start it with --trust-request-chat-template to allow them")
 
 
 @dataclass(slots=True)
@@ -57,8 +62,12 @@ class JobBuilder:
 
     def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
                  reasoning: bool = False, defaults: RequestDefaults = RequestDefaults(),
-                 max_sequences: int | None = None) -> None:
+                 max_sequences: int | None = None, sandbox: TemplateSandbox | None = None,
+                 max_n: int = MAX_N) -> None:
         self.tokenizer = tokenizer
+        self.max_n = max_n  # choices per request (--max-n), and never more than the worker's max_num_seqs
+        self.sandbox = sandbox  # renders requests' own chat templates; None: they are refused
+        self._sandbox_turn = asyncio.Lock()  # one request's template at a time, so one pool thread
         self.max_sequences = max_sequences  # prompts x n in one request; None: no bound
         self.defaults = defaults  # --generation-config and --max-logprobs
         self.served_names = served_names
@@ -90,7 +99,7 @@ class JobBuilder:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         params = checks.sampling_params(request, max_tokens, logprobs)
-        self._check_sequences(params.n)
+        self._check_sequences(params.n, params.n)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         token_ids = await self.encode_chat(messages, render)
         return self._job("chatcmpl", True, model, [self._truncate(Prompt(token_ids), request)], params, request)
@@ -105,7 +114,7 @@ class JobBuilder:
             max_tokens = 16  # the OpenAI API's default for completions
         params = checks.sampling_params(request, max_tokens, request.logprobs)
         given = checks.completion_prompts(request.prompt)
-        self._check_sequences(len(given) * params.n)
+        self._check_sequences(params.n, len(given) * params.n)
         texts = [prompt for prompt in given if isinstance(prompt, str)]
         for text in texts:
             self.check_prompt_chars(len(text), "prompt")
@@ -114,7 +123,13 @@ class JobBuilder:
                    for prompt in given]
         return self._job("cmpl", False, model, prompts, params, request)
 
-    def _check_sequences(self, num_sequences: int) -> None:
+    def _check_sequences(self, n: int, num_sequences: int) -> None:
+        limit = min(self.max_n, self.ready.max_num_seqs)
+        if n > limit:
+            # More choices than the worker runs at once would be run in turns against its own.
+            raise api.bad_request(f"n={n} exceeds this server's limit of {limit} choices per request (the "
+                                  f"smaller of --max-n {self.max_n} and --max-num-seqs {self.ready.max_num_seqs})",
+                                  param="n", code="integer_above_max_value")
         if self.max_sequences is not None and num_sequences > self.max_sequences:
             raise api.bad_request(f"{num_sequences} sequences (prompts x n) exceed this server's limit of "
                                   f"{self.max_sequences}", param="n")
@@ -146,17 +161,30 @@ class JobBuilder:
         return encode()
 
     async def encode_chat(self, messages: list[dict], render: ChatRender) -> list[int]:
+        """The conversation's token ids. A request's own template (any route) is refused unless
+        the server trusts them, and then rendered by the sandbox, on a thread while it waits."""
         tokenizer = self.require_tokenizer()
+        sandbox = None
+        if render.chat_template is not None:
+            if self.sandbox is None:
+                raise api.bad_request(UNTRUSTED_TEMPLATE, param="chat_template", code="untrusted_chat_template")
+            # Text longer than this never fits the context (check_prompt_chars).
+            sandbox = partial(self.sandbox.render, max_chars=self.ready.max_model_len * tokenizer.max_token_chars)
 
         def encode() -> list[int]:
             try:
-                return tokenizer.encode_chat(messages, **render.kwargs())
+                return tokenizer.encode_chat(messages, **render.kwargs(), sandbox=sandbox)
+            except TemplateLimitExceeded as exc:
+                raise api.bad_request(str(exc), param="chat_template", code="chat_template_limit") from None
             except ValueError as exc:
                 raise api.bad_request(str(exc), param="messages") from None
             except TypeError as exc:  # a chat_template_kwargs key the tokenizer rejects
                 raise api.bad_request(f"cannot apply the chat template: {exc}",
                                       param="chat_template_kwargs") from None
 
+        if sandbox is not None:
+            async with self._sandbox_turn:
+                return await asyncio.to_thread(encode)
         if sum(len(m["content"]) for m in messages) > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(encode)
         return encode()

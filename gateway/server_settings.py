@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
 from spillway.gateway.request_defaults import RequestDefaults
+from spillway.gateway.template_sandbox import TemplateLimits
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.link_auth import LinkKeys
 
@@ -23,6 +24,9 @@ class ServerSettings:
     model_root: str | None = None  # the model as it was named (/v1/models' root); else the first served name
     api_key: str | None = None
     chat_template: str | None = None
+    # Requests may send chat templates of their own (else a 400), rendered in a child within these bounds.
+    trust_request_chat_template: bool = False
+    request_template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     allow_special_tokens_in_content: bool = False  # else special-token text in messages is plain text
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 1024

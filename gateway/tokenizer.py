@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from spillway.gateway.chat_content import ContentAsText
@@ -62,7 +62,15 @@ class PromptTokenizer:
         chat_template: str | None = None,
         documents: Sequence[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        sandbox: Callable[..., str] | None = None,
     ) -> str:
+        """The conversation as text. A request's own `chat_template` renders through `sandbox`
+        (gateway/template_sandbox.py) where one is given; the server's renders here."""
+        if sandbox is not None and chat_template is not None and not self._named_template(chat_template):
+            return sandbox(chat_template, list(messages), add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           documents=list(documents) if documents is not None else None,
+                           variables={**self.tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
         template = chat_template or self.chat_template
         if template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
@@ -78,6 +86,10 @@ class PromptTokenizer:
             )
         except Exception as exc:  # jinja errors, missing keys: the caller's input
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
+
+    def _named_template(self, name: str) -> bool:
+        """A name of one of the model's own templates (a tokenizer may hold several by name)."""
+        return isinstance(self.tokenizer.chat_template, dict) and name in self.tokenizer.chat_template
 
     def encode_chat(self, messages: Sequence[dict], **kwargs) -> list[int]:
         return self.chat_prompt(messages, **kwargs)[1]

@@ -26,7 +26,8 @@ def server():
     tokenizer = model_files.load_tokenizer(files)
     SCRIPT[:] = tokenizer(OUTPUT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     config = WorkerConfig(model=str(files.path), served_model_name=MODEL, max_model_len=256)
-    app = build_app(ServerSettings(worker=config, served_model_names=[MODEL]),
+    # The table's chat_template rows send templates of their own: rendered by the sandbox's child.
+    app = build_app(ServerSettings(worker=config, served_model_names=[MODEL], trust_request_chat_template=True),
                     lambda: FakeWorkerProcess(config, SCRIPT))
     with server_in_thread(app) as url:
         gateway = app.state.gateway
