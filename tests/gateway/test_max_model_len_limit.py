@@ -42,14 +42,11 @@ def test_the_command_line_refuses_it_with_the_flag_and_exit_status_2(capsys, com
         f"spillway {command[0]}: " + SMOLLM2_REFUSAL.format(setting="--max-model-len 32768"))
 
 
-def test_the_trained_length_itself_and_anything_shorter_are_taken():
-    assert engine_config(None, max_model_len=8192)[0].max_model_len == 8192
-    assert worker_config(build_parser().parse_args(["serve", "--max-model-len", "4096"]))[0].max_model_len == 4096
-
-
 @pytest.mark.parametrize("variable", ["SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"])
 def test_either_variable_allows_it_and_tells_the_worker(monkeypatch, variable):
-    assert engine_config(None)[0].allow_long_max_model_len is False
+    # Without it, the trained length itself and anything shorter are taken.
+    assert engine_config(None, max_model_len=8192)[0].allow_long_max_model_len is False
+    assert worker_config(build_parser().parse_args(["serve", "--max-model-len", "4096"]))[0].max_model_len == 4096
     monkeypatch.setenv(variable, "1")
     config, _ = engine_config(None, max_model_len=32768)
     assert config.max_model_len == 32768 and config.allow_long_max_model_len is True

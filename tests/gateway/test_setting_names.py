@@ -15,12 +15,10 @@ HOST_MEMORY_REFUSAL = (r"the CPU KV tier asks for 1000000\.00 GiB of host memory
                        r"lower {setting}$")
 
 
-def test_llm_names_cpu_offload_gb_when_the_host_lacks_the_memory():
+def test_the_worker_names_the_cpu_tiers_size_as_llm_and_serve_users_gave_it(capsys):
+    # The worker refuses it before the model loads, with the host's numbers.
     with pytest.raises(ValueError, match=HOST_MEMORY_REFUSAL.format(setting="cpu_offload_gb")):
         LLM(device="cpu", cpu_offload_gb=TOO_MUCH_HOST_MEMORY)
-
-
-def test_serve_names_the_flag_when_the_host_lacks_the_memory(capsys):
     assert main(["serve", "--device", "cpu", "--cpu-offload-gb", str(TOO_MUCH_HOST_MEMORY)]) == 1
     last_line = capsys.readouterr().err.strip().splitlines()[-1]
     assert last_line.startswith("spillway serve: the CPU KV tier asks for")
