@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
+from spillway.gateway.cli import _server_settings
 from spillway.gateway.cli_args import build_parser
 from spillway.gateway.template_sandbox import TemplateLimits
 from spillway.protocol import model_files
@@ -140,14 +141,14 @@ def test_trusted_templates_stop_at_each_bound_while_health_answers(files, script
 
 
 def test_serve_flags_set_the_trust_and_the_bounds(capsys):
-    args = build_parser().parse_args(["serve", "--trust-request-chat-template", "--request-chat-template-timeout",
-                                      "0.5", "--request-chat-template-memory-mb", "300"])
-    assert args.trust_request_chat_template is True
-    assert TemplateLimits(args.request_chat_template_timeout, args.request_chat_template_memory_mb) == \
-        TemplateLimits(timeout_s=0.5, memory_mib=300)
-    defaults = build_parser().parse_args(["serve"])
+    settings = _server_settings(build_parser().parse_args([
+        "serve", "--trust-request-chat-template", "--request-chat-template-timeout", "0.5",
+        "--request-chat-template-memory-mb", "300"]))
+    assert settings.trust_request_chat_template is True
+    assert settings.request_template_limits == TemplateLimits(timeout_s=0.5, memory_mib=300)
+    defaults = _server_settings(build_parser().parse_args(["serve"]))
     assert defaults.trust_request_chat_template is False
-    assert (defaults.request_chat_template_timeout, defaults.request_chat_template_memory_mb) == (2.0, 1024)
+    assert defaults.request_template_limits == TemplateLimits(timeout_s=2.0, memory_mib=1024)
     for timeout_s, memory_mib, named in ((0.0, 1024, "--request-chat-template-timeout"),
                                          (float("nan"), 1024, "--request-chat-template-timeout"),
                                          (1.0, 100, "--request-chat-template-memory-mb")):
