@@ -46,7 +46,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--backend", default="vllm", choices=["vllm"], help="the offline LLM")
     bench.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "custom"])
-    bench.add_argument("--dataset-path", metavar="FILE", help="ShareGPT JSON or JSON lines of prompts")
+    bench.add_argument("--dataset-path", "--dataset", metavar="FILE", help="ShareGPT JSON or JSON lines of prompts")
     bench.add_argument("--input-len", type=int, help="prompt tokens of random prompts (default 1024)")
     bench.add_argument("--output-len", type=int, help="output tokens (default 128; a dataset's replies set it)")
     bench.add_argument("--prefix-len", type=int, default=0, help="random tokens shared before every prompt")
@@ -175,7 +175,9 @@ def _throughput_requests(args: argparse.Namespace, llm) -> tuple[list, list]:
         tokenizer = llm.get_tokenizer()
         if tokenizer is None:
             raise ValueError(f"--dataset-path {args.dataset_path}: the model has no tokenizer for its prompts")
-        chosen = [items[i % len(items)] for i in range(count)]
+        order = list(range(len(items)))
+        rng.shuffle(order)  # a seeded order, as loadgen replays the file
+        chosen = [items[order[i % len(order)]] for i in range(count)]
         prompts = [item.prompt for item in chosen]
         outputs = [args.output_len or item.output_len or (len(tokenizer.encode(item.reply)) if item.reply else None)
                    for item in chosen]

@@ -43,7 +43,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--endpoint", help=f"{COMPLETIONS_ENDPOINT} or {CHAT_ENDPOINT} (default: by --backend)")
-    server.add_argument("--backend", default="vllm", choices=sorted(BACKENDS),
+    server.add_argument("--backend", "--endpoint-type", default="vllm", choices=sorted(BACKENDS),
                         help="the request format: openai-chat sends chat completions")
     server.add_argument("--model", help="the model to ask for (default: the first of the server's /v1/models)")
     server.add_argument("--served-model-name", help="the name sent in requests, when not --model")

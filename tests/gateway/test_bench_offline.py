@@ -73,7 +73,7 @@ def test_what_the_offline_engine_cannot_do_is_refused_before_it_starts(argv, mes
 def test_an_engine_flag_spillway_lacks_is_refused_as_serve_refuses_it():
     done = bench("throughput", "--swap-space", "4")
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith("spillway bench: --swap-space 4.0 needs ")
+    assert done.stderr.startswith("spillway bench throughput: --swap-space 4.0 needs ")
 
 
 def test_help_lists_the_vllm_flags():
