@@ -183,6 +183,7 @@ def _server_settings(args: argparse.Namespace):
     """The server's settings from the flags, every file they name read and checked."""
     from spillway.gateway.server_settings import ServerSettings
     from spillway.gateway.remote_worker import worker_addresses
+    from spillway.gateway.template_sandbox import TemplateLimits
 
     config, root = worker_config(args)
     reasoning_config = _read_reasoning_config(args.reasoning_config)
@@ -197,6 +198,8 @@ def _server_settings(args: argparse.Namespace):
     return ServerSettings(
         worker=config, served_model_names=args.served_model_name or [root], model_root=root, api_key=args.api_key,
         chat_template=_read_chat_template(args.chat_template), max_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        request_template_limits=TemplateLimits(args.request_chat_template_timeout, args.request_chat_template_memory_mb),
         allow_special_tokens_in_content=args.allow_special_tokens_in_content,
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
         worker_keys=keys, response_timeout_s=args.worker_response_timeout,
