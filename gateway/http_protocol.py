@@ -183,7 +183,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             return
         logger.debug("closing a connection from %s: no whole request body within %g s", self.client,
                      self.config.timeout_request_body)
-        answer = not self.pipeline and not self.cycle.response_started
+        answer = not self.pipeline and self.cycle is not None and not self.cycle.response_started
         self._close_reading(http.HTTPStatus.REQUEST_TIMEOUT,
                             f"the request's body did not arrive within {self.config.timeout_request_body:g} s",
                             answer=answer)

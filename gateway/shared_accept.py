@@ -195,8 +195,8 @@ class Acceptor:
             self._out_of_handles = True
             logger.warning("accepting a connection failed: %s; retrying once a connection closes or in %g s",
                            exc, ACCEPT_RETRY_S)
-        if self._bound is not None:
-            self._bound.evict_oldest_waiting()
+        if self._bound is not None and exc.errno in (errno.EMFILE, errno.ENFILE):
+            self._bound.evict_oldest_waiting()  # a handle for the next accept (the bound's reserve is spent)
             self._wait_for_room()
         self._pause(ACCEPT_RETRY_S)
 

@@ -47,7 +47,8 @@ def test_spillway_serve_raises_its_soft_file_handle_limit_to_the_hard_one_at_sta
                 time.sleep(0.1)
                 limits = open_files_limits(process.pid)
         finally:
-            os.killpg(process.pid, signal.SIGKILL)
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait(10)
         output = Path(log.name).read_text()
     assert limits == (hard, hard), output[-2000:]
