@@ -73,11 +73,21 @@ def attach_spec(engine: Engine, config: SpeculativeConfig | None, *, always_on: 
         config, engine.sampler, target_vocab_size=engine.vocab_size, device=engine.device, dtype=engine.dtype,
         max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
         block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
-        cuda_graphs=engine.device.type == "cuda" and not engine.config.enforce_eager))
+        cuda_graphs=engine.device.type == "cuda" and not engine.config.enforce_eager,
+        draft_pool_blocks=lambda block_bytes: late_draft_pool_blocks(engine, block_bytes)))
     if always_on:
         spec.switch.draft_cost = spec.switch.verify_cost = 0.0
     engine.spec = spec
     return spec
+
+
+def late_draft_pool_blocks(engine: Engine, draft_block_bytes: int) -> int:
+    """A draft attached after the target's pool: as many blocks as the target's (as the engine
+    sizes them), within half the device memory still free."""
+    if engine.device.type != "cuda":
+        return engine.block_manager.num_gpu_blocks
+    free, _ = torch.cuda.mem_get_info(engine.device)
+    return min(engine.block_manager.num_gpu_blocks, free // 2 // draft_block_bytes)
 
 
 def recount(engine: Engine) -> CountedSpec:
