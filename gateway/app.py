@@ -65,7 +65,7 @@ class Gateway:
             if settings.trust_request_chat_template and self.tokenizer is not None else None
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
                                reasoning=self.markers is not None, defaults=settings.request_defaults,
-                               max_sequences=settings.max_pending, sandbox=self.sandbox)
+                               max_sequences=settings.max_pending, sandbox=self.sandbox, max_n=settings.max_n)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
         # A bounded share of a burst's intakes per loop iteration, larger with more streams.
@@ -129,7 +129,7 @@ def build_app(settings: ServerSettings, start_worker=None,
                         settings.worker_address, settings.worker_address)
         client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
                               ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
-                              heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None,
+                              heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
                               response_timeout_s=settings.response_timeout_s)
         stats_log = None
         try:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 
-from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
+from spillway.gateway.client import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES
 from spillway.gateway.http_protocol import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S, DEFAULT_TIMEOUT_REQUEST_BODY_S, DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 )
 from spillway.gateway.reasoning import PARSERS
-from spillway.gateway.sampling_params import MAX_LOGPROBS
+from spillway.gateway.sampling_params import MAX_LOGPROBS, MAX_N
 from spillway.gateway.template_sandbox import DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_S
 from spillway.protocol.config import KV_CACHE_DTYPES
 from spillway.protocol.model_files import LOAD_FORMATS
@@ -38,6 +38,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _max_n(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_N:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_N}], got {text}")
     return value
 
 
@@ -148,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--worker-response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S, metavar="S",
                         help="a request that hears nothing from the worker for S seconds ends with an error "
                              "(default %(default)g)")
+    server.add_argument("--worker-heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                        metavar="S", help="a worker silent for S seconds (no heartbeat: stopped or frozen) is "
+                                          "lost, a local one killed and replaced (default %(default)g)")
+    server.add_argument("--worker-step-timeout", type=_positive_float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                        help="a worker whose one step runs for S seconds is lost, a local one killed and "
+                             "replaced (default %(default)g)")
     server.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
                         help="API server processes on the port, each with its own link to the worker: "
                              "more intake for bursts of long prompts (default 1)")
@@ -189,6 +202,9 @@ def _add_frontend_args(serve: argparse.ArgumentParser) -> None:
                                "generation_config.json; vllm, none; or a folder holding one")
     frontend.add_argument("--max-logprobs", type=_non_negative_int, default=MAX_LOGPROBS,
                           help=f"the most logprobs a request may ask for (at most {MAX_LOGPROBS})")
+    frontend.add_argument("--max-n", type=_max_n, default=MAX_N, metavar="N",
+                          help="the most choices (n) one request may ask for; never more than --max-num-seqs, "
+                               "whichever is smaller applies (default: %(default)s)")
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:

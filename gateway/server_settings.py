@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
+from spillway.gateway.client import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from spillway.gateway.request_defaults import RequestDefaults
+from spillway.gateway.sampling_params import MAX_N
 from spillway.gateway.template_sandbox import TemplateLimits
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.link_auth import LinkKeys
@@ -30,6 +31,7 @@ class ServerSettings:
     allow_special_tokens_in_content: bool = False  # else special-token text in messages is plain text
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending: int = 1024
+    max_n: int = MAX_N  # choices (n) one request may ask for (--max-n), also bounded by max_num_seqs
     worker_address: str | None = None  # tcp://HOST:PORT: wait for a remote worker there
     # An API server beside the first (`--api-server-count`): the (inbox, outbox) it binds for
     # the worker the first one started, and its number. Only the first (0) turns the worker's
@@ -37,7 +39,8 @@ class ServerSettings:
     worker_link: tuple[str, str] | None = None
     api_server_index: int = 0
     ready_timeout_s: float = 600.0
-    heartbeat_timeout_s: float = 60.0  # remote workers only
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S  # the worker's silence that loses it
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # one step's run that loses the worker
     worker_keys: LinkKeys | None = None  # the remote worker link's CURVE keys; required off loopback
     response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S  # a request's longest wait for the worker
     # Reasoning models: any of these enables splitting thinking from the answer.

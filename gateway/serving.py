@@ -9,7 +9,9 @@ choice detokenizes its reasoning and its content as two streams (stop strings ap
 content), and the markers belong to neither. The offline API (`keep_whole_text`) splits every
 sample so, and keeps its whole text too (see WholeText).
 
-Choice i of a request with n samples per prompt is sample i % n of prompt i // n.
+Choice i of a request with n samples per prompt is sample i % n of prompt i // n. Every
+Generate of one request names it as its parent (`Generate.parent_id`): the worker gives each
+client request a fair share of its KV pool and steps (worker/fair_share.py), not each choice.
 
 A stream that falls behind the worker (many streams, one event loop) finds several steps'
 deltas waiting at once: without stop strings they are applied as one (`merge_deltas`), so
@@ -145,7 +147,8 @@ class Generation:
                     request_id=request_id, prompt_token_ids=packed, block_hashes=hashes,
                     params=params.to_wire(job.max_tokens[prompt_index], seed), priority=job.priority,
                     arrival_time=time.time(), cache_salt=job.cache_salt,
-                    thinking=policy if params.thinking_budget is not None else None))
+                    thinking=policy if params.thinking_budget is not None else None,
+                    parent_id=job.request_id))  # the worker shares its pool between client requests
         self._unfinished = len(self.samples)
         self._stream = self.client.submit(generates, num_samples=params.n)
 

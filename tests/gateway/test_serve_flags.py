@@ -16,6 +16,8 @@ HONOURED = [
     ([], lambda s: s.log_stats is True),
     (["--max-logprobs", "5"], lambda s: s.request_defaults.max_logprobs == 5),
     ([], lambda s: s.request_defaults.max_logprobs == 20),
+    (["--max-n", "8"], lambda s: s.max_n == 8),
+    ([], lambda s: s.max_n == 128),
     (["--generation-config", "vllm"], lambda s: s.request_defaults.overridden == {}),
     (["--max-model-len", "300"], lambda s: s.worker.max_model_len == 300),
     (["--served-model-name", "a", "b"], lambda s: s.served_model_names == ["a", "b"]),
@@ -28,6 +30,8 @@ REFUSED = [
     (["--additional-config", "{}"], "--additional-config"),
     (["--max-logprobs", "21"], "--max-logprobs"),
     (["--max-logprobs", "-1"], "--max-logprobs"),
+    (["--max-n", "0"], "--max-n"),
+    (["--max-n", "129"], "--max-n"),
     (["--swap-space", "4"], "--swap-space"),
     (["--quantization", "awq"], "--quantization"),
     (["--enable-lora"], "--enable-lora"),
@@ -71,7 +75,8 @@ def test_help_shows_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("--port PORT the port to listen on (default: 8000)", "--max-logprobs MAX_LOGPROBS",
                   "(default: 20)", "--seed SEED default: 0", "--generation-config auto|vllm|FOLDER",
-                  "(default: auto)", "--max-num-seqs MAX_NUM_SEQS default: 256"):
+                  "(default: auto)", "--max-num-seqs MAX_NUM_SEQS default: 256",
+                  "--max-n N the most choices (n) one request may ask for", "(default: 128)"):
         assert shown in text
 
 
