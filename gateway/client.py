@@ -52,6 +52,12 @@ class WorkerTimeout(WorkerLost):
 
 
 DEFAULT_RESPONSE_TIMEOUT_S = 1800.0  # vLLM has no bound: this one lets a long queue wait and a long prefill run
+# A worker that beats four times a second (worker/heartbeat.py) and is silent this long is
+# stopped or frozen; the bound leaves room for a pause of the whole host (swap, a debugger).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+# One step this long is stuck: it is far past a prefill of a full token budget on a CPU, or the
+# first step of a model whose kernels compile (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S is 60 s).
+DEFAULT_STEP_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True)
@@ -112,7 +118,8 @@ class EngineClient:
 
     def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
                  max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True,
+                 heartbeat_timeout_s: float | None = None, step_timeout_s: float | None = None,
+                 replace_lost_worker: bool = True,
                  response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S) -> None:
         self._metrics = metrics
         self._response_timeout_s = response_timeout_s  # None: no bound
@@ -124,7 +131,7 @@ class EngineClient:
         self.last_stats: Stats | None = None
         self.link = WorkerLink(start_worker, on_step=self._on_step, on_lost=self._on_lost,
                                ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                               replace_lost_worker=replace_lost_worker)
+                               step_timeout_s=step_timeout_s, replace_lost_worker=replace_lost_worker)
 
     async def start(self) -> Ready:
         ready = await self.link.start()

@@ -5,9 +5,11 @@ death, start its replacement.
         handle.wait_ready()        in a thread: a worker loads for seconds to minutes
         attach: reader task on the socket FD, exit FD of the process
         ... on_message(StepOutputs) for every step ...
-        death: process exit FD, fatal WorkerError, a socket error, or silence (remote workers)
+        death: process exit FD, fatal WorkerError, a socket error, silence or a step past
+        its bound (gateway/worker_liveness.py)
         -> on_lost(reason), then start_worker() again, with back-off, until one is ready
-        (a remote worker that was only silent is taken back by a new HELLO session)
+        (a local worker that hangs is killed first; a remote worker that was only silent is
+        taken back by a new HELLO session)
 
 A message that does not decode, or that the link does not expect, is logged (rate-limited) and
 dropped: whoever can push bytes at the gateway's port must not be able to end the link.
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from spillway.gateway.worker_liveness import Liveness
 from spillway.gateway.worker_process import describe_exit
 from spillway.protocol.drop_log import DropLog
 from spillway.protocol.messages import Control, ControlCommand, Ready, StepOutputs, WorkerError, encoder, worker_decoder
@@ -60,13 +63,14 @@ class WorkerLink:
 
     def __init__(self, start_worker: Callable[[], object], *, on_step: Callable[[StepOutputs], None],
                  on_lost: Callable[[str], None], ready_timeout_s: float = 600.0,
-                 heartbeat_timeout_s: float | None = None, replace_lost_worker: bool = True) -> None:
+                 heartbeat_timeout_s: float | None = None, step_timeout_s: float | None = None,
+                 replace_lost_worker: bool = True) -> None:
         self._start_worker = start_worker
         self._replace_lost_worker = replace_lost_worker  # False: a lost worker closes the link
         self._on_step = on_step
         self._on_lost = on_lost
         self._ready_timeout_s = ready_timeout_s
-        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._liveness = Liveness(heartbeat_timeout_s, step_timeout_s)
         self.state = LinkState.STARTING
         self.ready: Ready | None = None
         self.num_restarts = 0
@@ -81,8 +85,6 @@ class WorkerLink:
         self._backlog: deque[bytes] = deque()
         self._closed = asyncio.Event()
         self._encoder = encoder()
-        self._last_recv = 0.0
-        self._last_probe = 0.0
         self.drops = DropLog(logger, "from the worker")
 
     async def start(self) -> Ready:
@@ -163,6 +165,10 @@ class WorkerLink:
     def _dispatch(self, handle, msg) -> bool:
         """Handle one message; False once this worker is finished."""
         match msg:
+            case StepOutputs(iteration_s=float() as iteration_s):  # a heartbeat
+                if (reason := self._liveness.step_overrun(iteration_s)) is not None:
+                    self._lose(handle, reason, hung=True)
+                    return False
             case StepOutputs():
                 self._on_step(msg)
             case WorkerError(fatal=True):
@@ -180,7 +186,7 @@ class WorkerLink:
             case _:
                 self.drops.drop(f"an unexpected {type(msg).__name__}")
                 return True
-        self._last_recv = time.monotonic()  # only a worker's own answers prove it alive
+        self._liveness.heard(time.monotonic())  # only a worker's own answers prove it alive
         return True
 
     # ---- attaching, losing, replacing -------------------------------------------------------
@@ -188,7 +194,7 @@ class WorkerLink:
     def _attach(self, handle, ready: Ready) -> None:
         loop = asyncio.get_running_loop()
         self._handle, self.ready = handle, ready
-        self._last_recv = time.monotonic()
+        self._liveness.heard(time.monotonic())
         readable = asyncio.Event()
         socket_fd = handle.from_worker.getsockopt(zmq.FD)
         loop.add_reader(socket_fd, readable.set)
@@ -233,10 +239,14 @@ class WorkerLink:
             await asyncio.sleep(0.01)
         self._lose(handle, _exit_reason(handle))
 
-    def _lose(self, handle, reason: str) -> None:
+    def _lose(self, handle, reason: str, hung: bool = False) -> None:
+        """`hung`: the worker may be alive but deaf (stopped, frozen, stuck in a step): a local
+        one, our child, is killed now, before its requests fail, since it would not stop when asked."""
         if handle is not self._handle or self.state is not LinkState.READY:
             return
         self.lost_reason = reason
+        if hung and hasattr(handle, "kill"):
+            handle.kill()
         if not self._replace_lost_worker:
             logger.error("%s; in-flight requests fail", reason)
             self.state = LinkState.CLOSED
@@ -294,7 +304,7 @@ class WorkerLink:
         return handle, ready
 
     async def _watch(self) -> None:
-        """Backstop for deaths no FD shows: a process gone unnoticed, a remote worker gone silent."""
+        """Backstop for deaths no FD shows: a process gone unnoticed, a worker gone silent."""
         while self.state is not LinkState.CLOSED:
             await asyncio.sleep(WATCH_INTERVAL_S)
             handle = self._handle
@@ -302,11 +312,7 @@ class WorkerLink:
                 continue
             if not handle.alive:
                 self._lose(handle, _exit_reason(handle) if getattr(handle, "process", None) else "the worker is gone")
-            elif self._heartbeat_timeout_s is not None:
-                now = time.monotonic()
-                silent = now - self._last_recv
-                if silent > self._heartbeat_timeout_s:
-                    self._lose(handle, f"the worker has been silent for {silent:.0f} s")
-                elif silent > 1.0 and now - self._last_probe > 1.0:
-                    self._last_probe = now
-                    self.send(Control(ControlCommand.STATS))  # any answer proves it alive
+            elif (reason := self._liveness.silence(time.monotonic())) is not None:
+                self._lose(handle, reason, hung=True)
+            elif self._liveness.should_probe(time.monotonic()):
+                self.send(Control(ControlCommand.STATS))  # any answer proves it alive

@@ -26,6 +26,7 @@ from spillway.protocol.messages import (
     Control,
     ControlCommand,
     Ready,
+    StepOutputs,
     WorkerError,
     WorkerMessage,
     encoder,
@@ -170,6 +171,8 @@ class WorkerProcess:
                 case WorkerError(message=message):
                     self.close()
                     raise WorkerStartError(message)
+                case StepOutputs(iteration_s=float()):
+                    pass  # a heartbeat, on a connection of its own, may overtake the Ready
                 case None:
                     if not self.process.is_alive():
                         raise WorkerStartError(f"the worker process {describe_exit(self.process.exitcode)}")
@@ -191,6 +194,12 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def kill(self) -> None:
+        """SIGKILL: a worker that stopped answering (stopped, frozen) would not heed SHUTDOWN,
+        and a stopped one not even SIGTERM. Not waited for here (the caller may be the event
+        loop): `close`, in a thread, reaps it."""
+        self.process.kill()
 
     def close(self) -> None:
         if self.ready is None:

@@ -183,6 +183,10 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     step: int
     outputs: list[RequestDelta]
     stats: Stats | None = None
+    # Set on a heartbeat (worker/heartbeat.py, no outputs, no stats): seconds the worker's busy
+    # loop has spent in its current stage (a wait for messages, or a step). None on the loop's
+    # own messages.
+    iteration_s: float | None = None
 
 
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):

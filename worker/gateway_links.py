@@ -42,6 +42,8 @@ class GatewayLinks:
     """The sockets of every link, which link each request came from, and each link's session."""
 
     def __init__(self, ctx: zmq.Context, addresses: Sequence[tuple[str, str]], keys: LinkKeys | None = None) -> None:
+        self.outbox_addresses = [outbox for _, outbox in addresses]  # the heartbeat's (worker/heartbeat.py)
+        self.keys = keys
         self.inboxes: list[zmq.Socket] = []
         self.outboxes: list[zmq.Socket] = []
         for inbox, outbox in addresses:

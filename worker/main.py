@@ -9,6 +9,7 @@ The gateway binds both sockets; the worker connects, so a worker on another host
 needs the gateway's address (and, off loopback, the link's key: protocol/link_auth.py).
 With several API servers on one port (`--api-server-count`), each is a link of its own
 (worker/gateway_links.py). A message that does not decode is logged (rate-limited) and dropped.
+A thread beats to every link meanwhile, through long steps too (worker/heartbeat.py).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from spillway.worker.compile_log import log_late_compiles
 from spillway.worker.engine import Engine
 from spillway.worker.gateway_links import GatewayLinks
 from spillway.worker.heap import HeapTrimmer
+from spillway.worker.heartbeat import Heartbeat
 from spillway.worker.step_trace import StepTrace
 
 logger = logging.getLogger("spillway.worker")
@@ -103,20 +105,22 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     if engine.device.type == "cuda":
         log_late_compiles()
     links.send_all(enc.encode(ready))
+    beat = Heartbeat(ctx, links.outbox_addresses, links.keys).start()
     try:
-        _busy_loop(engine, ready, links, parent_pid)
+        _busy_loop(engine, ready, links, parent_pid, beat)
     except Exception as exc:
         logger.exception("worker step failed")
         links.send_all(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
                                               traceback=traceback.format_exc())))
         return 1
     finally:
+        beat.stop()
         engine.close()
         ctx.destroy(linger=2000)
     return 0
 
 
-def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: int | None) -> None:
+def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: int | None, beat: Heartbeat) -> None:
     enc, dec = encoder(), gateway_decoder()
     step = 0
     last_stats = 0.0
@@ -127,6 +131,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
     trimmer = HeapTrimmer() if engine.device.type == "cpu" else None
     engine.scheduler.defer_release = True  # freed after the sends (Engine.release_finished)
     while True:
+        beat.stage_started()
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
         received = 0
@@ -173,6 +178,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
             return
         was_busy = engine.has_work
         if was_busy:
+            beat.stage_started()
             started = time.perf_counter()
             deltas = engine.step()
             if trace is not None:

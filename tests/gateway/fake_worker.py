@@ -7,7 +7,9 @@ worker's poll does), so it also stands in for an engine of a known rate: every r
 gets one token per step (tools/bench_gateway.py drives the gateway alone with it). With
 `hold_s`, a request that arrives at an idle worker starts a hold: no step runs until `hold_s`
 after it, and whatever arrives meanwhile joins the first step (a shared prefix being loaded
-from the CPU tier, as the convoy row of tools/bench_tier.py has it).
+from the CPU tier, as the convoy row of tools/bench_tier.py has it). With `beat`, it beats as
+the real worker does (worker/heartbeat.py); with `stall_s`, its first step holds the loop that
+long (a prefill of thousands of tokens on a CPU, a first step that compiles).
 """
 
 from __future__ import annotations
@@ -40,17 +42,20 @@ from spillway.protocol.messages import (
     gateway_decoder,
     worker_decoder,
 )
+from spillway.worker.heartbeat import Heartbeat
 
 NUM_BLOCKS = 64
 
 
 def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
                      eos_token_id: int, vocab_size: int, worker_key: bytes | None = None,
-                     arrivals_path: str | None = None, hold_s: float = 0.0) -> None:
+                     arrivals_path: str | None = None, hold_s: float = 0.0, beat: bool = False,
+                     stall_s: float = 0.0) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
     ctx = zmq.Context()
     # The real worker's sockets, CURVE clients when given the link's secret.
-    inp, out = connect_sockets(ctx, inbox, outbox, LinkKeys.from_secret(worker_key) if worker_key else None)
+    keys = LinkKeys.from_secret(worker_key) if worker_key else None
+    inp, out = connect_sockets(ctx, inbox, outbox, keys)
     enc, dec = encoder(), gateway_decoder()
     ready = Ready(
         protocol_version=PROTOCOL_VERSION, model=config.served_model_name or "fake", block_size=config.block_size,
@@ -59,6 +64,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
         max_num_batched_tokens=512, vocab_size=vocab_size, eos_token_ids=[eos_token_id], device="cpu",
         dtype="float32", worker_session=os.urandom(8))
     out.send(enc.encode(ready))
+    heartbeat = Heartbeat(ctx, [outbox], keys).start() if beat else None
     gateway_session = None
     running: dict[str, tuple[Generate, int, int]] = {}  # (request, cached tokens, produced)
     queries = hits = 0
@@ -72,6 +78,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     last_step = time.monotonic()
     hold_until = 0.0
     while True:
+        if heartbeat is not None:
+            heartbeat.stage_started()
         pending: list[RequestDelta] = []
         want_stats = False
         # Paced from the last step's start, so the rate does not depend on the step's own work.
@@ -101,6 +109,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                             pending.append(RequestDelta(request_id=rid, new_token_ids=[],
                                                         finish_reason=FinishReason.ABORT))
                 case Control(command=ControlCommand.SHUTDOWN):
+                    if heartbeat is not None:
+                        heartbeat.stop()
                     return
                 case Control(command=ControlCommand.HELLO, session=session):
                     if session != gateway_session:  # as the real worker: the old gateway's work is dropped
@@ -115,6 +125,11 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
         held = time.monotonic() < hold_until  # nothing steps before the hold ends
         was_busy = bool(running) and not held
         if was_busy:
+            if heartbeat is not None:
+                heartbeat.stage_started()
+            if stall_s:
+                time.sleep(stall_s)  # deaf to the inbox, as a real step is
+                stall_s = 0.0
             last_step = time.monotonic()
         for rid, (msg, cached, produced) in list(running.items()) if was_busy else ():
             token = script[produced % len(script)]
@@ -160,9 +175,9 @@ class FakeWorkerProcess(WorkerProcess):
 
     def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
                  eos_token_id: int = 2, vocab_size: int = 49152, arrivals_path: str | None = None,
-                 hold_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, beat: bool = False, stall_s: float = 0.0) -> None:
         fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size,
-                           "arrivals_path": arrivals_path, "hold_s": hold_s})
+                           "arrivals_path": arrivals_path, "hold_s": hold_s, "beat": beat, "stall_s": stall_s})
         super().__init__(config, command=[sys.executable, __file__, fake])
 
 

@@ -99,15 +99,17 @@ def worker_config(files, max_model_len: int = 256) -> WorkerConfig:
 
 
 def fake_app(files, script: list[int], *, step_s: float = 0.002, start_delay_s: float = 0.0,
-             max_model_len: int = 256, **settings):
-    """The server's app over fake workers that replay `script`; also returns the workers started."""
+             max_model_len: int = 256, beat: bool = False, stall_s: float = 0.0, **settings):
+    """The server's app over fake workers that replay `script`; also returns the workers started
+    (`beat`: FakeWorkerProcess's, for every worker; `stall_s`: the first worker's only)."""
     config = worker_config(files, max_model_len)
     launches = []
 
     def start_worker():
         if launches:
             time.sleep(start_delay_s)  # a replacement worker takes a while, as a real one does
-        launches.append(FakeWorkerProcess(config, script, step_s=step_s))
+        launches.append(FakeWorkerProcess(config, script, step_s=step_s, beat=beat,
+                                          stall_s=0.0 if launches else stall_s))
         return launches[-1]
 
     app = build_app(ServerSettings(worker=config, served_model_names=[MODEL], **settings), start_worker)
