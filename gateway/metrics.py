@@ -18,7 +18,7 @@ import re
 from collections import deque
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, multiprocess, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from spillway.gateway.request_metrics import RequestMetrics
@@ -29,6 +29,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # The prefix-cache hit-rate gauges cover roughly this many recently queried prompt tokens.
 HIT_RATE_WINDOW_TOKENS = 100_000
 _TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type labels
+# vLLM's bounds of vllm:iteration_tokens_total, whatever the token budget.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A `*_created` sample, or the HELP/TYPE line of such a family.
 _CREATED = re.compile(rb"(# (HELP|TYPE) )?[^#\s{]+_created[{\s]")
 
@@ -106,6 +108,9 @@ class GatewayMetrics:
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions in the worker.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per engine step: prompt tokens computed plus tokens generated.",
+                                          labels, buckets=ITERATION_TOKENS_BUCKETS,
+                                          registry=self.registry).labels(model_name)
         self._request_success = Counter("vllm:request_success", "Requests that finished.",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self.model_name = model_name
@@ -147,6 +152,8 @@ class GatewayMetrics:
         for name, metric in self._cumulative():
             metric.inc(max(getattr(stats, name) - getattr(last, name), 0))
         self.spec_decode.on_stats(stats, last)
+        for num_tokens in stats.iteration_tokens:
+            self.iteration_tokens.observe(num_tokens)
         self._hit_rate.add(queries, hits)
         rate = self._hit_rate.hit_rate
         self.prefix_cache_hit_rate.set(rate)

@@ -174,6 +174,9 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # Tokens of each engine step since the report before (prompt tokens computed plus tokens
+    # generated), for vLLM's vllm:iteration_tokens_total; only this report carries them.
+    iteration_tokens: list[int] = []
     # Whether the block manager's invariants held; None: not checked for this report (they
     # are checked on CHECK_INVARIANTS and, in debug mode, always: the walk is O(blocks)).
     invariants_ok: bool | None = None

@@ -46,6 +46,7 @@ from spillway.worker.engine import Engine
 from spillway.worker.gateway_links import GatewayLinks
 from spillway.worker.heap import HeapTrimmer
 from spillway.worker.heartbeat import Heartbeat
+from spillway.worker.stats import step_tokens
 from spillway.worker.step_trace import StepTrace
 
 logger = logging.getLogger("spillway.worker")
@@ -130,6 +131,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
     # On the CPU the linear layers' per-shape kernels churn glibc's heap (worker/heap.py).
     trimmer = HeapTrimmer() if engine.device.type == "cpu" else None
     engine.scheduler.defer_release = True  # freed after the sends (Engine.release_finished)
+    iteration_tokens: list[int] = []  # each step's tokens, until the next Stats carries them
     while True:
         beat.stage_started()
         pending: list[RequestDelta] = []
@@ -184,6 +186,8 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
             if trace is not None:
                 trace.record(started, time.perf_counter(), received, engine, deltas)
             pending.extend(deltas)
+            if num_tokens := step_tokens(engine.last_plan, deltas):
+                iteration_tokens.append(num_tokens)
         now = time.monotonic()
         if was_busy and not engine.has_work:
             want_stats = True  # the gateway sees the idle state right away
@@ -200,7 +204,8 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
         # way, and before the stats count them.
         engine.release_finished()
         if want_stats:
-            stats = engine.stats(check_invariants)
+            stats = msgspec.structs.replace(engine.stats(check_invariants), iteration_tokens=iteration_tokens)
+            iteration_tokens = []
             last_stats = now
             for out in links.outboxes:  # every gateway hears the worker's stats
                 out.send(enc.encode(StepOutputs(step=step, outputs=[], stats=stats)))

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from spillway.protocol.messages import PROTOCOL_VERSION, Ready, Stats
+from spillway.protocol.messages import PROTOCOL_VERSION, Ready, RequestDelta, Stats
 from spillway.worker.block_manager import BlockManager
 from spillway.worker.kv_copies import KVCopier
 from spillway.worker.scheduler import Scheduler
+from spillway.worker.step_plan import StepPlan
 
 if TYPE_CHECKING:
     from spillway.worker.engine import Engine
@@ -89,3 +90,13 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         num_steps=num_steps,
         invariants_ok=ok,
     )
+
+
+def step_tokens(plan: StepPlan | None, deltas: list[RequestDelta]) -> int:
+    """The tokens of one engine step as vLLM's vllm:iteration_tokens_total counts them: prompt
+    tokens the step computes plus tokens it generated. With a step run ahead, `deltas` are the
+    previous step's tokens, committed in this one: each token is counted once either way."""
+    prompt = 0
+    for chunk in plan.chunks if plan is not None else ():
+        prompt += max(0, min(chunk.start + chunk.num_tokens, chunk.request.num_prompt_tokens) - chunk.start)
+    return prompt + sum(len(delta.new_token_ids) for delta in deltas)

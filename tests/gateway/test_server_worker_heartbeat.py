@@ -1,5 +1,6 @@
-"""`spillway serve` on the real default model with a 2 s heartbeat bound: a stopped worker
-(SIGSTOP) turns /health to 503, ends its streams with an error, and is killed and replaced."""
+"""`spillway serve` on the real default model with a 2 s heartbeat bound: each engine step's
+tokens reach vllm:iteration_tokens_total; a stopped worker (SIGSTOP) turns /health to 503,
+ends its streams with an error, and is killed and replaced."""
 
 from __future__ import annotations
 
@@ -11,14 +12,45 @@ import time
 import httpx
 import pytest
 
-from server_helpers import MODEL, real_server
+from server_helpers import MODEL, real_server, scrape
 
 pytestmark = pytest.mark.slow  # starts `spillway serve` with the real default model
 
+BOUNDS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
 @pytest.fixture(scope="module")
 def server():
-    with real_server("--max-model-len", "2048", "--worker-heartbeat-timeout", "2") as running:
+    # Steps not run ahead: each step commits its own tokens, so the counts below are exact.
+    with real_server("--max-model-len", "2048", "--no-async-scheduling", "--worker-heartbeat-timeout", "2") as running:
         yield running
+
+
+def iteration_tokens(url: str) -> dict[str, float]:
+    return {key: value for key, value in scrape(url).items() if key.startswith("vllm:iteration_tokens_total")}
+
+
+def test_each_step_of_a_request_is_one_observation(server):
+    before = iteration_tokens(server.url)
+    assert [key for key in before if key.endswith("_bucket{le=\"%.1f\"}" % BOUNDS[0])]
+    assert {f'vllm:iteration_tokens_total_bucket{{le="{bound:.1f}"}}' for bound in BOUNDS} < set(before)
+    reply = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+        "prompt": "Zebras and quinces: " + " ".join(f"word{i}" for i in range(40))})
+    assert reply.status_code == 200
+    prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+    assert 64 < prompt_tokens < 256
+    after = iteration_tokens(server.url)
+
+    def added(key: str) -> float:
+        return after[key] - before[key]
+
+    # One prefill step (the prompt and its first token), then five steps of one token each.
+    assert added("vllm:iteration_tokens_total_count") == 6
+    assert added("vllm:iteration_tokens_total_sum") == prompt_tokens + 6
+    assert added('vllm:iteration_tokens_total_bucket{le="1.0"}') == 5
+    assert added('vllm:iteration_tokens_total_bucket{le="64.0"}') == 5
+    assert added('vllm:iteration_tokens_total_bucket{le="256.0"}') == 6
 
 
 def test_a_stopped_worker_is_killed_and_replaced(server):
