@@ -129,7 +129,7 @@ def build_app(settings: ServerSettings, start_worker=None,
                         settings.worker_address, settings.worker_address)
         client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
                               ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
-                              heartbeat_timeout_s=settings.heartbeat_timeout_s if remote is not None else None,
+                              heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
                               response_timeout_s=settings.response_timeout_s)
         stats_log = None
         try:

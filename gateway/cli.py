@@ -204,6 +204,7 @@ def _server_settings(args: argparse.Namespace):
         max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
         max_n=args.max_n,
         worker_keys=keys, response_timeout_s=args.worker_response_timeout,
+        heartbeat_timeout_s=args.worker_heartbeat_timeout, step_timeout_s=args.worker_step_timeout,
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
         tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
+from spillway.gateway.client import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from spillway.gateway.engine_args import BLOCK_SIZES, DTYPES
 from spillway.gateway.http_protocol import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S, DEFAULT_TIMEOUT_REQUEST_BODY_S, DEFAULT_TIMEOUT_REQUEST_HEAD_S,
@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--worker-response-timeout", type=float, default=DEFAULT_RESPONSE_TIMEOUT_S, metavar="S",
                         help="a request that hears nothing from the worker for S seconds ends with an error "
                              "(default %(default)g)")
+    server.add_argument("--worker-heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                        metavar="S", help="a worker silent for S seconds (no heartbeat: stopped or frozen) is "
+                                          "lost, a local one killed and replaced (default %(default)g)")
+    server.add_argument("--worker-step-timeout", type=_positive_float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S",
+                        help="a worker whose one step runs for S seconds is lost, a local one killed and "
+                             "replaced (default %(default)g)")
     server.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
                         help="API server processes on the port, each with its own link to the worker: "
                              "more intake for bursts of long prompts (default 1)")

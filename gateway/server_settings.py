@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spillway.gateway.client import DEFAULT_RESPONSE_TIMEOUT_S
+from spillway.gateway.client import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_RESPONSE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from spillway.gateway.request_defaults import RequestDefaults
 from spillway.gateway.sampling_params import MAX_N
 from spillway.gateway.template_sandbox import TemplateLimits
@@ -39,7 +39,8 @@ class ServerSettings:
     worker_link: tuple[str, str] | None = None
     api_server_index: int = 0
     ready_timeout_s: float = 600.0
-    heartbeat_timeout_s: float = 60.0  # remote workers only
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S  # the worker's silence that loses it
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # one step's run that loses the worker
     worker_keys: LinkKeys | None = None  # the remote worker link's CURVE keys; required off loopback
     response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S  # a request's longest wait for the worker
     # Reasoning models: any of these enables splitting thinking from the answer.
