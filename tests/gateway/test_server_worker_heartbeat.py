@@ -1,6 +1,7 @@
 """`spillway serve` on the real default model with a 2 s heartbeat bound: each engine step's
-tokens reach vllm:iteration_tokens_total; a stopped worker (SIGSTOP) turns /health to 503,
-ends its streams with an error, and is killed and replaced."""
+tokens reach vllm:iteration_tokens_total; a prefill longer than the bound keeps the worker; a
+stopped worker (SIGSTOP) turns /health to 503, ends its streams with an error, and is killed
+and replaced."""
 
 from __future__ import annotations
 
@@ -51,6 +52,22 @@ def test_each_step_of_a_request_is_one_observation(server):
     assert added('vllm:iteration_tokens_total_bucket{le="1.0"}') == 5
     assert added('vllm:iteration_tokens_total_bucket{le="64.0"}') == 5
     assert added('vllm:iteration_tokens_total_bucket{le="256.0"}') == 6
+
+
+def test_a_prefill_step_longer_than_the_bound_keeps_the_worker(server):
+    """A prefill of ~900 prompt tokens on the CPU runs past the 2 s heartbeat bound: the worker
+    reads no message meanwhile, but its heartbeat thread beats on."""
+    old_pid = server.worker_pid()
+    prompt = "Quails " + " ".join(f"item{i}" for i in range(250))
+    started = time.monotonic()
+    reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": MODEL, "max_tokens": 1, "prompt": prompt})
+    took = time.monotonic() - started
+    assert reply.status_code == 200
+    assert 850 < reply.json()["usage"]["prompt_tokens"] < 1000
+    assert took > 2.0, f"the prefill took {took:.1f} s: not past the bound, so it proves nothing"
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.worker_pid() == old_pid
 
 
 def test_a_stopped_worker_is_killed_and_replaced(server):
