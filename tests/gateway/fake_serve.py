@@ -6,19 +6,15 @@ uvicorn configuration (gateway/serve_run.py `uvicorn_config`) and its accepting 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 
-from ports import HOST, listening_socket, reserve_ports
-from server_helpers import MODEL, fake_app
+from ports import HOST, listening_socket
+from server_helpers import MODEL, ServerProcess, fake_app
 from spillway.gateway.cli_args import build_parser
 from spillway.gateway.serve_run import BannerServer, bind_port, uvicorn_config
 from spillway.protocol import model_files
@@ -53,50 +49,13 @@ def serving(*flags: str, script: list[int] = (1, 2), step_s: float = 0.002):
         sock.close()
 
 
-class FakeServeProcess:
-    """The server as a process of its own on a reserved port; `preexec_fn` runs in it before
-    anything (a lower file-handle limit, say)."""
-
-    def __init__(self, *flags: str, preexec_fn=None) -> None:
-        self._reservation = reserve_ports(1)
-        (self.port,) = self._reservation.ports
-        self.url = f"http://{HOST}:{self.port}"
-        path = [str(TESTS), str(TESTS / "gateway"), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-        self._log = tempfile.NamedTemporaryFile(prefix="spillway-fake-serve-", suffix=".log")
-        self.process = subprocess.Popen([sys.executable, __file__, str(self.port), *flags], env=env,
-                                        preexec_fn=preexec_fn, start_new_session=True,
-                                        stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def wait_healthy(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"the server was not healthy within {timeout_s} s")
-
-    def stop(self) -> str:
-        """Stop it; its output."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
-        self._reservation.close()
-        output = self.log()
-        self._log.close()
-        return output
+def FakeServeProcess(*flags: str, preexec_fn=None) -> ServerProcess:
+    """The server as a process of its own on a reserved port (`python fake_serve.py PORT FLAGS...`);
+    `preexec_fn` runs in it before anything (a lower file-handle limit, say)."""
+    path = [str(TESTS), str(TESTS / "gateway"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    return ServerProcess(*flags, command=lambda port: [sys.executable, __file__, str(port)], env=env,
+                         preexec_fn=preexec_fn)
 
 
 def main(port: int, flags: list[str]) -> None:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,16 +35,19 @@ def spillway_command() -> list[str]:
 
 
 class ServerProcess:
-    """`spillway serve` on a reserved port (held until `stop`), its output kept in a log file."""
+    """`spillway serve` on a reserved port (held until `stop`), its output kept in a log file.
+    `command(port)` starts another server program instead (tests/gateway/fake_serve.py's);
+    `preexec_fn` runs in its process before anything (a lower file-handle limit, say)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: Callable[[int], list[str]] | None = None,
+                 env: dict[str, str] | None = None, preexec_fn=None) -> None:
         self._reservation = reserve_ports(1)
         (self.port,) = self._reservation.ports
         self.url = f"http://{HOST}:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="spillway-serve-", suffix=".log", delete=False)
-        self.process = subprocess.Popen(
-            [*spillway_command(), "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        argv = command(self.port) if command else [*spillway_command(), "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen([*argv, *args], env=env, preexec_fn=preexec_fn,
+                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
@@ -52,14 +56,14 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"spillway serve exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.25)
-        raise TimeoutError(f"spillway serve was not healthy within {timeout_s} s:\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"the server was not healthy within {timeout_s} s:\n{self.log()[-4000:]}")
 
     def worker_pid(self) -> int:
         """The worker process: the server's child `python -m spillway.worker` (started from any
@@ -71,7 +75,8 @@ class ServerProcess:
         assert len(workers) == 1, children
         return workers[0]
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """Stop it (SIGINT, then SIGKILL to its group after 20 s); its output."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -79,9 +84,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(5)
+        output = self.log()
         self._log.close()
         os.unlink(self._log.name)
         self._reservation.close()
+        return output
 
 
 @contextmanager
