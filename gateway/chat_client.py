@@ -15,6 +15,8 @@ import os
 import sys
 
 DEFAULT_URL = "http://localhost:8000/v1"
+# The wait between two chunks of an answer: the server bounds a step by --worker-step-timeout
+# (600 s by default), so a client that waits as long never gives up on an answer still coming.
 TIMEOUT_S = 600.0
 
 

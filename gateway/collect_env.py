@@ -21,6 +21,8 @@ PACKAGES = ("spillway", "torch", "triton", "transformers", "tokenizers", "safete
 ENV_PREFIXES = ("SPILLWAY_", "VLLM_", "CUDA_", "NCCL_", "HF_", "TORCH_", "PYTORCH_", "TRITON_")
 ENV_NAMES = ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE", "LD_LIBRARY_PATH")
 SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+# The child imports torch and asks CUDA for its devices: seconds, more on a first CUDA start;
+# past this bound the report says the probe timed out and goes on without it.
 PROBE_TIMEOUT_S = 120.0
 # Run in a child process; prints one JSON object.
 TORCH_PROBE = """
