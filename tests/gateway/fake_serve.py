@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 
 from ports import HOST, listening_socket
-from server_helpers import MODEL, ServerProcess, fake_app
+from server_helpers import MODEL, ServerProcess, fake_app, running_in_thread
 from spillway.gateway.cli_args import build_parser
 from spillway.gateway.serve_run import BannerServer, bind_port, uvicorn_config
 from spillway.protocol import model_files
@@ -33,20 +31,8 @@ def _server(sock, flags: tuple[str, ...], script: list[int], step_s: float) -> B
 def serving(*flags: str, script: list[int] = (1, 2), step_s: float = 0.002):
     """The server with `flags` in a thread of this process; its (host, port)."""
     sock = listening_socket()
-    server = _server(sock, flags, list(script), step_s)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.02)
+    with running_in_thread(_server(sock, flags, list(script), step_s), sock):
         yield sock.getsockname()
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def FakeServeProcess(*flags: str, preexec_fn=None) -> ServerProcess:

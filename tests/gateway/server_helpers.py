@@ -124,12 +124,8 @@ def fake_app(files, script: list[int], *, step_s: float = 0.002, start_delay_s: 
 
 
 @contextmanager
-def server_in_thread(app):
-    """Serve an app from a thread of this process (for fake-worker tests), on a socket bound
-    here and handed over, so no other process can take the port in between."""
-    sock = listening_socket()
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(server_config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
+def running_in_thread(server: uvicorn.Server, sock):
+    """Run `server` on `sock` from a thread of this process until the block ends."""
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -138,11 +134,22 @@ def server_in_thread(app):
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the in-process server did not start")
             time.sleep(0.02)
-        yield f"http://{HOST}:{port}"
+        yield
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def server_in_thread(app):
+    """Serve an app from a thread of this process (for fake-worker tests), on a socket bound
+    here and handed over, so no other process can take the port in between."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(server_config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
+    with running_in_thread(server, sock):
+        yield f"http://{HOST}:{port}"
 
 
 def kill_mid_stream(url: str, path: str, body: dict, pid_to_kill) -> tuple[list[str], float]:
