@@ -1,7 +1,11 @@
-"""The gateway: the OpenAI-compatible server and the offline API."""
+"""The gateway: the OpenAI-compatible server and the offline API.
 
-from spillway.gateway.llm import LLM
-from spillway.gateway.outputs import CompletionOutput, Logprob, RequestOutput
-from spillway.gateway.sampling_params import SamplingParams
+Its folders are floors, bottom up: api, text, metrics, link, generation, offline, http, cli.
+May import: protocol/ only, never torch or the worker (but `spillway worker`'s own process).
+"""
+
+from spillway.gateway.offline.llm import LLM
+from spillway.gateway.offline.outputs import CompletionOutput, Logprob, RequestOutput
+from spillway.gateway.api.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -10,7 +10,7 @@ byte, unscaled: a scale of 1.0, as vLLM's `--kv-cache-dtype fp8` without calibra
 e4m3fn has no infinity: a plain cast of anything beyond 448 gives NaN, hence the clamp.
 A cache of any other dtype stores q/k/v's own dtype unchanged.
 
-So a float8 cache never holds NaN: the pool starts zeroed (worker/model_runner.py) and every
+So a float8 cache never holds NaN: the pool starts zeroed (worker/runner/model_runner.py) and every
 write is finite. The attention kernels rely on it: the slots past a context in its last block
 (stale values of an earlier request, or zeros) are read with the block and weighted by 0,
 never zeroed first; a NaN there would turn 0 * NaN into NaN. (A request whose keys or values

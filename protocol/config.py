@@ -42,7 +42,7 @@ def setting_name(name: str, spelling: str) -> str:
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Speculative decoding (worker/spec/): who proposes drafts and how many per step.
+    """Speculative decoding (worker/speculative/): who proposes drafts and how many per step.
 
     `draft_model`: a small model with the target's tokenizer (`model`); `ngram`: prompt
     lookup over the request's own tokens; `replay`: a recorded target output per prompt
@@ -103,7 +103,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # block count, wins (tests, benchmarks).
     cpu_offload_gb: float = 0.0
     num_cpu_blocks_override: int | None = None
-    # GB/s the tier's loads take at most while other requests compute (worker/paced_loads.py;
+    # GB/s the tier's loads take at most while other requests compute (worker/kv_tier/paced_loads.py;
     # SPILLWAY_KV_LOAD_GB_S, read by `worker_config_from_env`); 0: full speed always.
     kv_load_gb_s: float = 26.0
     enable_prefix_caching: bool = True
@@ -112,7 +112,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     async_scheduling: bool | None = None
     hash_seed: bytes = DEFAULT_HASH_SEED
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    # Executor processes, one per device, each holding a shard of the model (worker/tp_group.py).
+    # Executor processes, one per device, each holding a shard of the model (worker/tp/group.py).
     tensor_parallel_size: int = 1
     # Kernel switches, on by default; off only to measure what they save (SPILLWAY_PDL=0,
     # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).

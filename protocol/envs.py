@@ -34,7 +34,7 @@ def cpu_kvcache_space_gb() -> float | None:
 
 def kv_load_gb_s() -> float | None:
     """SPILLWAY_KV_LOAD_GB_S: the most GB/s the CPU tier's loads take while other requests
-    compute (worker/paced_loads.py); 0 loads at full speed always. None when unset. Read into
+    compute (worker/kv_tier/paced_loads.py); 0 loads at full speed always. None when unset. Read into
     WorkerConfig by `worker_config_from_env`."""
     value = os.environ.get("SPILLWAY_KV_LOAD_GB_S")
     if not value:

@@ -72,7 +72,7 @@ class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # Markers and budget of a reasoning model's thinking (protocol/reasoning.py).
     thinking: ThinkingPolicy | None = None
     # The client request (every choice and prompt of one HTTP request) this Generate belongs
-    # to: the worker shares its KV pool and steps between client requests (worker/fair_share.py).
+    # to: the worker shares its KV pool and steps between client requests (worker/core/fair_share.py).
     # Empty: it stands alone.
     parent_id: str = ""
 

@@ -1,5 +1,5 @@
 """How API server processes sharing one socket (`spillway serve --api-server-count N`) divide
-connections among themselves: N uvicorn servers of gateway/shared_accept.py, each answering a
+connections among themselves: N uvicorn servers of gateway/http/shared_accept.py, each answering a
 request with its process id after 1 ms of CPU (a long prompt's intake), with the servers'
 counts of open connections (this tree) and without them (each takes one connection per turn,
 then pauses 1 ms), side by side, the rounds alternating.
@@ -47,7 +47,7 @@ def serve(sock: socket.socket, slot=None) -> None:
     """One API server on `sock` answering with its process id; `slot`: its connection count."""
     import uvicorn
 
-    from spillway.gateway.shared_accept import SharedSocketServer
+    from spillway.gateway.http.shared_accept import SharedSocketServer
 
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     config = uvicorn.Config(answer_with_pid, loop=loop, lifespan="off", log_level="warning")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--servers, --connections and --rounds must be at least 1, --busy-loops at least 0")
     gaps = [float(gap) for gap in args.gaps_ms.split(",") if gap.strip()]
 
-    from spillway.gateway.shared_accept import OpenConnections
+    from spillway.gateway.http.shared_accept import OpenConnections
 
     context = multiprocessing.get_context("fork")
     processes, setups = [], {}

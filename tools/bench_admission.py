@@ -48,11 +48,11 @@ def time_burst(prompt_len: int, burst: int, rounds: int, device: str = "cpu", mo
     request's arrival to its first token (the same prefix, pushed out the same way first)."""
     import torch
 
-    from spillway.gateway.tokenizer import PromptHasher
+    from spillway.gateway.text.tokenizer import PromptHasher
     from spillway.protocol.config import WorkerConfig
     from spillway.protocol.hashing import pack_token_ids
     from spillway.protocol.messages import Generate, SamplingParams, encoder, gateway_decoder
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     torch.manual_seed(0)
     folder, vocab = model_folder(model, tokenizer_dir, prompt_len)

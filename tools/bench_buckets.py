@@ -1,5 +1,5 @@
 """What a step's padding rows cost: the decoder's matrix products at a step's token count and at
-the token bucket whose graph it replays (worker/cuda_graphs.py), on the GPU.
+the token bucket whose graph it replays (worker/runner/cuda_graphs.py), on the GPU.
 
 A prefill, mixed or cascade step of n tokens runs the graph of the smallest bucket >= n, its
 rows past n padded. Each row of the table times one decoder layer's products (qkv, o, gate_up,
@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS  # noqa: E402
+from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS  # noqa: E402
 from tools.bench_ceilings import bench_ms, machine  # noqa: E402
 
 DEFAULT_TOKENS = (144, 176, 200, 232, 264, 300, 360, 420, 480)

@@ -17,8 +17,8 @@ import torch
 from spillway.kernels.cascade_attention import cascade_attention, cascade_num_splits
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention
 from spillway.kernels.utils import multiprocessor_count
-from spillway.worker.cuda_graphs import PREFILL_TOKEN_BUCKETS
-from spillway.worker.shared_prefix import shared_prefix_len
+from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS
+from spillway.worker.attention.shared_prefix import shared_prefix_len
 
 QWEN3_8B_HEADS = (32, 8, 128)  # query heads, KV heads, head_dim
 

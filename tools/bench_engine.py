@@ -135,7 +135,7 @@ def run_hf_decode(args, rows: Rows, engines: dict, our_ms: dict[str, float]) -> 
 
 
 def run_prefill(args, rows: Rows) -> None:
-    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.runner.model_runner import ChunkInput
 
     rate = matmul_rate()
     rows.add(row("bf16 matmul 8192^3", rate / 1e12, "TFLOP/s"))

@@ -51,7 +51,7 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_pat
     import uvicorn
     from fake_worker import FakeWorkerProcess
 
-    from spillway.gateway.app import ServerSettings, build_app
+    from spillway.gateway.http.app import ServerSettings, build_app
     from spillway.protocol.config import WorkerConfig
 
     config = WorkerConfig(model=folder, served_model_name=SERVED_NAME, max_model_len=32768, load_format="dummy",

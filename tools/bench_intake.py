@@ -6,10 +6,10 @@ loop spends on a /v1/completions body between reading it and handing its Generat
                                                            #   (mkdir DIR && git archive REV | tar -x -C DIR)
 
 Pieces (each the best of `--rounds` timeit rounds, microseconds per request): the body decoded
-into its Struct (gateway/openai.py), the Job built from it (gateway/jobs.py: checks, the ids'
+into its Struct (gateway/api/openai.py), the Job built from it (gateway/generation/jobs.py: checks, the ids'
 range, their packing where the tree packs there), the ids packed for the wire where the Job
-left them unpacked and the prefix block hashes (gateway/serving.py's start), and the Generate
-encoded (gateway/worker_link.py's send). tools/bench_gateway.py measures the whole served path.
+left them unpacked and the prefix block hashes (gateway/generation/serving.py's start), and the Generate
+encoded (gateway/link/worker_link.py's send). tools/bench_gateway.py measures the whole served path.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def time_pieces(prompt_len: int, rounds: int) -> dict[str, float]:
     """The child: microseconds per request of each piece, with whichever spillway it imports."""
     import msgspec
 
-    from spillway.gateway import openai as api
-    from spillway.gateway.jobs import JobBuilder
-    from spillway.gateway.sampling_params import SamplingParams
-    from spillway.gateway.tokenizer import PromptHasher
+    from spillway.gateway.api import openai as api
+    from spillway.gateway.generation.jobs import JobBuilder
+    from spillway.gateway.api.sampling_params import SamplingParams
+    from spillway.gateway.text.tokenizer import PromptHasher
     from spillway.protocol.hashing import pack_token_ids
     from spillway.protocol.messages import PROTOCOL_VERSION, Generate, Ready, encoder
 

@@ -17,7 +17,7 @@
                   without pause on the copier's streams, against the same step alone; then
                   steps queued one at a time (as the engine runs) beside a CPU hit's loads,
                   with and without stores ahead of eviction, at full speed and paced by the
-                  copier (worker/paced_loads.py); with --paced-load-gb-s, also beside loads
+                  copier (worker/kv_tier/paced_loads.py); with --paced-load-gb-s, also beside loads
                   paced to those rates by a host thread
     reload        restoring a --prefix-tokens prefix's blocks from the CPU pool through the
                   copier, against recomputing it: eager prefill forwards of --chunk-tokens tokens
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def block_shape(args) -> tuple[int, ...]:
     """One KV block of `args.model`: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
     from spillway.protocol.model_files import load_config, resolve_model
-    from spillway.worker.kv_blocks import kv_dims
+    from spillway.worker.runner.kv_blocks import kv_dims
 
     layers, kv_heads, head_dim = kv_dims(load_config(resolve_model(args.model, "dummy")))
     return layers, 2, args.block_size, kv_heads, head_dim
@@ -107,8 +107,8 @@ def block_shape(args) -> tuple[int, ...]:
 
 def pooled_copier(args, num_slots: int):
     """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each."""
-    from spillway.worker.cpu_pool import allocate_cpu_pool
-    from spillway.worker.kv_copies import KVCopier
+    from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
+    from spillway.worker.kv_tier.copier import KVCopier
 
     shape = block_shape(args)
     gpu = torch.randn((num_slots, *shape), dtype=torch.bfloat16, device="cuda")
@@ -152,7 +152,7 @@ def run_copies(args, rows: Rows) -> None:
 
 
 def stored_bytes_come_back(copier, num_blocks: int) -> bool:
-    from spillway.worker.step_plan import KVCopies
+    from spillway.worker.core.step_plan import KVCopies
 
     original = copier.gpu_pool[:num_blocks].clone()
     slots = tuple((slot, slot) for slot in range(num_blocks))
@@ -167,7 +167,7 @@ def stored_bytes_come_back(copier, num_blocks: int) -> bool:
 def run_both(args, rows: Rows) -> None:
     """Stores of GPU slots 0..n-1 into CPU slots 0..n-1 and loads of CPU slots n..2n-1 into GPU
     slots n..2n-1, in one step; the baseline copies the same two spans."""
-    from spillway.worker.step_plan import KVCopies
+    from spillway.worker.core.step_plan import KVCopies
 
     n = args.blocks
     copier = pooled_copier(args, num_slots=2 * n)

@@ -21,7 +21,7 @@ def make_engine(args, *, max_model_len: int, max_num_seqs: int, num_gpu_blocks: 
                 enforce_eager: bool, max_num_batched_tokens: int | None = None):
     """An engine over `args.model`'s dummy weights, both KV pools fixed (no profiling run)."""
     from spillway.protocol.config import worker_config_from_env
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     return Engine(worker_config_from_env(
         model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", block_size=args.block_size,
@@ -34,7 +34,7 @@ def run_interference(args, rows: Rows) -> None:
     """Sequence i decodes over GPU slots [i * per_seq, (i + 1) * per_seq); the traffic stores GPU
     slots after those and loads into the ones after those (disjoint: it never touches the step's
     KV). Median of 3 timings of --decode-steps replays each, alone and with traffic."""
-    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.runner.model_runner import ChunkInput
 
     per_seq = math.ceil(args.decode_context / args.block_size)
     decode_blocks, n = args.decode_batch * per_seq, args.blocks
@@ -67,7 +67,7 @@ def run_interference(args, rows: Rows) -> None:
                      f"{TARGET_INTERFERENCE:.2f}); graph replay, batch {args.decode_batch} x {args.decode_context} "
                      f"tokens, {args.model} dummy weights; traffic: {n}-block copies repeated {rounds}x on the "
                      f"copier's streams, {flows} meanwhile; traffic ran through every timed step: {covered}"))
-    # The copier's own pacing (worker/paced_loads.py), the engine's way: a step at a time, the
+    # The copier's own pacing (worker/kv_tier/paced_loads.py), the engine's way: a step at a time, the
     # host at most two steps ahead, the loads planned again whenever the last batch has landed
     # (and the stores, ahead of eviction as the engine writes them, whenever the last are done).
     stepped_alone = sorted(stepped_seconds(bucket, runner, args.decode_steps)[0] for _ in range(3))[1]
@@ -108,7 +108,7 @@ def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), 
     seconds and the bytes/s queued each way while the steps ran (loads still pending excluded)."""
     from collections import deque
 
-    from spillway.worker.step_plan import KVCopies
+    from spillway.worker.core.step_plan import KVCopies
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -152,7 +152,7 @@ def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate
     has landed and no sooner than `rate` bytes/s allows; and the bytes/s loaded meanwhile."""
     import threading
 
-    from spillway.worker.block_copies import copy_blocks
+    from spillway.worker.kv_tier.block_copies import copy_blocks
 
     chunks = [loads[i:i + PACED_CHUNK_BLOCKS] for i in range(0, len(loads), PACED_CHUNK_BLOCKS)]
     stop, loaded = threading.Event(), [0]
@@ -200,7 +200,7 @@ def step_seconds_beside_traffic(replays, num_steps: int, copier, *, rounds: int,
     empty) run on the copier's streams, unordered against compute (whose replays start once
     every copy has begun); whether the copies ran until the last step ended; each direction's
     bytes/s."""
-    from spillway.worker.block_copies import copy_blocks
+    from spillway.worker.kv_tier.block_copies import copy_blocks
 
     torch.cuda.synchronize()
     compute = torch.cuda.current_stream()
@@ -237,7 +237,7 @@ def run_reload(args, rows: Rows) -> None:
     """The prefix's KV in GPU slots 0..n-1 (written by the recompute), stored to CPU slots
     0..n-1 and restored from there; medians of 3 recomputes (after one that compiles) and of 5
     restores."""
-    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.runner.model_runner import ChunkInput
 
     num_blocks = math.ceil(args.prefix_tokens / args.block_size)
     engine = make_engine(args, max_model_len=num_blocks * args.block_size, max_num_seqs=1,

@@ -31,7 +31,7 @@ BLOCK_SIZE = 16
 def landing_chunks(seqs: int, new: int, prefix_len: int, vocab: int, seed: int = 0) -> list:
     """`seqs` chunks of `new` random tokens at position `prefix_len`, each on the prefix's
     blocks 0.. and blocks of its own after them."""
-    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.runner.model_runner import ChunkInput
 
     rng = random.Random(seed)
     prefix = list(range(prefix_len // BLOCK_SIZE))
@@ -89,7 +89,7 @@ def landing_engine(model: str, seqs: int, new: int, prefix_len: int):
     import torch
 
     from spillway.protocol.config import worker_config_from_env
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     num_blocks = prefix_len // BLOCK_SIZE + seqs * -(-new // BLOCK_SIZE) + 64
     return Engine(worker_config_from_env(model=model, load_format="dummy", dtype="bfloat16",

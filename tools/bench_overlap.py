@@ -1,6 +1,6 @@
 """A prefix's load from the CPU tier and the step that computes on it, in one worker process:
 the step queued behind the loads layer by layer (each layer computes once its KV has landed:
-worker/kv_copies.py) against the step run once the whole load has landed (the host sees the
+worker/kv_tier/copier.py) against the step run once the whole load has landed (the host sees the
 landing, then replays the step's graph), Qwen3-8B's shape with dummy weights.
 
     python tools/bench_overlap.py                       # 50 x 4 on 10,000, and 1 x 4 on it
@@ -49,9 +49,9 @@ def timed_case(engine, prefix_blocks: int, chunks: list, mode: str) -> tuple[flo
     """Milliseconds from queueing the prefix's loads to the step's logits on the host (`mode`
     "load": the loads alone, in groups of layers; "whole blocks": alone, a copy per run of
     whole blocks), and the host milliseconds of queueing the loads and of the step's launch."""
-    from spillway.worker.step_plan import KVCopies
+    from spillway.worker.core.step_plan import KVCopies
 
-    from spillway.worker import paced_loads
+    from spillway.worker.kv_tier import paced_loads
 
     copier, runner = engine.executor.kv_copier, engine.executor.runner
     loads = tuple((slot, slot) for slot in range(prefix_blocks))

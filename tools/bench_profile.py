@@ -16,7 +16,7 @@ def kernel_profile(runner, steps: int) -> str:
     """Device time by kernel over `steps` eager batch-1 decode forwards (what a graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from spillway.worker.model_runner import ChunkInput
+    from spillway.worker.runner.model_runner import ChunkInput
 
     chunk = ChunkInput([1000], 300, list(range(-(-301 // runner.block_size))))
 
@@ -118,7 +118,7 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
 
     from spillway.protocol.messages import Generate, SamplingParams
     from spillway.protocol.config import worker_config_from_env
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     engine = Engine(worker_config_from_env(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
                                            kv_cache_dtype=args.kv_cache_dtype,

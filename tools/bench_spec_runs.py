@@ -20,12 +20,12 @@ import torch
 from spillway.protocol.config import SpeculativeConfig, worker_config_from_env
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.protocol.model_files import builtin_config_names
-from spillway.worker.engine import Engine
+from spillway.worker.driver.engine import Engine
 from spillway.worker.models import build_model, loader
-from spillway.worker.spec.decoder import SpecDecoder
-from spillway.worker.spec.setup import build_spec_decoder
-from spillway.worker.spec.switch import SpeculationSwitch
-from spillway.worker.step_plan import StepPlan
+from spillway.worker.speculative.decoder import SpecDecoder
+from spillway.worker.speculative.setup import build_spec_decoder
+from spillway.worker.speculative.switch import SpeculationSwitch
+from spillway.worker.core.step_plan import StepPlan
 
 
 def make_engine(model: str, device: str, *, max_model_len: int, max_num_seqs: int, num_blocks: int | None,
@@ -106,7 +106,7 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return [[rng.randrange(256, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-QUOTED_FILES = ("docs/architecture.md", "worker/scheduler.py", "README.md", "worker/block_manager.py")
+QUOTED_FILES = ("docs/architecture.md", "worker/core/scheduler.py", "README.md", "worker/core/block_manager.py")
 RESTART_CUE = 24  # tokens of the document repeated after it: the model goes on quoting
 
 
@@ -129,7 +129,7 @@ def quote_back_prompts(model: str, count: int, length: int) -> list[list[int]]:
 
 
 def write_replay(path: Path, prompts: list[list[int]], outputs: list[list[int]]) -> None:
-    """The JSON lines the replay proposer reads (`worker/spec/setup.py` `load_replay`)."""
+    """The JSON lines the replay proposer reads (`worker/speculative/setup.py` `load_replay`)."""
     with path.open("w") as lines:
         for prompt, output in zip(prompts, outputs):
             lines.write(json.dumps({"prompt_token_ids": prompt, "output_token_ids": output}) + "\n")

@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash  # noqa: E402
 from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402
-from spillway.worker.block_manager import BlockManager  # noqa: E402
-from spillway.worker.request import Request  # noqa: E402
-from spillway.worker.scheduler import Scheduler  # noqa: E402
-from spillway.worker.stats import collect_stats  # noqa: E402
+from spillway.worker.core.block_manager import BlockManager  # noqa: E402
+from spillway.worker.core.request import Request  # noqa: E402
+from spillway.worker.core.scheduler import Scheduler  # noqa: E402
+from spillway.worker.driver.stats import collect_stats  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192

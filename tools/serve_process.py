@@ -143,7 +143,7 @@ def tree_env(tree: Path | None) -> dict[str, str] | None:
     if tree is None:
         return None
     if not (tree / "worker" / "engine.py").is_file():
-        raise SystemExit(f"{tree} is not a spillway source tree (no worker/engine.py)")
+        raise SystemExit(f"{tree} is not a spillway source tree (no worker/driver/engine.py)")
     site = Path(tempfile.mkdtemp(prefix="spillway-tree-"))
     (site / "spillway").symlink_to(tree.resolve())
     env = dict(os.environ)
@@ -153,7 +153,7 @@ def tree_env(tree: Path | None) -> dict[str, str] | None:
 
 class Server:
     """`spillway serve` with the given arguments, on a free port. `program` is what runs
-    `serve ARGS` (default: this interpreter's `spillway.gateway.cli`); `env` its environment
+    `serve ARGS` (default: this interpreter's `spillway.gateway.cli.main`); `env` its environment
     (`tree_env`: another source tree's spillway)."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float, keep_log: Path | None = None,
@@ -162,7 +162,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()
-        program = program or [sys.executable, "-m", "spillway.gateway.cli"]
+        program = program or [sys.executable, "-m", "spillway.gateway.cli.main"]
         command = [*program, "serve", "--port", str(self.port), "--uvicorn-log-level", "warning", *serve_args]
         # Own process group: stopping it reaches the worker even if the gateway hangs.
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,

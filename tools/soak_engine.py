@@ -128,10 +128,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     """Load the engine, then keep `--concurrency` generations in flight until `--requests` end."""
-    from spillway.gateway.engine_args import engine_config
+    from spillway.gateway.link.engine_args import engine_config
     from spillway.protocol.hashing import block_hashes
     from spillway.protocol.messages import Generate, SamplingParams
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
     from spillway.worker.models.cpu_linear import PackedLinear, padded_rows
 
     engine = Engine(engine_config(args.model)[0])

@@ -41,8 +41,8 @@ def count_copies(model_dir: str, conversations: int, turns: int, seed: int) -> d
     """The child: pairs and copies per direction over the whole workload."""
     from spillway.protocol.config import WorkerConfig
     from spillway.protocol.messages import Generate, SamplingParams
-    from spillway.worker import kv_copies
-    from spillway.worker.engine import Engine
+    from spillway.worker.kv_tier import copier as kv_copies
+    from spillway.worker.driver.engine import Engine
 
     runs = getattr(kv_copies, "block_runs", None)
     copies_of = (lambda pairs: len(runs(pairs))) if runs else forward_runs

@@ -8,7 +8,7 @@ The busy loop reads its inbox only between steps, and one step may run for secon
 prefill of thousands of tokens, the first step of a shape that compiles): a probe sent to the
 inbox goes unanswered meanwhile. The thread beats through such a step, since the step's kernels
 and copies release the GIL. A stopped (SIGSTOP) or frozen process beats no more, and a step
-stuck for good shows in `iteration_s`: the gateway judges both (gateway/worker_link.py).
+stuck for good shows in `iteration_s`: the gateway judges both (gateway/link/worker_link.py).
 
 The thread owns its sockets (ZeroMQ sockets are not shared between threads): one PUSH per
 link, connected to the link's outbox beside the loop's own; the gateway's PULL takes from both.
@@ -26,7 +26,7 @@ import zmq
 from spillway.protocol.link_auth import LinkKeys
 from spillway.protocol.messages import StepOutputs, encoder
 
-# Four beats a second: the gateway's bounds (gateway/worker_link.py) are seconds, and a beat
+# Four beats a second: the gateway's bounds (gateway/link/worker_link.py) are seconds, and a beat
 # is ~20 bytes of msgpack.
 BEAT_INTERVAL_S = 0.25
 

@@ -42,11 +42,11 @@ from spillway.protocol.messages import (
     gateway_decoder,
 )
 from spillway.worker.compile_log import log_late_compiles
-from spillway.worker.engine import Engine
+from spillway.worker.driver.engine import Engine
 from spillway.worker.gateway_links import GatewayLinks
 from spillway.worker.heap import HeapTrimmer
 from spillway.worker.heartbeat import Heartbeat
-from spillway.worker.stats import step_tokens
+from spillway.worker.driver.stats import step_tokens
 from spillway.worker.step_trace import StepTrace
 
 logger = logging.getLogger("spillway.worker")
@@ -72,7 +72,7 @@ LANDING_POLL_MS = 1
 
 def local_main() -> int:
     """`python -m spillway.worker`: a worker started by a gateway or `LLM` on this host
-    (gateway/worker_process.py). Its configuration arrives on stdin as msgpack, never pickled;
+    (gateway/link/worker_process.py). Its configuration arrives on stdin as msgpack, never pickled;
     the pipe's EOF (the gateway gone) ends the process, even mid-load."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     launch = read_launch(sys.stdin.fileno())

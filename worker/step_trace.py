@@ -11,7 +11,7 @@ first line:
 (with asynchronous scheduling a step's device work ends in a later call); `chunks`/`tokens`:
 the step's plan; `to_gpu_mb` / `to_cpu_mb`: tier copies queued so far (cumulative);
 `firsts`: first tokens among the step's `deltas`; `early`: the step was planned before the loads
-it waits for landed (worker/tier_driver.py).
+it waits for landed (worker/driver/tier_driver.py).
 Off by default: it costs a few microseconds a step and a write.
 """
 

@@ -1,5 +1,5 @@
 """`spillway serve`'s server over a fake worker (tests/gateway/fake_worker.py): its flags, its
-uvicorn configuration (gateway/serve_run.py `uvicorn_config`) and its accepting server
+uvicorn configuration (gateway/http/serve_run.py `uvicorn_config`) and its accepting server
 (`BannerServer`), in a thread of the test (`serving`) or as a process of its own
 (`FakeServeProcess`, `python fake_serve.py PORT FLAGS...`), without loading a model."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ports import HOST, listening_socket
 from server_helpers import MODEL, ServerProcess, fake_app, running_in_thread
-from spillway.gateway.cli_args import build_parser
-from spillway.gateway.serve_run import BannerServer, bind_port, uvicorn_config
+from spillway.gateway.cli.serve_args import build_parser
+from spillway.gateway.http.serve_run import BannerServer, bind_port, uvicorn_config
 from spillway.protocol import model_files
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import time
 import msgspec
 import zmq
 
-from spillway.gateway.worker_process import WorkerProcess
+from spillway.gateway.link.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.hashing import unpack_token_ids

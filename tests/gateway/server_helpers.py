@@ -20,8 +20,8 @@ from fake_worker import FakeWorkerProcess
 from ports import HOST, listening_socket, reserve_ports
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway.gateway.app import ServerSettings, build_app
-from spillway.gateway.http_protocol import server_config
+from spillway.gateway.http.app import ServerSettings, build_app
+from spillway.gateway.http.http_protocol import server_config
 from spillway.protocol.config import WorkerConfig
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -31,7 +31,7 @@ STARTUP_TIMEOUT_S = 600
 
 def spillway_command() -> list[str]:
     script = Path(sys.executable).parent / "spillway"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "spillway.gateway.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "spillway.gateway.cli.main"]
 
 
 class ServerProcess:

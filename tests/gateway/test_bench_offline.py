@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from server_helpers import spillway_command
-from spillway.gateway.bench_offline import engine_kwargs
-from spillway.gateway.cli import add_other_commands, build_parser
-from spillway.gateway.llm import LLM
+from spillway.gateway.cli.bench_offline import engine_kwargs
+from spillway.gateway.cli.main import add_other_commands, build_parser
+from spillway.gateway.offline.llm import LLM
 
 TINY_MODELS = Path(__file__).parents[1] / "worker"
 ENGINE = ["--device", "cpu", "--max-model-len", "64", "--num-gpu-blocks-override", "32", "--max-num-seqs", "8"]

@@ -11,8 +11,8 @@ import pytest
 
 from recording_app import Recording
 from server_helpers import MODEL, fake_app, server_in_thread, spillway_command
-from spillway.gateway.bench_serve import loadgen_argv
-from spillway.gateway.cli import add_other_commands, build_parser
+from spillway.gateway.cli.bench_serve import loadgen_argv
+from spillway.gateway.cli.main import add_other_commands, build_parser
 
 
 def parse(*argv: str):

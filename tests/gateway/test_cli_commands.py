@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from server_helpers import spillway_command
-from spillway.gateway.collect_env import report, torch_info
+from spillway.gateway.cli.collect_env import report, torch_info
 
 
 def spillway(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -52,9 +52,9 @@ def test_a_torch_that_fails_to_import_is_reported_and_the_rest_still_printed(tmp
 
 
 def test_the_command_line_imports_no_client_benchmark_or_torch_until_one_runs():
-    code = ("import sys\nfrom spillway.gateway.cli import add_other_commands, build_parser\n"
+    code = ("import sys\nfrom spillway.gateway.cli.main import add_other_commands, build_parser\n"
             "add_other_commands(build_parser())\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('spillway.tools')\n"
-            "             or m in ('spillway.gateway.bench_serve_report', 'numpy')))")
+            "             or m in ('spillway.gateway.cli.bench_serve_report', 'numpy')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr

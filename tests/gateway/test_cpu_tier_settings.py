@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.gateway.cli import build_parser, main, refusals, worker_config
-from spillway.gateway.engine_args import cpu_tier_gib, engine_config
-from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.cli.main import build_parser, main, refusals, worker_config
+from spillway.gateway.link.engine_args import cpu_tier_gib, engine_config
+from spillway.gateway.metrics.metrics import GatewayMetrics
 from spillway.protocol.messages import Stats
 
 

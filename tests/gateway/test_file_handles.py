@@ -22,9 +22,9 @@ import httpx
 from fake_serve import FakeServeProcess
 from ports import HOST, reserve_ports
 from server_helpers import spillway_command
-from spillway.gateway import shared_accept
-from spillway.gateway.connection_bound import ConnectionBound
-from spillway.gateway.shared_accept import Acceptor
+from spillway.gateway.http import shared_accept
+from spillway.gateway.http.connection_bound import ConnectionBound
+from spillway.gateway.http.shared_accept import Acceptor
 
 
 def open_files_limits(pid: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import uvloop
 
-from spillway.gateway.intake_turns import REQUEST_BYTES, STREAM_BYTES, IntakeTurns
+from spillway.gateway.http.intake_turns import REQUEST_BYTES, STREAM_BYTES, IntakeTurns
 
 LONG = 60_000  # about the JSON of a 10k-id prompt
 

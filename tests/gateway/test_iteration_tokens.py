@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.metrics.metrics import GatewayMetrics
 from spillway.protocol.messages import Stats
 
 VLLM_BOUNDS = ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0", "4096.0",

@@ -9,7 +9,7 @@ import pytest
 
 from fake_worker import FakeWorkerProcess
 from spillway.gateway import LLM, SamplingParams
-from spillway.gateway import llm as llm_module
+from spillway.gateway.offline import llm as llm_module
 from spillway.protocol import model_files
 
 REASONING = " The answer is 4. Stop here, then"

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from spillway.gateway import LLM
-from spillway.gateway.cli import build_parser, main, worker_config
-from spillway.gateway.engine_args import RefusedArgument, engine_config
+from spillway.gateway.cli.main import build_parser, main, worker_config
+from spillway.gateway.link.engine_args import RefusedArgument, engine_config
 from spillway.protocol.model_len import TrainedLength, trained_length
 
 SMOLLM2_REFUSAL = ("{setting} is longer than the model's context of 8192 tokens (max_position_embeddings=8192 in "
@@ -29,7 +29,7 @@ def test_llm_refuses_a_max_model_len_past_smollm2s_8192_positions_before_a_worke
     def no_worker(*args, **kwargs):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr("spillway.gateway.llm.EngineThread", no_worker)
+    monkeypatch.setattr("spillway.gateway.offline.llm.EngineThread", no_worker)
     with pytest.raises(RefusedArgument) as refused:
         LLM(max_model_len=32768)
     assert str(refused.value) == SMOLLM2_REFUSAL.format(setting="LLM(max_model_len=32768)")

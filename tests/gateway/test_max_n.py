@@ -9,10 +9,10 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, server_in_thread
 
-from spillway.gateway.app import ServerSettings, build_app
-from spillway.gateway.jobs import Job, Prompt
-from spillway.gateway.sampling_params import SamplingParams
-from spillway.gateway.serving import Generation
+from spillway.gateway.http.app import ServerSettings, build_app
+from spillway.gateway.generation.jobs import Job, Prompt
+from spillway.gateway.api.sampling_params import SamplingParams
+from spillway.gateway.generation.serving import Generation
 from spillway.protocol.config import WorkerConfig
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}], "max_tokens": 2}

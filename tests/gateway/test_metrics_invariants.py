@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.metrics.metrics import GatewayMetrics
 from spillway.protocol.messages import Stats
 
 

@@ -10,9 +10,9 @@ from array import array
 
 import pytest
 
-from spillway.gateway import openai as api
-from spillway.gateway.jobs import JobBuilder
-from spillway.gateway.prompt_ids import PROMPT_SHAPES
+from spillway.gateway.api import openai as api
+from spillway.gateway.generation.jobs import JobBuilder
+from spillway.gateway.api.prompt_ids import PROMPT_SHAPES
 from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import PROTOCOL_VERSION, Ready
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.gateway.reasoning import resolve_markers
+from spillway.gateway.text.reasoning import resolve_markers
 from spillway.protocol import model_files
 
 BUDGETS = [0, 1, 7, 64]

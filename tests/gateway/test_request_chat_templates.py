@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
-from spillway.gateway.cli import _server_settings
-from spillway.gateway.cli_args import build_parser
-from spillway.gateway.template_sandbox import TemplateLimits
+from spillway.gateway.cli.main import _server_settings
+from spillway.gateway.cli.serve_args import build_parser
+from spillway.gateway.text.template_sandbox import TemplateLimits
 from spillway.protocol import model_files
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

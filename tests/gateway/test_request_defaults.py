@@ -9,11 +9,11 @@ import shutil
 
 import pytest
 
-from spillway.gateway import openai as api
-from spillway.gateway.app import ServerSettings, load_tokenizer
-from spillway.gateway.jobs import JobBuilder
-from spillway.gateway.request_defaults import RequestDefaults, read_request_defaults
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.api import openai as api
+from spillway.gateway.http.app import ServerSettings, load_tokenizer
+from spillway.gateway.generation.jobs import JobBuilder
+from spillway.gateway.api.request_defaults import RequestDefaults, read_request_defaults
+from spillway.gateway.text.tokenizer import PromptTokenizer
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import PROTOCOL_VERSION, Ready

@@ -16,7 +16,7 @@ from typing import Callable
 import pytest
 
 from server_helpers import MODEL, SHORT_MODEL
-from spillway.gateway import openai as api
+from spillway.gateway.api import openai as api
 from spillway.protocol.hashing import unpack_token_ids
 from spillway.protocol.messages import Generate
 

@@ -10,7 +10,7 @@ from tokenizers.processors import TemplateProcessing
 
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, server_in_thread
-from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate

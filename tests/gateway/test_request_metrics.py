@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, scrape, server_in_thread
-from spillway.gateway.metrics import GatewayMetrics
-from spillway.gateway.request_metrics import RequestTimes, one_two_five_buckets
-from spillway.gateway.stats_log import StatsLogger
+from spillway.gateway.metrics.metrics import GatewayMetrics
+from spillway.gateway.metrics.request_metrics import RequestTimes, one_two_five_buckets
+from spillway.gateway.http.stats_log import StatsLogger
 from spillway.protocol.messages import Stats
 from test_server_fake import fake_app, script  # noqa: F401 (fixtures)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.gateway.cli import _server_settings, build_parser, main, refusals
+from spillway.gateway.cli.main import _server_settings, build_parser, main, refusals
 from spillway.protocol import model_files
 
 # (flags, what the parsed settings show) for flags that are honoured
@@ -85,7 +85,7 @@ def test_config_file_flags_apply_and_the_command_line_wins(tmp_path, monkeypatch
     config.write_text("max-model-len: 300\nmax_num_seqs: 7\nenable-prefix-caching: false\n"
                       "disable-log-stats: true\nserved-model-name: [x, y]\nport: 9001\n")
     seen = {}
-    monkeypatch.setattr("spillway.gateway.cli.serve_command", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr("spillway.gateway.cli.main.serve_command", lambda args: seen.setdefault("args", args) and 0)
     assert main(["serve", "--config", str(config), "--max-model-len", "400", "--load-format", "dummy"]) == 0
     args = seen["args"]
     assert (args.max_model_len, args.max_num_seqs, args.enable_prefix_caching) == (400, 7, False)

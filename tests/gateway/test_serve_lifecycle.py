@@ -109,8 +109,8 @@ def test_ctrl_c_while_the_model_loads_ends_serve_quietly():
 
 OFFLINE_SCRIPT = textwrap.dedent("""
     import sys
-    from spillway.gateway.llm import LLM
-    from spillway.gateway.sampling_params import SamplingParams
+    from spillway.gateway.offline.llm import LLM
+    from spillway.gateway.api.sampling_params import SamplingParams
 
     llm = LLM(max_model_len=512)
     try:

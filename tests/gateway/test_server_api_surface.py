@@ -11,7 +11,7 @@ import pytest
 
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, SHORT_MODEL, server_in_thread, sse_events
-from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
 

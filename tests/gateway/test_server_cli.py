@@ -10,7 +10,7 @@ import pytest
 
 from ports import reserve_ports
 from server_helpers import MODEL, ServerProcess, spillway_command
-from spillway.gateway.cli import main
+from spillway.gateway.cli.main import main
 
 REFUSED = [
     (["--swap-space", "4"], "--swap-space"),
@@ -37,7 +37,7 @@ def test_tensor_parallel_sizes_the_model_cannot_split_exit_2(capsys, flags, numb
 
 
 def test_a_tensor_parallel_size_the_model_splits_reaches_the_worker_config():
-    from spillway.gateway.cli import build_parser, worker_config
+    from spillway.gateway.cli.main import build_parser, worker_config
 
     args = build_parser().parse_args(["serve", "qwen3-0.6b", "--load-format", "dummy", "-tp", "2",
                                       "--speculative-draft-tensor-parallel-size", "2"])
@@ -45,7 +45,7 @@ def test_a_tensor_parallel_size_the_model_splits_reaches_the_worker_config():
 
 
 def test_flags_that_ask_for_nothing_are_accepted(capsys):
-    from spillway.gateway.cli import build_parser, refusals
+    from spillway.gateway.cli.main import build_parser, refusals
 
     args = build_parser().parse_args(["serve", "--cpu-offload-gb", "0", "--tensor-parallel-size", "1",
                                       "--num-speculative-tokens", "0", "--enforce-eager"])
@@ -55,14 +55,14 @@ def test_flags_that_ask_for_nothing_are_accepted(capsys):
 @pytest.mark.parametrize("flags, expected", [([], None), (["--async-scheduling"], True),
                                              (["--no-async-scheduling"], False)])
 def test_async_scheduling_flag_reaches_the_worker_config(flags, expected):
-    from spillway.gateway.cli import build_parser, worker_config
+    from spillway.gateway.cli.main import build_parser, worker_config
 
     config, _ = worker_config(build_parser().parse_args(["serve", *flags, "--enforce-eager"]))
     assert config.async_scheduling is expected and config.enforce_eager
 
 
 def test_kv_cache_dtype_flag_reaches_the_worker_config(capsys):
-    from spillway.gateway.cli import build_parser, refusals, worker_config
+    from spillway.gateway.cli.main import build_parser, refusals, worker_config
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--kv-cache-dtype", "fp8"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.gateway.detok import IncrementalDetokenizer, OutputText, StopStringMatcher
+from spillway.gateway.text.detok import IncrementalDetokenizer, OutputText, StopStringMatcher
 from spillway.protocol import model_files
 
 MIXED = "Hello 世界! Emoji: 😀👍🏽 and 你好，朋友。 Done: ünïcödé ✓"

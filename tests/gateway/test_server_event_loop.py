@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
-from spillway.gateway.server_settings import DEFAULT_MAX_BODY_BYTES
-from spillway.gateway.guards import MAX_BODY_VALUES
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.http.server_settings import DEFAULT_MAX_BODY_BYTES
+from spillway.gateway.http.guards import MAX_BODY_VALUES
+from spillway.gateway.text.tokenizer import PromptTokenizer
 from spillway.protocol import model_files
 
 MAX_MODEL_LEN = 8192  # the default model's context

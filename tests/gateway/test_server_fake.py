@@ -16,7 +16,7 @@ import pytest
 from fake_worker import fake_worker_main
 from ports import reserve_ports
 from server_helpers import MODEL, fake_app, scrape, server_in_thread, sse_events, worker_config
-from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol import model_files
 

@@ -16,7 +16,7 @@ import pytest
 
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, real_server, server_in_thread, sse_events
-from spillway.gateway.app import ServerSettings, build_app
+from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol import model_files
 

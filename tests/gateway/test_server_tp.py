@@ -37,7 +37,7 @@ def children(pid: int) -> list[int]:
 
 def rank_pid(worker_pid: int) -> int:
     ranks = [pid for pid in children(worker_pid)
-             if b"\0-m\0spillway.worker.tp_rank\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+             if b"\0-m\0spillway.worker.tp.rank\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(ranks) == 1
     return ranks[0]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway import LLM
-from spillway.gateway.cli import _flag, build_parser, main, refusals, worker_config
-from spillway.gateway.engine_args import engine_config
+from spillway.gateway.cli.main import _flag, build_parser, main, refusals, worker_config
+from spillway.gateway.link.engine_args import engine_config
 
 TOO_MUCH_HOST_MEMORY = 1_000_000  # GiB: more than any host has available
 HOST_MEMORY_REFUSAL = (r"the CPU KV tier asks for 1000000\.00 GiB of host memory and [0-9.]+ GiB is available; "

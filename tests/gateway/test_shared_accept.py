@@ -1,5 +1,5 @@
 """API servers sharing one listening socket take its connections one per turn of their event
-loop (gateway/shared_accept.py): a server takes one and leaves the next to the others, a burst
+loop (gateway/http/shared_accept.py): a server takes one and leaves the next to the others, a burst
 of connections spreads over the servers instead of going to whichever woke first, a server
 holding more connections than another leaves new ones to it, and a closed server takes no more."""
 
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from spillway.gateway import shared_accept
-from spillway.gateway.shared_accept import Acceptor, OpenConnections
+from spillway.gateway.http import shared_accept
+from spillway.gateway.http.shared_accept import Acceptor, OpenConnections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tools.bench_accept import ask, serve  # noqa: E402  (servers answering with their pid)

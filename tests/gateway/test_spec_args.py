@@ -1,12 +1,12 @@
-"""The speculative-decoding settings (gateway/spec_args.py): flags, the JSON config and LLM
+"""The speculative-decoding settings (gateway/link/spec_args.py): flags, the JSON config and LLM
 arguments become one SpeculativeConfig; bad values are refused with their name."""
 
 from __future__ import annotations
 
 import pytest
 
-from spillway.gateway.cli import build_parser, main, worker_config
-from spillway.gateway.spec_args import speculative_config
+from spillway.gateway.cli.main import build_parser, main, worker_config
+from spillway.gateway.link.spec_args import speculative_config
 from spillway.protocol.config import SpeculativeConfig
 
 

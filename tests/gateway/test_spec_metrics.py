@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spillway.gateway.metrics import GatewayMetrics
+from spillway.gateway.metrics.metrics import GatewayMetrics
 from spillway.protocol.messages import Stats
 
 

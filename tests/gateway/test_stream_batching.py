@@ -10,15 +10,15 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from spillway.gateway.client import RequestStream, WorkerLost
-from spillway.gateway.detok import IncrementalDetokenizer, ids_decoder
-from spillway.gateway.jobs import Job, Prompt
-from spillway.gateway.metrics import observe_repeated
-from spillway.gateway.logprob_answers import TokenStrings
-from spillway.gateway.responses import completion_events
-from spillway.gateway.sampling_params import SamplingParams
-from spillway.gateway.serving import Generation, merge_deltas
-from spillway.gateway.tokenizer import PromptTokenizer
+from spillway.gateway.link.client import RequestStream, WorkerLost
+from spillway.gateway.text.detok import IncrementalDetokenizer, ids_decoder
+from spillway.gateway.generation.jobs import Job, Prompt
+from spillway.gateway.metrics.metrics import observe_repeated
+from spillway.gateway.api.logprob_answers import TokenStrings
+from spillway.gateway.http.responses import completion_events
+from spillway.gateway.api.sampling_params import SamplingParams
+from spillway.gateway.generation.serving import Generation, merge_deltas
+from spillway.gateway.text.tokenizer import PromptTokenizer
 from spillway.protocol import model_files
 from spillway.protocol.messages import FinishReason, RequestDelta, TokenLogprobs
 

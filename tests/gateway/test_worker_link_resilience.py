@@ -19,8 +19,8 @@ import zmq
 from fake_worker import FakeWorkerProcess, fake_worker_main
 from ports import reserve_ports
 from server_helpers import MODEL, server_in_thread
-from spillway.gateway.app import ServerSettings, build_app
-from spillway.gateway.cli import main
+from spillway.gateway.http.app import ServerSettings, build_app
+from spillway.gateway.cli.main import main
 from spillway.protocol import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.link_auth import LinkKeys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from spillway.gateway.worker_process import WorkerProcess
+from spillway.gateway.link.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig
 
 

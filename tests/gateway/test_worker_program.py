@@ -22,10 +22,10 @@ def run_python(code: str, cwd: Path | None = None, timeout: float = 600) -> subp
 def test_the_gateway_process_never_imports_torch():
     result = run_python("""
         import sys
-        import spillway.gateway.app
-        import spillway.gateway.cli
+        import spillway.gateway.http.app
+        import spillway.gateway.cli.main
         from spillway.gateway import LLM, SamplingParams
-        from spillway.gateway.cli import build_parser, worker_config
+        from spillway.gateway.cli.main import build_parser, worker_config
         from spillway.protocol import model_files
 
         config, root = worker_config(build_parser().parse_args(["serve", "--max-model-len", "1024"]))
@@ -66,7 +66,7 @@ def test_the_worker_exits_when_its_gateway_dies_even_while_loading(how):
     ending = "os._exit(0)" if how == "crash" else "sys.exit(0)"
     gateway = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, sys, time
-        from spillway.gateway.worker_process import WorkerProcess
+        from spillway.gateway.link.worker_process import WorkerProcess
         from spillway.protocol.config import WorkerConfig
         worker = WorkerProcess(WorkerConfig(device="cpu"))
         print(worker.process.pid, flush=True)
@@ -92,7 +92,7 @@ def test_launch_frame_round_trips_and_leaves_the_rest_of_the_pipe(tmp_path):
 
 
 def test_kernel_switches_come_from_the_environment_into_the_config(monkeypatch):
-    from spillway.gateway.cli import build_parser, worker_config
+    from spillway.gateway.cli.main import build_parser, worker_config
 
     parser = build_parser()
     config, _ = worker_config(parser.parse_args(["serve"]))

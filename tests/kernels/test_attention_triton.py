@@ -7,9 +7,9 @@ import pytest
 import torch
 from kernel_testing import gpu, random_tensor, relative_error
 
-from spillway.worker.attention import TorchAttentionBackend
-from spillway.worker.attention_triton import DecodeMetadata, TritonAttentionBackend
-from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS, shared_prefix_len
+from spillway.worker.attention.torch_paged import TorchAttentionBackend
+from spillway.worker.attention.triton_paged import DecodeMetadata, TritonAttentionBackend
+from spillway.worker.attention.shared_prefix import CASCADE_MIN_TOKENS, shared_prefix_len
 
 
 def _step(query_lens, starts, *, num_heads, num_kv_heads, head_dim, block_size=16, padded_rows=0,
@@ -82,7 +82,7 @@ def test_same_length_extends_take_the_prefill_kernel_where_nothing_verifies():
 
 
 def test_runners_verify_with_the_decode_kernel_only_when_speculating():
-    from spillway.worker.model_runner import MAX_VERIFY_QUERY_LEN, default_backend
+    from spillway.worker.runner.model_runner import MAX_VERIFY_QUERY_LEN, default_backend
 
     cuda = torch.device("cuda")
     assert default_backend(cuda, 16).max_decode_query_len == 1
@@ -188,8 +188,8 @@ def test_steps_sharing_a_prefix_take_the_cascade_path(query_lens, own):
 
 
 def test_the_staged_host_tables_find_the_shared_prefix():
-    from spillway.worker.model_runner import ChunkInput
-    from spillway.worker.step_inputs import StepInputs
+    from spillway.worker.runner.model_runner import ChunkInput
+    from spillway.worker.attention.step_inputs import StepInputs
 
     inputs = StepInputs(max_num_tokens=8, max_num_seqs=2, max_blocks_per_seq=SHARED + 2, block_size=16,
                         device=torch.device("cpu"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from spillway.gateway.worker_process import describe_exit
+from spillway.gateway.link.worker_process import describe_exit
 from spillway.protocol.link_auth import (
     LinkKeyError,
     LinkKeys,

@@ -62,7 +62,7 @@ def test_decode_timing_waits_for_a_first_token_that_comes_a_call_late(tmp_path, 
     import torch
 
     from spillway.protocol.config import WorkerConfig
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
     from tests.worker.tiny_models import save_tiny_qwen3
     from tools.engine_runs import decode_ms_per_token
 

@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402
-from spillway.worker.config import WorkerConfig  # noqa: E402
-from spillway.worker.engine import Engine  # noqa: E402
+from spillway.worker.runner.device_settings import WorkerConfig  # noqa: E402
+from spillway.worker.driver.engine import Engine  # noqa: E402
 from tests.worker.tiny_models import save_tiny_qwen3  # noqa: E402
 from tools.bench_spec_runs import damp_layers_after, write_truncated_copy  # noqa: E402
 

@@ -170,7 +170,7 @@ def test_a_baseline_tree_is_served_from_its_own_source(monkeypatch, tmp_path):
     (tree / "worker").mkdir(parents=True)
     (tree / "worker" / "engine.py").write_text("WHICH = 'the baseline tree'\n")
     env = serve_process.tree_env(tree)
-    which = subprocess.run([sys.executable, "-c", "import spillway.worker.engine as e; print(e.WHICH)"],
+    which = subprocess.run([sys.executable, "-c", "import spillway.worker.driver.engine as e; print(e.WHICH)"],
                            env=env, capture_output=True, text=True, check=True)
     assert which.stdout.strip() == "the baseline tree"
     assert serve_process.tree_env(None) is None

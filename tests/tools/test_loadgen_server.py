@@ -42,7 +42,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def server_url():
     spillway = Path(sys.executable).parent / "spillway"
-    command = [str(spillway)] if spillway.exists() else [sys.executable, "-m", "spillway.gateway.cli"]
+    command = [str(spillway)] if spillway.exists() else [sys.executable, "-m", "spillway.gateway.cli.main"]
     # The port stays reserved while the server runs, so nothing else takes it first.
     with reserve_ports(1) as (port,), tempfile.TemporaryFile() as log:
         url = f"http://127.0.0.1:{port}"

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason, Generate, SamplingParams, TokenLogprobs
 from spillway.protocol.reasoning import ThinkingPolicy
-from spillway.worker.engine import Engine
-from spillway.worker.request import Request
-from spillway.worker.spec.proposer import Proposal, Proposer
+from spillway.worker.driver.engine import Engine
+from spillway.worker.core.request import Request
+from spillway.worker.speculative.proposer import Proposal, Proposer
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Async scheduling (worker/pipeline.py: commit one step later) gives the same outputs as
+"""Async scheduling (worker/driver/pipeline.py: commit one step later) gives the same outputs as
 stepping synchronously, through the one step pipeline.
 
 Both engines run in this process on the CPU over the same tiny random Qwen3; the async one
@@ -17,8 +17,8 @@ import torch
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason, Generate, SamplingParams
-from spillway.worker.config import WorkerConfig
-from spillway.worker.engine import Engine
+from spillway.worker.runner.device_settings import WorkerConfig
+from spillway.worker.driver.engine import Engine
 from tiny_models import TINY_VOCAB, save_tiny_qwen3
 
 VOCAB = TINY_VOCAB
@@ -227,7 +227,7 @@ def test_a_step_the_device_has_finished_is_committed_before_the_next_is_planned(
     gains nothing: it is committed first, the next plan is made with every token known, and
     the outputs stay those of synchronous stepping. (On the CPU no step is ever 'finished'
     early: there the async engine plans ahead, as the tests above show.)"""
-    from spillway.worker.pipeline import LaunchedStep
+    from spillway.worker.driver.pipeline import LaunchedStep
 
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     batch = prompts(6, seed=3)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.block_copies import block_runs, copy_blocks, copy_layers
-from spillway.worker.cpu_pool import allocate_cpu_pool
+from spillway.worker.kv_tier.block_copies import block_runs, copy_blocks, copy_layers
+from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
 
 SHAPE = (5, 2, 4, 3, 8)  # layers, K/V, block size, KV heads, head dim
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.protocol.messages import BlockHash
-from spillway.worker.block_lru import Block
-from spillway.worker.block_manager import BlockManager
+from spillway.worker.core.block_lru import Block
+from spillway.worker.core.block_manager import BlockManager
 
 
 def h(name: str) -> BlockHash:

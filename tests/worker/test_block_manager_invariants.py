@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.worker.block_manager import BlockManager
+from spillway.worker.core.block_manager import BlockManager
 
 from test_block_manager import h, make_manager
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
-from spillway.worker.block_manager import BlockManager
+from spillway.worker.core.block_manager import BlockManager
 
 BLOCK_SIZE = 2
 ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")

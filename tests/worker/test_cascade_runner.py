@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
 
-import spillway.worker.attention_triton as attention_triton
+import spillway.worker.attention.triton_paged as attention_triton
 
-from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
-from spillway.worker.model_runner import ChunkInput
+from spillway.worker.attention.shared_prefix import CASCADE_MIN_TOKENS
+from spillway.worker.runner.model_runner import ChunkInput
 
 PREFIX_BLOCKS = CASCADE_MIN_TOKENS // BLOCK
 
@@ -130,8 +130,8 @@ class RecordedEvent:
 # As above: the graph's padded rows hold whatever its buffers held.
 @pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in (multiply|reduce):RuntimeWarning")
 def test_a_step_planned_before_its_loads_land_waits_before_each_layer(monkeypatch):
-    """The step's KV still lands layer by layer (worker/kv_copies.py): its graph's step (here run
-    eagerly over the graph's views; on a GPU its segments wait, worker/step_graphs.py)
+    """The step's KV still lands layer by layer (worker/kv_tier/copier.py): its graph's step (here run
+    eagerly over the graph's views; on a GPU its segments wait, worker/kv_tier/step_graphs.py)
     waits for each layer's event before the layer and computes what the torch path computes;
     logits rows asked for come back the same way, eagerly."""
     torch_runner, kernel_runner, prefill, cascade = _graphed_runners(seed=2)

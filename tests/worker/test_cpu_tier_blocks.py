@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from spillway.protocol.messages import BlockHash
-from spillway.worker.block_manager import BlockManager
-from spillway.worker.block_copies import block_runs
-from spillway.worker.step_plan import NO_KV_COPIES, KVCopies
+from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.kv_tier.block_copies import block_runs
+from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies
 
 
 def h(name: str) -> BlockHash:

@@ -9,9 +9,9 @@ import torch
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.cpu_pool import allocate_cpu_pool
-from spillway.worker.engine import Engine
-from spillway.worker.paced_loads import PacedLoads
+from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
+from spillway.worker.driver.engine import Engine
+from spillway.worker.kv_tier.paced_loads import PacedLoads
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
@@ -66,7 +66,7 @@ def conversation(engine: Engine, params: SamplingParams, pack: bool = False) -> 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED, SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5)],
                          ids=["greedy", "seeded", "penalized"])
 def test_packed_prompts_give_the_outputs_of_list_prompts_through_the_tier(model_dir, params):
-    """The worker keeps packed ids packed (worker/request.py): chunks, the hashes of blocks
+    """The worker keeps packed ids packed (worker/core/request.py): chunks, the hashes of blocks
     that outputs complete, a penalty over the prompt and the tier's reloads see the same ids."""
     as_lists = conversation(engine_for(model_dir, num_cpu_blocks=8), params)
     assert as_lists["turn-2"][1] == 32
@@ -244,7 +244,7 @@ def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
 def test_the_landing_estimate_waits_for_loads_still_to_be_queued(model_dir):
     """On the CPU copies run as they are queued: nothing is left to land. Loads not queued yet
     (paced) have no landing time; the engine never plans ahead of a landing here."""
-    from spillway.worker.kv_copies import LOAD_SPEED_GUESS
+    from spillway.worker.kv_tier.copier import LOAD_SPEED_GUESS
 
     engine = engine_for(model_dir, num_cpu_blocks=8)
     copier = engine.executor.kv_copier

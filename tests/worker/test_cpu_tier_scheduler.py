@@ -8,7 +8,7 @@ import random
 import pytest
 from tier_harness import TierHarness
 
-from spillway.worker.request import RequestStatus
+from spillway.worker.core.request import RequestStatus
 
 TURN_1 = list(range(1, 21))  # 20 tokens: 5 blocks of 4
 FILLER = list(range(200, 263))  # 63 tokens: 16 blocks, the whole GPU pool

@@ -13,11 +13,11 @@ import transformers
 
 from spillway.protocol.config import SpeculativeConfig
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.model_runner import ModelRunner
-from spillway.worker.request import Request
-from spillway.worker.sampler import Sampler
-from spillway.worker.spec.draft_model import DraftModelProposer
-from spillway.worker.spec.setup import build_spec_decoder
+from spillway.worker.runner.model_runner import ModelRunner
+from spillway.worker.core.request import Request
+from spillway.worker.sample.sampler import Sampler
+from spillway.worker.speculative.draft_model import DraftModelProposer
+from spillway.worker.speculative.setup import build_spec_decoder
 from test_runner_cuda_path import TINY_CONFIGS, VOCAB, EagerGraphs, runner_pair
 from tests.worker.test_spec_engine import tiny_model  # noqa: F401 (a fixture)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from spillway.protocol.config import SpeculativeConfig
-from spillway.worker.config import WorkerConfig
-from spillway.worker.engine import Engine
+from spillway.worker.runner.device_settings import WorkerConfig
+from spillway.worker.driver.engine import Engine
 
 from tests.worker.test_spec_engine import K, VOCAB, save_tiny_model, tiny_model  # noqa: F401 (a fixture)
 
@@ -30,7 +30,7 @@ def draft_engine(target: str, draft: str, **settings) -> Engine:
 
 
 def test_the_draft_and_the_target_share_the_cpus_budget_by_their_bytes(tiny_model, draft, monkeypatch):
-    monkeypatch.setattr("spillway.worker.executor.CPU_KV_CACHE_BYTES", 1 << 20)
+    monkeypatch.setattr("spillway.worker.runner.executor.CPU_KV_CACHE_BYTES", 1 << 20)
     engine = draft_engine(tiny_model, draft)
     assert engine.runner.kv_block_bytes == TARGET_BLOCK_BYTES
     assert engine.spec.proposer.runner.kv_block_bytes == DRAFT_BLOCK_BYTES
@@ -41,7 +41,7 @@ def test_the_draft_and_the_target_share_the_cpus_budget_by_their_bytes(tiny_mode
 
 def test_a_budget_short_of_one_request_and_its_drafts_names_the_max_model_len_that_fits(
         tiny_model, draft, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("spillway.worker.executor.CPU_KV_CACHE_BYTES", 256 << 10)
+    monkeypatch.setattr("spillway.worker.runner.executor.CPU_KV_CACHE_BYTES", 256 << 10)
     with pytest.raises(ValueError) as refused:
         draft_engine(tiny_model, draft)  # 256 KiB // 5,120 bytes: 51 blocks, and a request takes 65
     assert str(refused.value) == (

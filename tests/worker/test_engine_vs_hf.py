@@ -8,7 +8,7 @@ import torch
 
 from spillway.gateway import LLM, SamplingParams
 from spillway.protocol import model_files
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.cpu_linear import pack_linear_layers
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.fair_share import FairShare
-from spillway.worker.request import Request
+from spillway.worker.core.fair_share import FairShare
+from spillway.worker.core.request import Request
 
 
 def choice(request_id: str, parent: str = "", arrival: int = 0, priority: int = 0) -> Request:

@@ -9,7 +9,7 @@ from tiny_models import save_tiny_qwen3
 
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.engine import Engine
+from spillway.worker.driver.engine import Engine
 
 HOG_N = 64
 HOG_PROMPT = [(7 * i) % 300 + 2 for i in range(96)]  # 6 blocks of 16

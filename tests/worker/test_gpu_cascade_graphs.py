@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
-from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
+from spillway.worker.attention.shared_prefix import CASCADE_MIN_TOKENS
 from tests.worker.test_gpu_engine import random_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

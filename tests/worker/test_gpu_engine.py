@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.cuda_graphs import decode_buckets
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.cuda_graphs import decode_buckets
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -148,8 +148,8 @@ def test_bf16_greedy_tokens_against_hf(tmp_path):
 
 
 def test_kv_pool_takes_the_utilisation_share_left_after_weights_and_activations():
-    from spillway.worker.config import WorkerConfig
-    from spillway.worker.engine import Engine
+    from spillway.worker.runner.device_settings import WorkerConfig
+    from spillway.worker.driver.engine import Engine
 
     utilisation = 0.3  # 256 requests of 8192 tokens would need more: the budget, not the cap, decides
     engine = Engine(WorkerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16", device="cuda",
@@ -167,8 +167,8 @@ def test_decode_graphs_share_one_logits_buffer_inside_the_memory_budget():
     """512 decode buckets' graphs (67 of them) write their logits into one buffer that the KV
     budget sets aside: with a buffer of their own per graph they would hold 16,640 rows of
     logits (3.3 GB for SmolLM2's vocabulary) past the utilisation share."""
-    from spillway.worker.config import WorkerConfig
-    from spillway.worker.engine import Engine
+    from spillway.worker.runner.device_settings import WorkerConfig
+    from spillway.worker.driver.engine import Engine
 
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()

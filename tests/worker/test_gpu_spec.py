@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from spillway.protocol.config import SpeculativeConfig
-from spillway.worker.spec.draft_model import DraftModelProposer
-from spillway.worker.spec.proposer import NgramProposer, ReplayProposer
+from spillway.worker.speculative.draft_model import DraftModelProposer
+from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import run, tokens_and_reasons
 from tests.worker.test_draft_graphs import requests

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 from tests.worker.test_gpu_engine import random_hf
 

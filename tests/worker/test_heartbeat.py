@@ -9,9 +9,9 @@ import zmq
 
 from spillway.protocol.messages import RequestDelta, SamplingParams, StepOutputs, worker_decoder
 from spillway.worker.heartbeat import Heartbeat
-from spillway.worker.request import Request
-from spillway.worker.stats import step_tokens
-from spillway.worker.step_plan import ScheduledChunk, StepPlan
+from spillway.worker.core.request import Request
+from spillway.worker.driver.stats import step_tokens
+from spillway.worker.core.step_plan import ScheduledChunk, StepPlan
 
 
 def test_beats_go_on_through_a_long_stage_and_say_how_long_it_has_run(tmp_path):

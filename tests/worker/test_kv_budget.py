@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from spillway.protocol.config import WorkerConfig
-from spillway.worker.kv_blocks import kv_block_bytes
-from spillway.worker.kv_budget import KVBudget, shared_pool_blocks, shortfall_message
+from spillway.worker.runner.kv_blocks import kv_block_bytes
+from spillway.worker.runner.kv_budget import KVBudget, shared_pool_blocks, shortfall_message
 
 GIB = 1 << 30
 ARGUMENTS, FLAGS = WorkerConfig().spell, WorkerConfig(settings_spelling="flags").spell

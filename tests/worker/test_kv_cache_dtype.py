@@ -14,11 +14,11 @@ import torch
 import transformers
 
 from spillway.kernels.fp8 import convert_cache
-from spillway.worker.config import WorkerConfig
-from spillway.worker.config import resolve_kv_cache_dtype
-from spillway.worker.engine import Engine
-from spillway.worker.kv_blocks import kv_block_bytes, num_blocks_for_memory
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.device_settings import WorkerConfig
+from spillway.worker.runner.device_settings import resolve_kv_cache_dtype
+from spillway.worker.driver.engine import Engine
+from spillway.worker.runner.kv_blocks import kv_block_bytes, num_blocks_for_memory
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ def random_qwen3(*, vocab: int = VOCAB, hidden: int = 64, layers: int = 2, heads
 
 def kernel_runner(hf, kv_cache_dtype: torch.dtype | None) -> ModelRunner:
     """Our model on the Triton kernels (the CUDA path), float32, run on the CPU."""
-    from spillway.worker.attention_triton import TritonAttentionBackend
+    from spillway.worker.attention.triton_paged import TritonAttentionBackend
     from spillway.worker.models.layers import kernel_ops
 
     model = LlamaForCausalLM.build(hf.config, device=CPU, dtype=torch.float32, ops=kernel_ops())

@@ -9,8 +9,8 @@ import torch
 from test_cpu_tier_engine import DEVICES, engine_for, model_dir  # noqa: F401 (a fixture)
 
 from spillway.protocol.config import WorkerConfig
-from spillway.worker.engine import Engine
-from spillway.worker.block_copies import block_runs, copy_blocks
+from spillway.worker.driver.engine import Engine
+from spillway.worker.kv_tier.block_copies import block_runs, copy_blocks
 
 
 def test_the_copier_paces_loads_at_the_configured_rate(model_dir):
@@ -57,8 +57,8 @@ def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
 
 
 def test_a_load_waits_for_the_stores_only_when_they_share_a_slot():
-    from spillway.worker.kv_copies import _overlap
-    from spillway.worker.step_plan import KVCopies
+    from spillway.worker.kv_tier.copier import _overlap
+    from spillway.worker.core.step_plan import KVCopies
 
     assert not _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 2),)))
     assert _overlap(KVCopies(gpu_to_cpu=((1, 10),), cpu_to_gpu=((11, 1),)))  # refills the stored GPU slot

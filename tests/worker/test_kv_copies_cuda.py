@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.worker.cpu_pool import allocate_cpu_pool
-from spillway.worker.kv_copies import KVCopier
-from spillway.worker.step_plan import KVCopies
+from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
+from spillway.worker.kv_tier.copier import KVCopier
+from spillway.worker.core.step_plan import KVCopies
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -227,7 +227,7 @@ def test_a_forward_that_only_reuses_a_loading_slot_waits_for_the_loads_as_a_whol
 
 
 def test_a_batch_in_whole_blocks_gives_no_layer_to_wait_for_and_the_forward_waits_for_it_all(monkeypatch):
-    from spillway.worker import paced_loads
+    from spillway.worker.kv_tier import paced_loads
 
     monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 2)  # two scattered blocks: 4 copies by layer group
     gpu, cpu = pools()

@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.attention import TorchAttentionBackend
-from spillway.worker.kv_blocks import kv_block_bytes, num_blocks_for_memory
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.attention.torch_paged import TorchAttentionBackend
+from spillway.worker.runner.kv_blocks import kv_block_bytes, num_blocks_for_memory
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, model_class_for
 from spillway.worker.models.layers import Llama3RopeScaling
 from spillway.worker.models.llama import LlamaForCausalLM

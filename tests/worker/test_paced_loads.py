@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.worker import paced_loads
-from spillway.worker.block_copies import block_runs
-from spillway.worker.paced_loads import PacedLoads
+from spillway.worker.kv_tier import paced_loads
+from spillway.worker.kv_tier.block_copies import block_runs
+from spillway.worker.kv_tier.paced_loads import PacedLoads
 
 MiB = 2**20
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spillway.worker import tier_driver
-from spillway.worker.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, HOLD_IN_FLIGHT_S,
+from spillway.worker.driver import tier_driver
+from spillway.worker.driver.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, HOLD_IN_FLIGHT_S,
                                          PLAN_BEFORE_LANDING_S, PLAN_OVERLAPPED_S, TierDriver)
 
 NOW = 1000.0

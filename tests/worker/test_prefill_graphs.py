@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from spillway.worker.cuda_graphs import prefill_buckets, prefill_graph_seqs
-from spillway.worker.step_graphs import StepGraphs
-from spillway.worker.attention_triton import graph_prefill_metadata
-from spillway.worker.model_runner import ChunkInput, TokenFeed
-from spillway.worker.step_inputs import StepInputs
+from spillway.worker.runner.cuda_graphs import prefill_buckets, prefill_graph_seqs
+from spillway.worker.kv_tier.step_graphs import StepGraphs
+from spillway.worker.attention.triton_paged import graph_prefill_metadata
+from spillway.worker.runner.model_runner import ChunkInput, TokenFeed
+from spillway.worker.attention.step_inputs import StepInputs
 from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
 
 CPU = torch.device("cpu")

@@ -10,8 +10,8 @@ import torch
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import Generate, RequestDelta, SamplingParams
-from spillway.worker.config import WorkerConfig
-from spillway.worker.engine import Engine
+from spillway.worker.runner.device_settings import WorkerConfig
+from spillway.worker.driver.engine import Engine
 from tiny_models import TINY_VOCAB, save_tiny_qwen3
 
 PROMPT = torch.randint(2, TINY_VOCAB, (37,), generator=torch.Generator().manual_seed(5)).tolist()

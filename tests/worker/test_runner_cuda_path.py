@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.cuda_graphs import (
+from spillway.worker.runner.cuda_graphs import (
     GraphBuckets,
     cascade_step,
     decode_buckets,
@@ -23,8 +23,8 @@ from spillway.worker.cuda_graphs import (
     short_cascade_step,
     verify_step,
 )
-from spillway.worker.step_graphs import StepGraphs
-from spillway.worker.model_runner import ChunkInput, ModelRunner, TokenFeed
+from spillway.worker.kv_tier.step_graphs import StepGraphs
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
 
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ class EagerGraphs(StepGraphs):
 
 def qwen3_pair(seed: int = 0):
     """A tiny random HF Qwen3 (head_dim a power of two, as the kernels need) and ours on kernels."""
-    from spillway.worker.attention_triton import TritonAttentionBackend
+    from spillway.worker.attention.triton_paged import TritonAttentionBackend
     from spillway.worker.models.layers import kernel_ops
 
     config = transformers.Qwen3Config(
@@ -145,8 +145,8 @@ def runner_pair(family: str, seed: int = 0, num_blocks: int = 24, max_model_len:
     and a list that grows by one each time a layer runs the fused qkv kernel."""
     from dataclasses import replace
 
-    from spillway.worker.attention import TorchAttentionBackend
-    from spillway.worker.attention_triton import TritonAttentionBackend
+    from spillway.worker.attention.torch_paged import TorchAttentionBackend
+    from spillway.worker.attention.triton_paged import TritonAttentionBackend
     from spillway.worker.models.layers import TORCH_OPS, kernel_ops
 
     config = TINY_CONFIGS[family]()

@@ -7,7 +7,7 @@ import torch
 from test_sampler_filters import FILTER_CASES, fixed_logits, make_input, reference_probs, support
 
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.sampler import Sampler, SamplingInput, adjusted_logits, filtered_logits
+from spillway.worker.sample.sampler import Sampler, SamplingInput, adjusted_logits, filtered_logits
 
 EOS = 2
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.sampler import SamplingInput, apply_penalties, filtered_logits
+from spillway.worker.sample.sampler import SamplingInput, apply_penalties, filtered_logits
 
 
 def make_input(request_id: str = "r", prompt: list[int] | None = None,

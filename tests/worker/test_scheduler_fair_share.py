@@ -1,6 +1,6 @@
 """The scheduler with client requests of several choices (`parent_id`, n > 1) beside a short
 one: who is preempted when blocks run out, who is admitted, and the short request's chunk in
-every step (worker/fair_share.py)."""
+every step (worker/core/fair_share.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from test_scheduler import ROOT, Harness, chunks, expected_outputs
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.request import Request, RequestStatus
+from spillway.worker.core.request import Request, RequestStatus
 
 
 def add(harness: Harness, request_id: str, prompt: list[int], parent: str = "", max_tokens: int = 10) -> Request:

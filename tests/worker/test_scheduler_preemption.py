@@ -8,7 +8,7 @@ import pytest
 from test_scheduler import Harness, chunks, expected_outputs
 
 from spillway.protocol.messages import FinishReason
-from spillway.worker.request import RequestStatus
+from spillway.worker.core.request import RequestStatus
 
 
 def test_running_out_of_blocks_preempts_the_newest_which_resumes_and_completes():

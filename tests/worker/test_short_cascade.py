@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
 
-import spillway.worker.attention_triton as attention_triton
+import spillway.worker.attention.triton_paged as attention_triton
 from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS, short_query_tokens
-from spillway.worker.cuda_graphs import GraphBuckets, prefill_buckets
-from spillway.worker.step_graphs import StepGraphs
-from spillway.worker.model_runner import ChunkInput
-from spillway.worker.shared_prefix import CASCADE_MIN_TOKENS
+from spillway.worker.runner.cuda_graphs import GraphBuckets, prefill_buckets
+from spillway.worker.kv_tier.step_graphs import StepGraphs
+from spillway.worker.runner.model_runner import ChunkInput
+from spillway.worker.attention.shared_prefix import CASCADE_MIN_TOKENS
 
 CPU = torch.device("cpu")
 PREFIX_BLOCKS = CASCADE_MIN_TOKENS // BLOCK

@@ -12,10 +12,10 @@ from spillway.protocol import model_files
 from spillway.protocol.config import SpeculativeConfig
 from spillway.protocol.messages import SamplingParams
 from spillway.protocol.reasoning import ThinkingPolicy
-from spillway.worker.config import WorkerConfig
-from spillway.worker.engine import Engine
-from spillway.worker.spec.draft_model import DraftModelProposer
-from spillway.worker.spec.proposer import NgramProposer, ReplayProposer
+from spillway.worker.runner.device_settings import WorkerConfig
+from spillway.worker.driver.engine import Engine
+from spillway.worker.speculative.draft_model import DraftModelProposer
+from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import Job, RandomProposer, run, tokens_and_reasons
 

@@ -8,9 +8,9 @@ import pytest
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason
-from spillway.worker.pipeline import pack_step
-from spillway.worker.spec.proposer import NgramProposer, ReplayProposer, ngram_lookup
-from spillway.worker.spec.switch import SpeculationSwitch
+from spillway.worker.driver.pipeline import pack_step
+from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer, ngram_lookup
+from spillway.worker.speculative.switch import SpeculationSwitch
 
 from tests.worker.test_step_pipeline import BLOCK, ROOT, make_request, make_scheduler, prefill_then_plan
 
@@ -141,8 +141,8 @@ def test_each_probe_that_still_loses_doubles_the_wait_for_the_next():
 def test_slots_offered_without_a_proposal_count_as_failed_drafts():
     """n-gram lookup over text that does not repeat proposes nothing: for the switch that is
     a loss (each such step gives up running ahead), so it turns speculation off."""
-    from spillway.worker.spec.decoder import SpecDecoder
-    from spillway.worker.step_plan import ScheduledChunk, StepPlan
+    from spillway.worker.speculative.decoder import SpecDecoder
+    from spillway.worker.core.step_plan import ScheduledChunk, StepPlan
 
     switch = SpeculationSwitch(4, acceptance=0.5, smoothing=1.0)
     decoder = SpecDecoder(NgramProposer(1, 3), switch, sampler=None)

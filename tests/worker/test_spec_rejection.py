@@ -1,4 +1,4 @@
-"""Exact rejection sampling (worker/spec/rejection.py) without a model: the committed tokens
+"""Exact rejection sampling (worker/speculative/rejection.py) without a model: the committed tokens
 have the target's distribution whatever the draft's, greedy requests take the target's argmax
 run, and seeded requests repeat themselves in any batch."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from spillway.protocol.messages import SamplingParams
-from spillway.worker.sampler import Sampler, SamplingInput
-from spillway.worker.spec.rejection import RejectionSampler, target_probs
+from spillway.worker.sample.sampler import Sampler, SamplingInput
+from spillway.worker.speculative.rejection import RejectionSampler, target_probs
 
 VOCAB = 6
 K = 3

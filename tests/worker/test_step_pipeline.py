@@ -10,15 +10,15 @@ import torch
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, root_hash
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.protocol.reasoning import Phase, ThinkingPolicy
-from spillway.worker.block_manager import BlockManager
-from spillway.worker.executor import PackedStep
-from spillway.worker.step_plan import KVCopies
-from spillway.worker.model_runner import ChunkInput
-from spillway.worker.pipeline import LaunchedStep, pack_step
-from spillway.worker.request import Request, refusal
-from spillway.worker.scheduler import Scheduler
-from spillway.worker.stats import collect_stats
-from spillway.worker.step_inputs import StepInputs
+from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.runner.executor import PackedStep
+from spillway.worker.core.step_plan import KVCopies
+from spillway.worker.runner.model_runner import ChunkInput
+from spillway.worker.driver.pipeline import LaunchedStep, pack_step
+from spillway.worker.core.request import Request, refusal
+from spillway.worker.core.scheduler import Scheduler
+from spillway.worker.driver.stats import collect_stats
+from spillway.worker.attention.step_inputs import StepInputs
 
 BLOCK = 4
 ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")
@@ -187,7 +187,7 @@ def test_a_routine_stats_report_does_not_walk_the_blocks():
 def test_triton_metadata_of_an_eager_step_reads_the_staged_views(query_lens, starts):
     """Prefill / mixed and eager decode steps: the kernels read the context lengths and row
     starts that the step's one host-to-device copy brought, never a second copy."""
-    from spillway.worker.attention_triton import TritonAttentionBackend
+    from spillway.worker.attention.triton_paged import TritonAttentionBackend
 
     inputs = StepInputs(max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=8, block_size=16,
                         device=torch.device("cpu"))
@@ -209,7 +209,7 @@ def test_engine_stats_walk_the_blocks_only_when_asked_or_in_debug_mode(tmp_path)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from spillway.protocol.config import WorkerConfig
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -231,7 +231,7 @@ def test_the_executor_refuses_kv_copies_without_a_cpu_tier(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from spillway.protocol.config import WorkerConfig
-    from spillway.worker.engine import Engine
+    from spillway.worker.driver.engine import Engine
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)

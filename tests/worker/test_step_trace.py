@@ -7,7 +7,7 @@ import time
 
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.engine import Engine
+from spillway.worker.driver.engine import Engine
 from spillway.worker.step_trace import StepTrace
 
 from tiny_models import save_tiny_qwen3

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from spillway.worker.model_runner import ChunkInput, ModelRunner
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 from spillway.worker.models.cpu_linear import onednn_linear_works, pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major

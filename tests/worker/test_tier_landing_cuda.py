@@ -1,5 +1,5 @@
 """The engine with a CPU tier on a GPU, planning steps before their loads land
-(worker/tier_driver.py): the step's forward queued behind the loads' events, a burst's late
+(worker/driver/tier_driver.py): the step's forward queued behind the loads' events, a burst's late
 member behind the step still in flight. The tiny model and helpers of test_cpu_tier_engine.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.engine import Engine
+from spillway.worker.driver.engine import Engine
 from tests.worker.test_cpu_tier_engine import GREEDY, SEEDED, model_dir, run  # noqa: F401 (model_dir: a fixture)
 
 
@@ -31,7 +31,7 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
     queued behind the loads' events, layer by layer where the loads go a layer at a time; the
     tokens are those of a pool that kept the blocks. The landing is reported later, and the
     CPU copies are held until then."""
-    from spillway.worker import paced_loads
+    from spillway.worker.kv_tier import paced_loads
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", slice_bytes)
     monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)  # the model has 2 layers: a group each
@@ -82,8 +82,8 @@ def test_a_late_member_is_planned_behind_the_early_step_still_in_flight(model_di
     "finished" here, and the loads "land" in 10 ms): the engine leaves the step in flight
     rather than wait for its token, plans the second member behind it once arrivals stop,
     and only then reads the first member's token. Both answers are a full pool's."""
-    from spillway.worker import paced_loads
-    from spillway.worker.pipeline import LaunchedStep
+    from spillway.worker.kv_tier import paced_loads
+    from spillway.worker.driver.pipeline import LaunchedStep
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", 1)  # loads by layer, as a large model's go
     monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)

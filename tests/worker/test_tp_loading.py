@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spillway.protocol import model_files
-from spillway.worker.executor import load_model
+from spillway.worker.runner.executor import load_model
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.llama import LlamaForCausalLM
 from spillway.worker.models.shard_loading import load_shard

@@ -16,12 +16,12 @@ import torch.multiprocessing as mp
 
 from spillway.gateway import LLM, SamplingParams
 from spillway.protocol import model_files
-from spillway.worker.executor import Executor, PackedStep
-from spillway.worker.model_runner import ChunkInput
+from spillway.worker.runner.executor import Executor, PackedStep
+from spillway.worker.runner.model_runner import ChunkInput
 from spillway.worker.models import build_model
 from spillway.worker.models.tensor_parallel import shard_model
-from spillway.worker.step_plan import KVCopies
-from spillway.worker.tp_group import StepChannel
+from spillway.worker.core.step_plan import KVCopies
+from spillway.worker.tp.group import StepChannel
 from tiny_models import save_tiny_llama_with_biases, save_tiny_qwen3
 
 CPU = torch.device("cpu")

@@ -24,9 +24,9 @@ import random
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.worker.block_manager import BlockManager
-from spillway.worker.request import Request
-from spillway.worker.scheduler import Scheduler, StepPlan, StepResult
+from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.core.request import Request
+from spillway.worker.core.scheduler import Scheduler, StepPlan, StepResult
 
 ROOT = root_hash(DEFAULT_HASH_SEED, "tier-model")
 NO_EOS = 999

@@ -1,4 +1,8 @@
-"""Decoder families, chosen from a Hugging Face config."""
+"""Decoder families, chosen from a Hugging Face config: one model file per family, its layers,
+and the loaders of their weights (safetensors, GGUF, dummy; shards for tensor parallelism).
+
+May import: worker/attention and the floors below it, kernels/, protocol/, torch.
+"""
 
 from __future__ import annotations
 

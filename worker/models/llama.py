@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from spillway.worker.attention import AttentionBackend, AttentionMetadata
+from spillway.worker.attention.torch_paged import AttentionBackend, AttentionMetadata
 from spillway.worker.models.layers import (
     TORCH_OPS,
     DecoderOps,
@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states `[rows, hidden_size]` for packed tokens `[rows]`. `layer_ready`:
         an event per layer that the current stream waits for before that layer (its KV is
-        still landing: worker/kv_copies.py)."""
+        still landing: worker/kv_tier/copier.py)."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self.ops.rope_for_step(self.rotary, positions, hidden.dtype)
         residual = None

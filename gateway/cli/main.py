@@ -1,0 +1,294 @@
+"""`spillway serve [MODEL] [flags]` and `spillway worker MODEL --connect tcp://HOST:PORT`; also
+`spillway --version`, `bench serve|throughput|latency` (gateway/cli/bench.py), `chat`, `complete`
+(gateway/cli/chat_client.py) and `collect-env` (gateway/cli/collect_env.py), as vLLM's commands.
+
+Flags follow `vllm serve` (gateway/cli/serve_args.py; `--config FILE` in gateway/cli/config_file.py).
+A vLLM flag Spillway cannot honour is refused with a message naming it and exit status 2,
+never accepted and ignored; so is one it does not know (argparse's "unrecognized arguments").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from spillway.gateway.cli import chat_client, bench as cli_bench, collect_env
+
+from spillway.gateway.link import engine_args
+from spillway.gateway.cli.serve_args import build_parser, option_strings
+from spillway.gateway.cli.config_file import ConfigFileError, expand_config
+from spillway.gateway.link.engine_args import engine_config
+from spillway.gateway.http.file_handles import raise_open_file_limit
+from spillway.gateway.api.request_defaults import read_request_defaults
+from spillway.gateway.api.sampling_params import MAX_LOGPROBS
+from spillway.gateway.http.serve_run import (
+    BannerServer, PortInUse, Stopped, bind_port, in_background, local_workers, serve_api_server, stop_on_sigterm,
+    uvicorn_config,
+)
+from spillway.gateway.link.spec_args import speculative_config
+from spillway.gateway.link.worker_process import WorkerStartError
+from spillway.protocol import envs, model_files
+from spillway.protocol.link_auth import read_worker_key, require_key_off_loopback
+
+
+def _worker_keys(args: argparse.Namespace, address: str):
+    """The link's keys; refuses an address other hosts reach without one (LinkKeyError)."""
+    keys = read_worker_key(args.worker_key_file, envs.worker_key())
+    require_key_off_loopback(address, keys)
+    return keys
+
+
+def refusals(args: argparse.Namespace) -> list[str]:
+    """Messages for every flag that asks for what Spillway cannot do (yet)."""
+    problems = engine_args.refusals(vars(args), _flag, "flags")
+    if getattr(args, "api_server_count", 1) > 1 and getattr(args, "worker_address", None) is not None:
+        problems.append(f"--api-server-count {args.api_server_count} with --worker-address: not available yet "
+                        "(a remote worker serves one gateway process)")
+    if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
+        problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
+                        "logprobs per token")
+    return problems
+
+
+def _flag(name: str, value: object) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
+
+
+def worker_config(args: argparse.Namespace):
+    """Check the engine flags, resolve the model (converting a GGUF file once) and build the
+    worker's configuration; returns it with the model's name as given (the default's hub id),
+    which `/v1/models` reports as `root` and serves when no `--served-model-name` is given."""
+    if args.model is not None and args.model_tag is not None and args.model != args.model_tag:
+        raise ValueError(f"two different models given: {args.model_tag!r} and --model {args.model!r}")
+    config, files = engine_config(
+        args.model or args.model_tag, load_format=args.load_format,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None, spell=_flag,
+        settings_spelling="flags",
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative=speculative_config(
+            speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+            speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
+            speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size),
+    )
+    return config, files.name
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def _read_reasoning_config(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--reasoning-config is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict) or set(spec) - {"start", "end", "transition"} \
+            or not all(isinstance(spec.get(k, ""), str) for k in ("start", "end", "transition")) \
+            or not spec.get("start") or not spec.get("end"):
+        raise ValueError('--reasoning-config must be {"start": str, "end": str, "transition": str (optional)}, '
+                         "with non-empty markers")
+    return spec
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run the server until Ctrl-C or SIGTERM (exit status 0 either way, also while the model
+    loads); 1 when it cannot start."""
+    raise_open_file_limit()  # each connection holds a file handle; the worker and API servers inherit it
+    try:
+        sock = bind_port(args.host, args.port)  # before anything slow: a port in use ends it at once
+    except PortInUse as exc:
+        print(f"spillway serve: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with stop_on_sigterm():
+            return _serve(args, sock)
+    except (KeyboardInterrupt, Stopped):  # the worker, if any, is closed already
+        return 0
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock) -> int:
+    api_servers = None
+    if args.api_server_count > 1:
+        from spillway.gateway.http.api_servers import ApiServers
+
+        api_servers = ApiServers(args.api_server_count)  # metrics shared across processes from here on
+    try:
+        code = _serve_first(args, sock, api_servers)
+    except Stopped:  # uvicorn raises again the SIGTERM it stopped on
+        if api_servers is None or api_servers.failed is None:
+            raise
+        code = 1  # sent by ApiServers: a server exited on its own
+    finally:
+        if api_servers is not None:
+            api_servers.stop()
+    return 1 if api_servers is not None and api_servers.failed else code
+
+
+def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
+    """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
+    from spillway.gateway.http.app import build_app, load_tokenizer
+
+    try:
+        settings = _server_settings(args)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"spillway serve: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
+    if api_servers is not None:  # forked before the worker's sockets and threads exist
+        api_servers.start(lambda index, link: serve_api_server(args, sock, settings, index, link,
+                                                             api_servers.wait_serving,
+                                                             api_servers.connections.slot(index)))
+    tokenizer = in_background(load_tokenizer, settings)  # while the worker loads the model
+    start_worker = None
+    if args.worker_address is None:
+        # The first worker starts before the server: settings its device cannot run (no CUDA,
+        # an fp8 cache on the CPU) end the command with the worker's own message.
+        try:
+            start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
+            if api_servers is not None:
+                api_servers.check()
+        except (WorkerStartError, RuntimeError) as exc:
+            print(f"spillway serve: {exc}", file=sys.stderr)
+            return 1
+    server = BannerServer(uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
+                          settings.served_model_names[0], api_servers)
+    server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
+    return 0 if server.started else 1
+
+
+def _server_settings(args: argparse.Namespace):
+    """The server's settings from the flags, every file they name read and checked."""
+    from spillway.gateway.http.server_settings import ServerSettings
+    from spillway.gateway.link.remote_worker import worker_addresses
+    from spillway.gateway.text.template_sandbox import TemplateLimits
+
+    config, root = worker_config(args)
+    reasoning_config = _read_reasoning_config(args.reasoning_config)
+    keys = None
+    if args.worker_address is not None:
+        worker_addresses(args.worker_address)
+        keys = _worker_keys(args, args.worker_address)
+    defaults = read_request_defaults(args.generation_config, Path(config.model), args.max_logprobs)
+    if defaults.overridden:
+        logging.getLogger("spillway.gateway").info("request defaults from the generation config: %s",
+                                                   defaults.overridden)
+    return ServerSettings(
+        worker=config, served_model_names=args.served_model_name or [root], model_root=root, api_key=args.api_key,
+        chat_template=_read_chat_template(args.chat_template), max_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        request_template_limits=TemplateLimits(args.request_chat_template_timeout, args.request_chat_template_memory_mb),
+        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+        max_pending=args.max_pending_requests or 4 * args.max_num_seqs, worker_address=args.worker_address,
+        max_n=args.max_n,
+        worker_keys=keys, response_timeout_s=args.worker_response_timeout,
+        heartbeat_timeout_s=args.worker_heartbeat_timeout, step_timeout_s=args.worker_step_timeout,
+        enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
+        reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
+        tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,
+    )
+
+
+def _check_tokenizer(folder: str | None) -> str | None:
+    if folder is not None and not any((Path(folder) / name).is_file() for name in model_files.TOKENIZER_FILES):
+        raise ValueError(f"--tokenizer {folder}: no tokenizer there (tokenizer.json or the like)")
+    return folder
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    from spillway.gateway.link.remote_worker import worker_addresses
+    from spillway.worker.runner.device_settings import resolve_device_settings
+    from spillway.worker.main import run_worker
+
+    raise_open_file_limit()
+    try:
+        config, _ = worker_config(args)
+        resolve_device_settings(config)  # this is the worker: say what its device cannot run, then stop
+        inbox, outbox = worker_addresses(args.connect)
+        keys = _worker_keys(args, args.connect)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"spillway worker: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, engine_args.RefusedArgument) else 1
+    logging.getLogger("spillway").info("worker for %s connecting to %s", config.served_model_name, args.connect)
+    try:
+        return run_worker(config, inbox, outbox, parent_pid=None, keys=keys)
+    except KeyboardInterrupt:
+        return 0
+
+
+def add_other_commands(parser: argparse.ArgumentParser) -> None:
+    """`--version` and the commands besides serve and worker, each in a module of its own whose
+    heavy imports wait until it runs."""
+    parser.add_argument("-v", "--version", action="version", version=importlib.metadata.version("spillway"))
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    cli_bench.add_parser(commands)
+    chat_client.add_parsers(commands)
+    collect_env.add_parser(commands)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    match args.command:
+        case "serve":
+            return serve_command(args)
+        case "worker":
+            return worker_command(args)
+        case "bench":
+            return cli_bench.run(args)
+        case "chat":
+            return chat_client.run_chat(args)
+        case "complete":
+            return chat_client.run_complete(args)
+        case "collect-env":
+            return collect_env.run(args)
+    raise AssertionError(f"no command {args.command!r}")  # argparse allows only the ones above
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    add_other_commands(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        try:
+            argv = expand_config(argv, option_strings(parser, "serve"))
+        except ConfigFileError as exc:
+            print(f"spillway serve: {exc}", file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
+    problems = refusals(args)
+    if problems:
+        command = " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))
+        for problem in problems:
+            print(f"spillway {command}: {problem}", file=sys.stderr)
+        return 2
+    if args.command in ("serve", "worker") or getattr(args, "bench_command", "serve") != "serve":
+        # Not for the clients: httpx logs every request it sends at INFO.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""The unified token-budget scheduler.
+
+One rule covers prefill, chunked prefill, decode and recompute: a request's
+`num_computed_tokens` chases its `num_tokens`. Each step hands out tokens to compute under
+`max_num_batched_tokens` and `max_num_seqs`:
+
+    1. running requests, oldest first: 1 token for a decode, the next chunk for a prefill
+    2. waiting requests, in queue order: a prefill chunk after the prefix-cache hits, cut to
+       the budget that is left (chunked prefill)
+
+Both queues are ordered by (priority, arrival_index): FCFS when no priority is given, and a
+preempted request goes back ahead of every younger waiting one. When a running request
+needs a block and none is free, the newest running request is preempted: its blocks are
+released into the prefix cache, whose evictions write them back to the CPU tier when there
+is one (a swap-out); resumed, it takes them back as cache hits (loaded from the CPU tier
+where needed) and recomputes only the rest.
+
+The choices of one client request (`n` of them, `Request.parent_id`) share the pool and the
+step with other clients' requests (worker/core/fair_share.py): the newest choice of the client
+request holding the most is preempted first, a waiting request of one holding fewer is admitted
+first, and a client request's choices beyond its share of the step's budget are planned after
+admission. With one choice per client request, all of this is the order above.
+
+With a CPU tier, a request whose prefix hits need a load (planned this step, its own or
+another's: one load per block, shared; or on its way from an earlier step) is admitted without
+a chunk and computes from the first step after the load batch it waits for (its blocks' last)
+has landed (`loads_landed`, which the engine calls when the device says so: batches land in
+order, each on its own). The requests behind it are not held up, a request whose blocks landed
+does not wait for loads planned after them, and the host never waits for a load: it goes on
+taking requests in meanwhile.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections import Counter
+from collections.abc import Iterable
+
+from spillway.protocol.messages import BlockHash
+from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.core.fair_share import FairShare
+from spillway.worker.core.request import Request, RequestStatus, refusal
+from spillway.worker.core.admission import Admission, StepDraft, queue_key
+from spillway.worker.core.step_commits import StepCommits
+from spillway.worker.core.step_plan import ScheduledChunk, StepPlan, StepResult
+
+__all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "StepResult"]
+
+
+def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
+    """`StepPlan.run_ahead`: every token the step samples is chosen by the device alone
+    (decodes, and prompts whose last chunk runs); chunks that sample nothing (a prompt's
+    earlier chunks) never hold a plan back."""
+    for chunk in chunks:  # a plain loop: this runs every step, over every chunk
+        if not chunk.sample:
+            continue
+        request = chunk.request
+        min_tokens = request.params.min_tokens
+        if not request.samples_on_device or (min_tokens and request.num_output_tokens < min_tokens):
+            return False
+    return bool(chunks)
+
+
+class Scheduler(StepCommits, Admission):
+    """Turns the request queues into one `StepPlan` per step; see the module doc.
+
+    Usage per step: `plan = schedule()`, run the model on `plan.chunks`, then
+    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set:
+    the one place where tokens are committed (stop checks, thinking-budget state, block
+    hashing).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        root_hash: BlockHash,
+        eos_token_ids: Iterable[int],
+        vocab_size: int | None = None,
+    ) -> None:
+        if block_size != block_manager.block_size:
+            raise ValueError(f"block size {block_size} differs from {block_manager.block_size}")
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len must be positive")
+        if -(-max_model_len // block_size) > block_manager.num_gpu_blocks:
+            # Otherwise one long request could never fit and would preempt itself forever.
+            raise ValueError(f"{block_manager.num_gpu_blocks} blocks of {block_size} tokens "
+                             f"cannot hold one request of max_model_len {max_model_len}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size  # None: prompt token ids are not range-checked
+        self.waiting: list[Request] = []  # sorted by queue_key
+        self.running: list[Request] = []  # sorted by queue_key: the newest is last
+        self._requests: dict[str, Request] = {}
+        self._parent_sizes: Counter[str] = Counter()  # unfinished choices per client request
+        self.last_received = 0.0  # the newest request's arrival, on the monotonic clock
+        # Running requests admitted on prefix blocks whose load has not landed, with the load
+        # batch they wait for (`loads_landed`).
+        self._awaiting_load: dict[str, int] = {}
+        # With `defer_release` (the worker's busy loop) a finished request's blocks are freed by
+        # `release_finished`, called once its last delta is on its way: a step that finishes
+        # many long requests (a 10k-token prompt's blocks take ~30-60 us to free) does not
+        # hold back their last tokens. The next schedule frees them first in any case.
+        self.defer_release = False
+        self._finished_holding: list[str] = []
+        # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
+        # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
+        self.write_ahead_blocks = 0
+        # Cumulative, in prompt tokens, first schedulings only (never a resume).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+        # The same hits by where the KV was (gpu, cpu); and the CPU tier's own lookups: the
+        # prompt tokens past the GPU hits, and those found there (vLLM's external cache).
+        self.cached_tokens_gpu = 0
+        self.cached_tokens_cpu = 0
+        self.cpu_cache_queries = 0
+        self.cpu_cache_hits = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_awaiting_load(self) -> int:
+        """Running requests admitted on prefix blocks whose load has not landed yet."""
+        return len(self._awaiting_load)
+
+    @property
+    def first_awaited_load(self) -> int | None:
+        """The earliest load batch a running request waits for (None: none waits)."""
+        return min(self._awaiting_load.values(), default=None)
+
+    def request_ids(self) -> list[str]:
+        """Every unfinished request's id, waiting or running."""
+        return list(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id belongs to an unfinished request (waiting or running)."""
+        return request_id in self._requests
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError, queueing nothing, for a request it refuses."""
+        problem = refusal(request, max_model_len=self.max_model_len, block_size=self.block_size,
+                          vocab_size=self.vocab_size, in_use=request.request_id in self._requests)
+        if problem is not None:
+            raise ValueError(problem)
+        if self._finished_holding:  # the id may be a finished request's whose blocks are still held
+            self.release_finished()
+        if self.block_manager.enable_prefix_caching:
+            self._hash_full_blocks(request)  # when the sender did not hash the prompt
+        insort(self.waiting, request, key=queue_key)
+        self._requests[request.request_id] = request
+        self._parent_sizes[request.parent_id] += 1
+        self.last_received = max(self.last_received, request.received)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the known ones among `request_ids` as aborted, releasing their blocks now."""
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+            queue.remove(request)
+            self._release(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def schedule(self, ahead: bool = False, lookahead: int = 0, before_landing: bool = False) -> StepPlan:
+        """The next step. `ahead`: the step before is still running (`mark_in_flight`), so its
+        tokens are counted but unknown: requests whose pending token is surely their last are
+        left out, and nothing is preempted (a step that runs short of blocks just stops
+        adding requests; the next step, scheduled with every token known, preempts).
+        `lookahead`: KV slots to reserve after each one-token decode for draft tokens
+        (speculative decoding; never with `ahead`), where blocks are free without preempting.
+        `before_landing`: the running requests that wait for CPU-tier loads are planned too,
+        and the step's forward waits for every load queued (the engine asks for it when
+        nothing else runs and the loads are about to land: worker/driver/tier_driver.py), as are
+        requests admitted now on those loads. Client requests share the step (FairShare):
+        choices of one beyond its share of the step are planned after admission."""
+        assert not (ahead and lookahead), "draft tokens need every token of the step before"
+        if self._finished_holding:
+            self.release_finished()
+        budget = self.max_num_batched_tokens
+        step = StepDraft(budget, FairShare.of(self.running, self._parent_sizes, budget))
+        # Before the landing, a request arriving now on blocks of those loads (a burst's late
+        # member) joins the step too: it waits for nothing the step does not wait for already.
+        join_through = max(self._awaiting_load.values(), default=0) if before_landing else 0
+        deferred = self._plan_running(list(self.running), step, ahead, before_landing)
+        if lookahead:  # after every running request has its blocks: drafts never cause a preemption
+            step.budget = self._reserve_draft_slots(list(step.chunks.values()), lookahead, step.budget)
+        self._admit_waiting(step, join_through, ahead)
+        if step.budget > 0 and step.share.held_back:  # what the shares left, to whoever is next
+            step.share.capped = False
+            self._plan_running(deferred, step, ahead, before_landing)
+            if lookahead:
+                late = [step.chunks[r.request_id] for r in deferred if r.request_id in step.chunks]
+                step.budget = self._reserve_draft_slots(late, lookahead, step.budget)
+            self._admit_waiting(step, join_through, ahead)
+        if self.write_ahead_blocks:
+            self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
+        chunks = list(step.chunks.values())
+        return StepPlan(chunks, self.max_num_batched_tokens - step.budget, _may_run_ahead(chunks),
+                        self.block_manager.take_copies())
+
+    def _plan_running(self, requests: list[Request], step: StepDraft, ahead: bool,
+                      before_landing: bool) -> list[Request]:
+        """Chunks for running requests, oldest first: 1 token for a decode, the next chunk of
+        a prefill, under the budget. A choice whose client request has had its share of the
+        step is left out and returned (deferred: FairShare.cap)."""
+        deferred = []
+        for request in requests:
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted by a request before it in this step
+            if ahead and request.num_pending_tokens and self._last_token_is_pending(request):
+                continue
+            awaiting = request.request_id in self._awaiting_load
+            if awaiting and not before_landing:
+                continue  # admitted on blocks still landing: computes once they have, holding up nobody
+            num_tokens = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
+                             step.budget)
+            num_tokens = step.share.cap(request, num_tokens)
+            if not num_tokens:
+                deferred.append(request)
+                continue
+            if awaiting:
+                del self._awaiting_load[request.request_id]
+                self.block_manager.tier.wait_for_loads_this_step()
+            if ahead:
+                if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
+                    break
+            elif not self._allocate_or_preempt(request, num_tokens, step):
+                continue  # the request was the one to go
+            step.add(self._chunk(request, num_tokens))
+            step.share.planned(request, num_tokens)
+        return deferred
+
+    def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, budget: int) -> int:
+        """Slots for up to `lookahead` drafts after each one-token decode, from free blocks and
+        the token budget left, cut so that a fully accepted run (drafts and the token after
+        them) stays within max_tokens and max_model_len. Returns the budget left."""
+        for chunk in chunks:
+            request = chunk.request
+            if not (chunk.sample and chunk.num_tokens == 1):
+                continue
+            room = min(lookahead, budget, request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1)
+            if room > 0 and self.block_manager.allocate(request.request_id, request.num_tokens + room):
+                chunk.num_draft_slots = room
+                chunk.slot_table = self.block_manager.slot_table(request.request_id)
+                budget -= room
+        return budget
+
+    def loads_landed(self, through: int | None = None) -> None:
+        """The CPU tier's load batches up to `through` (all taken so far when None) are on the
+        GPU: the requests that waited for them compute from this step on."""
+        if self.block_manager.tier is not None:
+            self.block_manager.tier.landed(through)
+        if through is None:
+            self._awaiting_load.clear()
+        else:
+            self._awaiting_load = {request_id: batch for request_id, batch in self._awaiting_load.items()
+                                   if batch > through}
+
+    def _has_free_seq_slot(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
+    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        slot_table = self.block_manager.slot_table(request.request_id)
+        sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
+        return ScheduledChunk(request, start, num_tokens, slot_table, sample)

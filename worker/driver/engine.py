@@ -1,0 +1,297 @@
+"""The driver of one worker: requests, scheduler and sampler state, and the step pipeline.
+
+One step takes one path, plan -> inputs -> execute -> sample -> commit (worker/driver/pipeline.py);
+the executor (worker/runner/executor.py) owns the model, the KV pool and the graphs. No sockets
+here (see main.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spillway.kernels.utils import use_programmatic_launch
+from spillway.protocol.hashing import root_hash
+from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, Stats
+from spillway.protocol import envs
+from spillway.protocol.config import WorkerConfig
+from spillway.protocol.reasoning import forced_token
+from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.runner.device_settings import resolve_device_settings
+from spillway.worker.kv_tier.host_pool import check_host_memory
+from spillway.worker.runner.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
+from spillway.worker.runner.kv_blocks import num_blocks_for_memory
+from spillway.worker.sample.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
+from spillway.worker.runner.model_runner import ModelRunner
+from spillway.worker.models import loader
+from spillway.worker.driver.pipeline import LaunchedStep, TokenReadback, pack_step
+from spillway.worker.core.request import Request
+from spillway.worker.sample.sampler import Sampler, SamplingInput
+from spillway.worker.core.scheduler import Scheduler
+from spillway.worker.speculative.decoder import SpecDecoder
+from spillway.worker.speculative.setup import build_spec_decoder
+from spillway.worker.driver.stats import engine_stats, ready_message
+from spillway.worker.driver.tier_driver import TierDriver
+from spillway.worker.tp.group import RankGroup, check_tensor_parallel
+from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
+
+
+class Engine:
+    """Owns the scheduler, the sampler and the requests of one worker; drives its executor."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
+            # Refused before the model loads.
+            check_host_memory(int(config.cpu_offload_gb * 2**30), config.setting("cpu_offload_gb"))
+        self.device, self.dtype, self.kv_cache_dtype = resolve_device_settings(config)
+        torch.manual_seed(config.seed)
+        use_programmatic_launch(config.programmatic_launch)
+        files = loader.resolve_model(config.model, config.load_format)
+        self.model_name = config.served_model_name or files.name
+        hf_config = loader.load_config(files)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.group: RankGroup | None = None  # tensor parallelism: the other ranks
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(config, hf_config, self.device)
+            self.group = RankGroup(config, self.device)
+            self.device = self.group.device
+        self.executor, limits = build_executor(config, files, hf_config, device=self.device, dtype=self.dtype,
+                                               kv_cache_dtype=self.kv_cache_dtype,
+                                               shard=self.group.shard if self.group else None)
+        self.max_model_len, self.max_num_batched_tokens = limits.max_model_len, limits.max_num_batched_tokens
+        self.block_size = config.block_size
+        self.eos_token_ids = loader.eos_token_ids(files, hf_config)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:  # before the pool is sized: a draft model takes its share first
+            self.spec = build_spec_decoder(
+                config.speculative, self.sampler, target_vocab_size=self.vocab_size, device=self.device,
+                dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                block_size=self.block_size, max_num_batched_tokens=self.max_num_batched_tokens,
+                cuda_graphs=self.device.type == "cuda" and not config.enforce_eager,
+                draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
+        num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
+        self.executor.allocate_kv_cache(num_blocks)
+        num_cpu_blocks = self._num_cpu_blocks(hf_config)
+        if num_cpu_blocks:
+            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, config.kv_load_gb_s * 1e9,
+                                                config.setting("cpu_offload_gb"))
+        finish_start(self.executor, config)
+        if self.group is not None:
+            self.executor.step_sender = self.group.send_step
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
+        self.root_hash = root_hash(config.hash_seed, self.model_name)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            root_hash=self.root_hash,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+        )
+        self.tier = TierDriver(self.block_manager, self.scheduler, self.executor) if num_cpu_blocks else None
+        self.debug_invariants = envs.debug_invariants()
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._readback = TokenReadback(config.max_num_seqs, self.device,
+                                       by_kernel=self.tier is not None and self.tier.small_copies_by_kernel)
+        self._in_flight: LaunchedStep | None = None
+        self._holding = False  # the step in flight is left there while loads land (TierDriver.hold_in_flight)
+        self.num_async_steps = 0  # steps launched before the one before was committed
+        self.last_plan: StepPlan | None = None  # for the step trace (worker/step_trace.py)
+        self.num_steps = 0
+        self._arrivals = 0
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The executor's model runner (benchmarks reach the graphs and the KV pool through it)."""
+        return self.executor.runner
+
+    def _num_cpu_blocks(self, hf_config) -> int:
+        config = self.config
+        if config.num_cpu_blocks_override is not None:
+            return config.num_cpu_blocks_override
+        return num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype,
+                                     int(config.cpu_offload_gb * 2**30))
+
+    def ready(self) -> Ready:
+        return ready_message(self)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, msg: Generate) -> RequestDelta | None:
+        """Queue a request; returns an error delta instead when the worker cannot take it
+        (`worker.request.refusal` says why)."""
+        self._arrivals += 1
+        try:
+            self.scheduler.add(Request.from_generate(msg, self._arrivals))
+        except ValueError as exc:
+            return RequestDelta(request_id=msg.request_id, new_token_ids=[],
+                                finish_reason=FinishReason.ERROR, error=str(exc))
+        return None
+
+    def abort(self, request_ids: list[str]) -> list[RequestDelta]:
+        aborted = self.scheduler.abort(request_ids)
+        for request in aborted:
+            self._forget(request.request_id)
+        return [RequestDelta(request_id=r.request_id, new_token_ids=[],
+                             finish_reason=FinishReason.ABORT) for r in aborted]
+
+    def abort_all(self) -> int:
+        """Abort every request without reporting them (their gateway is gone); how many."""
+        return len(self.abort(self.scheduler.request_ids()))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished or self._in_flight is not None
+
+    @property
+    def waits_for_loads(self) -> bool:
+        """Nothing to compute until loads from the CPU tier land: the last plan was empty, no
+        step is in flight (or one left there while they land), and requests wait for their
+        blocks (the busy loop then polls the inbox with a short timeout instead of spinning)."""
+        plan = self.last_plan
+        return ((self._in_flight is None or self._holding) and plan is not None and not plan.chunks
+                and self.scheduler.num_awaiting_load > 0)
+
+    def awaited_load_landed(self) -> bool:
+        """While `waits_for_loads`: whether a load some request waits for has landed, so the
+        next step computes (the busy loop stops taking arrivals in to run it)."""
+        return self.tier is not None and self.tier.awaited_load_landed()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        """plan -> inputs -> execute -> sample -> commit; returns the deltas of the steps
+        committed meanwhile. A plan that may run ahead (with async scheduling) is launched
+        before the step in flight is committed, and is itself committed one call later."""
+        previous = self._in_flight
+        deltas: list[RequestDelta] = []
+        if self.tier is not None:
+            self.tier.before_step()
+        lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
+        # Drafts follow committed tokens only: settle the step in flight before planning. So
+        # does a step the device has finished: running ahead of an idle device gains nothing,
+        # and its tokens (a burst's first tokens) should not wait for the admission of the
+        # requests that arrived meanwhile.
+        if previous is not None and (lookahead or previous.finished()):
+            self._in_flight = None
+            deltas = self._commit(previous)
+            previous = None
+        # Nothing runs (or only a step planned so) and the loads the requests wait for are
+        # about to land: plan them now, their forward queued behind the loads
+        # (TierDriver.plan_before_landing).
+        before_landing = self.tier is not None and self.tier.plan_before_landing(previous)
+        plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead,
+                                                        before_landing=before_landing)
+        if lookahead:
+            self.spec.propose(plan)  # a plan with drafts does not run ahead
+        self._holding = (previous is not None and not plan.chunks and self.tier is not None
+                         and self.tier.hold_in_flight(previous))
+        if self._holding:  # its tokens are committed once it has finished, at the top
+            if plan.kv_copies is not NO_KV_COPIES:
+                self.executor.copy_kv(plan.kv_copies)
+            return deltas
+        run_ahead = self.async_scheduling and plan.run_ahead
+        if previous is not None and not run_ahead:
+            self._in_flight = None
+            deltas = self._commit(previous)
+            plan.drop_finished()
+        if not plan.chunks:
+            if plan.kv_copies is not NO_KV_COPIES:  # loads for requests that start next step
+                self.executor.copy_kv(plan.kv_copies)
+            return deltas
+        launched = self._launch(plan, previous if run_ahead else None, run_ahead)
+        if not run_ahead:
+            return deltas + self._commit(launched)
+        if previous is not None:
+            deltas = self._commit(previous)
+        # After that commit, which settles the counts of the requests `plan` continues.
+        self.scheduler.mark_in_flight(plan)
+        self._in_flight = launched
+        self.num_async_steps += 1
+        return deltas
+
+    def _launch(self, plan: StepPlan, previous: LaunchedStep | None, ahead: bool) -> LaunchedStep:
+        """Inputs, execute, sample: everything up to the tokens, read by no host code.
+        `ahead`: the step is committed one step later; `previous` feeds its pending tokens."""
+        packed = pack_step(plan, previous)
+        logits = self.executor.execute(packed, previous.token_ids if packed.feed_rows else None)
+        if packed.num_prompt_rows:
+            record_prompt_logprobs(plan, logits[len(logits) - packed.num_prompt_rows:])
+            logits = logits[:len(logits) - packed.num_prompt_rows]
+        if not packed.sample_rows:
+            return self._readback.start(plan, [], None, {}, ahead)
+        requests = [plan.chunks[row].request for row in packed.sample_rows]
+        if packed.verifies:  # draft tokens to verify: committed at once
+            verified = self.spec.verify(logits, plan, packed.sample_rows)
+            launched = self._readback.start(plan, requests, verified.token_ids, verified.logprobs, False)
+            launched.accepted = verified.accepted
+            return launched
+        inputs = [self._sampling_input(request) for request in requests]
+        token_ids = self.sampler.sample_ids(logits, inputs)
+        logprobs = {}
+        if not plan.run_ahead:  # a plan that runs ahead has no request that asks for logprobs
+            logprobs = {requests[row].request_id: [token_logprobs]
+                        for row, token_logprobs in self.sampler.logprobs(logits, inputs, token_ids).items()}
+        return self._readback.start(plan, requests, token_ids, logprobs, ahead)
+
+    def _commit(self, step: LaunchedStep) -> list[RequestDelta]:
+        """Apply a launched step's tokens (Scheduler.update); the deltas for the gateway."""
+        results = self.scheduler.update(step.plan, step.read(), step.accepted)
+        self.num_steps += 1
+        deltas = []
+        for result in results:
+            request_id = result.request.request_id
+            if result.finish_reason is not None:
+                self._forget(request_id)
+            token_logprobs = step.logprobs.get(request_id)
+            deltas.append(RequestDelta(
+                request_id=request_id,
+                new_token_ids=result.new_token_ids,
+                finish_reason=result.finish_reason,
+                logprobs=token_logprobs[:len(result.new_token_ids)] if token_logprobs is not None else None,
+                num_cached_tokens=result.num_cached_tokens,
+                queued_s=result.queued_s,
+                prompt_logprobs=first_delta_prompt_logprobs(result.request, result.num_cached_tokens),
+            ))
+        if self.debug_invariants:
+            self.block_manager.check_invariants()
+        return deltas
+
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        if self.spec is not None:
+            self.spec.forget(request_id)
+
+    @staticmethod
+    def _sampling_input(request: Request) -> SamplingInput:
+        forced = None if request.thinking_state is None else forced_token(request.thinking_state)
+        return SamplingInput(request.request_id, request.params, request.sampling_prompt, request.outputs, forced)
+
+    def stats(self, check_invariants: bool = False) -> Stats:
+        """Counters for the gateway (worker/driver/stats.py); the invariants only when asked or in debug mode."""
+        return engine_stats(self, check_invariants or self.debug_invariants)
+
+    def idle_write_back(self) -> bool:
+        """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);
+        whether to call again soon."""
+        return self.tier is not None and self.tier.idle_write_back()
+
+    def release_finished(self) -> None:
+        """Free the blocks of requests finished since the last call (with
+        `scheduler.defer_release`: the busy loop calls it once their deltas are sent)."""
+        self.scheduler.release_finished()
+
+    def reset_prefix_cache(self) -> bool:
+        self.scheduler.release_finished()
+        if self.tier is not None:
+            self.tier.settle_loads()  # loads of requests gone may still write the slots it frees
+        return self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.group is not None:
+            self.group.stop()
