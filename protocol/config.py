@@ -19,7 +19,6 @@ import threading
 
 import msgspec
 
-from spillway.protocol import envs
 from spillway.protocol.hashing import DEFAULT_HASH_SEED
 
 # "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
@@ -132,17 +131,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         """The setting `name` given `value`, as the caller wrote it: `--kv-cache-dtype fp8` or
         `kv_cache_dtype='fp8'`."""
         return f"{self.setting(name)} {value}" if self.settings_spelling == "flags" else f"{name}={value!r}"
-
-
-def worker_config_from_env(**settings) -> WorkerConfig:
-    """A WorkerConfig whose kernel switches come from the environment of the process that
-    configures the worker; explicit `settings` win. The worker uses its config's fields only."""
-    switches = {"programmatic_launch": envs.programmatic_launch(),
-                "input_major_weights": envs.input_major_weights(),
-                "allow_long_max_model_len": envs.allow_long_max_model_len()}
-    if (rate := envs.kv_load_gb_s()) is not None:
-        switches["kv_load_gb_s"] = rate
-    return WorkerConfig(**{**switches, **settings})
 
 
 class WorkerLaunch(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                  "max_sequence_length", "max_seq_length", "seq_len")
 DEFAULT_MAX_MODEL_LEN = 2048  # a config that names no position limit
-ALLOW_LONG = "SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1"  # protocol/envs.py reads it (and vLLM's name)
+ALLOW_LONG = "SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1"  # protocol/local/envs.py reads it (and vLLM's name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ DEFAULT_TOKENS = (144, 176, 200, 232, 264, 300, 360, 420, 480)
 
 
 def builtin_config(config_name: str) -> dict:
-    from spillway.protocol.model_files import BUILTIN_CONFIGS_DIR
+    from spillway.protocol.local.model_files import BUILTIN_CONFIGS_DIR
 
     return json.loads((BUILTIN_CONFIGS_DIR / f"{config_name}.json").read_text())
 

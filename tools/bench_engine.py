@@ -241,7 +241,7 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str, float
 def matmul_params(name: str) -> tuple[int, int]:
     """Parameters of a built-in config's matrix products: those of its layers (every token
     runs them) and of its head (only the tokens whose logits are taken)."""
-    from spillway.protocol.model_files import load_config, resolve_model
+    from spillway.protocol.local.model_files import load_config, resolve_model
 
     config = load_config(resolve_model(name, "dummy"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

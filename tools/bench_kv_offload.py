@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def block_shape(args) -> tuple[int, ...]:
     """One KV block of `args.model`: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
-    from spillway.protocol.model_files import load_config, resolve_model
+    from spillway.protocol.local.model_files import load_config, resolve_model
     from spillway.worker.runner.kv_blocks import kv_dims
 
     layers, kv_heads, head_dim = kv_dims(load_config(resolve_model(args.model, "dummy")))

@@ -20,7 +20,7 @@ ASSUMED_MAX_COPY_BYTES_PER_S = 60e9  # above one direction's ~55 GB/s: traffic s
 def make_engine(args, *, max_model_len: int, max_num_seqs: int, num_gpu_blocks: int, num_cpu_blocks: int,
                 enforce_eager: bool, max_num_batched_tokens: int | None = None):
     """An engine over `args.model`'s dummy weights, both KV pools fixed (no profiling run)."""
-    from spillway.protocol.config import worker_config_from_env
+    from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
     return Engine(worker_config_from_env(

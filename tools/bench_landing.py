@@ -88,7 +88,7 @@ def landing_engine(model: str, seqs: int, new: int, prefix_len: int):
     prefix's blocks and `seqs` requests' own blocks after them."""
     import torch
 
-    from spillway.protocol.config import worker_config_from_env
+    from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
     num_blocks = prefix_len // BLOCK_SIZE + seqs * -(-new // BLOCK_SIZE) + 64

@@ -1,5 +1,5 @@
 """What CURVE costs the worker link: messages per second through a PUSH -> PULL pair over
-loopback TCP, plain and CURVE-encrypted (protocol/link_auth.py), for the link's own messages.
+loopback TCP, plain and CURVE-encrypted (protocol/local/link_auth.py), for the link's own messages.
 
     python tools/bench_link.py                 # 20,000 messages of each kind
     python tools/bench_link.py --messages 100000
@@ -21,7 +21,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
-from spillway.protocol.link_auth import LinkKeys  # noqa: E402
+from spillway.protocol.local.link_auth import LinkKeys  # noqa: E402
 from spillway.protocol.messages import (  # noqa: E402
     Generate,
     RequestDelta,

@@ -117,7 +117,7 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from spillway.protocol.messages import Generate, SamplingParams
-    from spillway.protocol.config import worker_config_from_env
+    from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
     engine = Engine(worker_config_from_env(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",

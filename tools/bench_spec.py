@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: tools.*
 
 from spillway.protocol.config import SpeculativeConfig  # noqa: E402
-from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
+from spillway.protocol.local.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
 from tools import bench_table  # noqa: E402
 from tools.bench_spec_runs import (CountedSpec, Run, attach_spec, blocks_for, damp_layers_after,  # noqa: E402
                                    decode_one_at_a_time, generate_all_at_once, make_engine, matching_tokens,

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from spillway.protocol.config import SpeculativeConfig, worker_config_from_env
+from spillway.protocol.config import SpeculativeConfig
+from spillway.protocol.local.envs import worker_config_from_env
 from spillway.protocol.messages import Generate, SamplingParams
-from spillway.protocol.model_files import builtin_config_names
+from spillway.protocol.local.model_files import builtin_config_names
 from spillway.worker.driver.engine import Engine
 from spillway.worker.models import build_model, loader
 from spillway.worker.speculative.decoder import SpecDecoder
@@ -115,7 +116,7 @@ def quote_back_prompts(model: str, count: int, length: int) -> list[list[int]]:
     (prose, then code) followed by the document's first tokens again, so that a greedy
     continuation quotes the document back and its n-grams are in the prompt. Needs `model`'s
     tokenizer (a folder or GGUF file with real weights: dummy weights quote nothing)."""
-    from spillway.protocol.model_files import load_tokenizer, resolve_model
+    from spillway.protocol.local.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
     root = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import torch
 
 def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
     """An engine for one request at a time, its KV pool fixed (no profiling run)."""
-    from spillway.protocol.config import worker_config_from_env
+    from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
     return Engine(worker_config_from_env(model=name, load_format="dummy", dtype="bfloat16", device="cuda",

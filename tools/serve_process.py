@@ -32,7 +32,7 @@ TOKENIZER_VOCAB = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
 
 def default_tokenizer_dir() -> Path:
     """The default model's converted folder (converted from its GGUF on first use)."""
-    from spillway.protocol.model_files import resolve_model
+    from spillway.protocol.local.model_files import resolve_model
 
     return resolve_model(None).path
 
@@ -51,7 +51,7 @@ def export_tokenizer(dest: Path, source: Path | None = None) -> list[Path]:
 
 def build_model_folder(config_name: str, tokenizer_dir: Path, dest: Path) -> Path:
     """`dest/config_name/`: the built-in config with the tokenizer's vocabulary, and its files."""
-    from spillway.protocol.model_files import BUILTIN_CONFIGS_DIR, builtin_config_names
+    from spillway.protocol.local.model_files import BUILTIN_CONFIGS_DIR, builtin_config_names
 
     if config_name not in builtin_config_names():
         raise ValueError(f"no built-in config {config_name!r}: {', '.join(builtin_config_names())}")

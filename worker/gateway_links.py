@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import zmq
 
-from spillway.protocol.link_auth import LinkKeys, connect_sockets
+from spillway.protocol.local.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.messages import RequestDelta
 
 

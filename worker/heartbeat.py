@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.local.link_auth import LinkKeys
 from spillway.protocol.messages import StepOutputs, encoder
 
 # Four beats a second: the gateway's bounds (gateway/link/worker_link.py) are seconds, and a beat

@@ -6,7 +6,7 @@
 LANDING_DRAIN_BUDGET_S while nothing can compute before loads from the CPU tier land).
 
 The gateway binds both sockets; the worker connects, so a worker on another host only
-needs the gateway's address (and, off loopback, the link's key: protocol/link_auth.py).
+needs the gateway's address (and, off loopback, the link's key: protocol/local/link_auth.py).
 With several API servers on one port (`--api-server-count`), each is a link of its own
 (worker/gateway_links.py). A message that does not decode is logged (rate-limited) and dropped.
 A thread beats to every link meanwhile, through long steps too (worker/heartbeat.py).
@@ -26,9 +26,9 @@ import msgspec
 import zmq
 
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
-from spillway.protocol.drop_log import DropLog
-from spillway.protocol.envs import step_trace_path
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.local.drop_log import DropLog
+from spillway.protocol.local.envs import step_trace_path
+from spillway.protocol.local.link_auth import LinkKeys
 from spillway.protocol.messages import (
     Abort,
     Control,

@@ -1,5 +1,5 @@
 """A per-step trace of the worker's busy loop, for finding where latency goes
-(`SPILLWAY_STEP_TRACE=FILE`, read in protocol/envs.py).
+(`SPILLWAY_STEP_TRACE=FILE`, read in protocol/local/envs.py).
 
 One JSON line per loop iteration that stepped the engine, times in milliseconds from the
 first line:

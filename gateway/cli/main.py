@@ -32,8 +32,8 @@ from spillway.gateway.http.serve_run import (
 )
 from spillway.gateway.link.spec_args import speculative_config
 from spillway.gateway.link.worker_process import WorkerStartError
-from spillway.protocol import envs, model_files
-from spillway.protocol.link_auth import read_worker_key, require_key_off_loopback
+from spillway.protocol.local import envs, model_files
+from spillway.protocol.local.link_auth import read_worker_key, require_key_off_loopback
 
 
 def _worker_keys(args: argparse.Namespace, address: str):

@@ -17,7 +17,7 @@ from spillway.gateway.text.reasoning import PARSERS
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS, MAX_N
 from spillway.gateway.text.template_sandbox import DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_S
 from spillway.protocol.config import KV_CACHE_DTYPES
-from spillway.protocol.model_files import LOAD_FORMATS
+from spillway.protocol.local.model_files import LOAD_FORMATS
 
 
 def _non_negative_int(text: str) -> int:

@@ -23,7 +23,7 @@ from spillway.gateway.api.request_defaults import RequestDefaults
 from spillway.gateway.api.sampling_params import MAX_N, SamplingParams
 from spillway.gateway.text.template_sandbox import TemplateLimitExceeded, TemplateSandbox
 from spillway.gateway.text.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.messages import Ready
 
 # Prompts longer than this are tokenized off the event loop.

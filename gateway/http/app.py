@@ -41,7 +41,7 @@ from spillway.gateway.http.stats_log import StatsLogger
 from spillway.gateway.text.template_sandbox import TemplateSandbox
 from spillway.gateway.text.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.link.worker_process import WorkerProcess
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 logger = logging.getLogger("spillway.gateway")
 

@@ -11,7 +11,7 @@ from spillway.gateway.api.request_defaults import RequestDefaults
 from spillway.gateway.api.sampling_params import MAX_N
 from spillway.gateway.text.template_sandbox import TemplateLimits
 from spillway.protocol.config import WorkerConfig
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.local.link_auth import LinkKeys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 

@@ -8,9 +8,9 @@ import json
 import math
 from collections.abc import Callable, Mapping
 
-from spillway.protocol import envs
-from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, setting_name, worker_config_from_env
-from spillway.protocol.model_files import ModelFiles, resolve_model
+from spillway.protocol.local import envs
+from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, setting_name
+from spillway.protocol.local.model_files import ModelFiles, resolve_model
 from spillway.protocol.model_len import long_max_model_len_problem, trained_length
 from spillway.protocol.tensor_parallel import feature_problems, layout_problems
 
@@ -160,6 +160,6 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
     check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
                           speculative=settings.get("speculative") is not None, spell=spell)
     check_max_model_len(files, settings.get("max_model_len"), spell)
-    config = worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
+    config = envs.worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
                                     load_format=files.load_format, settings_spelling=settings_spelling, **settings)
     return config, files

@@ -2,7 +2,7 @@
 
 The gateway binds two TCP ports and the worker connects to both, as a local worker does over
 ipc: PORT carries gateway -> worker (Generate | Abort | Control), PORT+1 worker -> gateway.
-With a worker key both sockets are CURVE servers (protocol/link_auth.py): a peer without the
+With a worker key both sockets are CURVE servers (protocol/local/link_auth.py): a peer without the
 key completes no handshake, so it neither reads prompts nor pushes messages. Without one (only
 on loopback addresses) anyone on this host can do both.
 
@@ -28,8 +28,8 @@ import zmq
 
 from spillway.gateway.link.worker_process import WorkerStartError, check_handshake
 from spillway.protocol.config import WorkerConfig
-from spillway.protocol.drop_log import DropLog
-from spillway.protocol.link_auth import LinkKeys, require_key_off_loopback
+from spillway.protocol.local.drop_log import DropLog
+from spillway.protocol.local.link_auth import LinkKeys, require_key_off_loopback
 from spillway.protocol.messages import Control, ControlCommand, Ready, WorkerError, encoder, worker_decoder
 
 

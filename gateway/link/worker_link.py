@@ -33,7 +33,7 @@ import zmq
 
 from spillway.gateway.link.worker_liveness import Liveness
 from spillway.gateway.link.worker_process import describe_exit
-from spillway.protocol.drop_log import DropLog
+from spillway.protocol.local.drop_log import DropLog
 from spillway.protocol.messages import Control, ControlCommand, Ready, StepOutputs, WorkerError, encoder, worker_decoder
 
 logger = logging.getLogger("spillway.gateway")

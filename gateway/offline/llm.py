@@ -28,7 +28,7 @@ from spillway.gateway.api.sampling_params import SamplingParams
 from spillway.gateway.generation.serving import Generation
 from spillway.gateway.text.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.link.worker_process import WorkerProcess, WorkerStartError
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.messages import Stats
 
 class LLM:

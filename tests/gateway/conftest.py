@@ -1,6 +1,6 @@
 import pytest
 
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from ports import HOST, listening_socket
 from server_helpers import MODEL, ServerProcess, fake_app, running_in_thread
 from spillway.gateway.cli.serve_args import build_parser
 from spillway.gateway.http.serve_run import BannerServer, bind_port, uvicorn_config
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 TESTS = Path(__file__).resolve().parents[1]
 

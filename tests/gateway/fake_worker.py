@@ -24,7 +24,7 @@ import zmq
 
 from spillway.gateway.link.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
-from spillway.protocol.link_auth import LinkKeys, connect_sockets
+from spillway.protocol.local.link_auth import LinkKeys, connect_sockets
 from spillway.protocol.hashing import unpack_token_ids
 from spillway.protocol.messages import (
     PROTOCOL_VERSION,

@@ -12,7 +12,7 @@ from ports import HOST, reserve_ports
 from recording_app import Recording
 from server_helpers import MODEL, fake_app, server_in_thread, spillway_command
 from spillway.gateway.api.request_defaults import RequestDefaults
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 REPLY = " The sky is blue."
 GREETING = "Please enter a message for the chat model:"

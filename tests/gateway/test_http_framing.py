@@ -11,7 +11,7 @@ import pytest
 
 from server_helpers import fake_app, server_in_thread
 from spillway.gateway.http.http_protocol import MAX_HEADER_BYTES
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 SMUGGLED = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 PROMPT_LENGTHS = [1, 5, 16, 17, 63, 129, 300, 600]
 MAX_TOKENS = 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from spillway.gateway import LLM, SamplingParams
 from spillway.gateway.offline import llm as llm_module
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 REASONING = " The answer is 4. Stop here, then"
 ANSWER = " It is 4. Stop. More text follows."

@@ -9,7 +9,7 @@ import torch
 
 from spillway.gateway import LLM, SamplingParams
 from spillway.gateway.text.reasoning import resolve_markers
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 BUDGETS = [0, 1, 7, 64]
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]

@@ -16,7 +16,7 @@ from server_helpers import MODEL, fake_app, server_in_thread
 from spillway.gateway.cli.main import _server_settings
 from spillway.gateway.cli.serve_args import build_parser
 from spillway.gateway.text.template_sandbox import TemplateLimits
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}

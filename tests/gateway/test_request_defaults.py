@@ -14,7 +14,7 @@ from spillway.gateway.http.app import ServerSettings, load_tokenizer
 from spillway.gateway.generation.jobs import JobBuilder
 from spillway.gateway.api.request_defaults import RequestDefaults, read_request_defaults
 from spillway.gateway.text.tokenizer import PromptTokenizer
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import PROTOCOL_VERSION, Ready
 

@@ -11,7 +11,7 @@ from tokenizers.processors import TemplateProcessing
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, server_in_thread
 from spillway.gateway.http.app import ServerSettings, build_app
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate
 from test_request_fields import BOS, CHAT, COMPLETION, OUTPUT, REFUSED, ROWS, SCRIPT, Sent

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway.cli.main import _server_settings, build_parser, main, refusals
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 # (flags, what the parsed settings show) for flags that are honoured
 HONOURED = [

@@ -12,7 +12,7 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, SHORT_MODEL, server_in_thread, sse_events
 from spillway.gateway.http.app import ServerSettings, build_app
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig
 
 SCRIPT = [11, 12, 13, 14]

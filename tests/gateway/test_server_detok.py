@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spillway.gateway.text.detok import IncrementalDetokenizer, OutputText, StopStringMatcher
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 MIXED = "Hello 世界! Emoji: 😀👍🏽 and 你好，朋友。 Done: ünïcödé ✓"
 

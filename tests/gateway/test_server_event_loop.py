@@ -14,7 +14,7 @@ from server_helpers import MODEL, fake_app, server_in_thread
 from spillway.gateway.http.server_settings import DEFAULT_MAX_BODY_BYTES
 from spillway.gateway.http.guards import MAX_BODY_VALUES
 from spillway.gateway.text.tokenizer import PromptTokenizer
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 MAX_MODEL_LEN = 8192  # the default model's context
 HEALTH_DEADLINE_S = 0.05

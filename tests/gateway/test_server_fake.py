@@ -18,7 +18,7 @@ from ports import reserve_ports
 from server_helpers import MODEL, fake_app, scrape, server_in_thread, sse_events, worker_config
 from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 MIXED = "Hello 世界! Emoji: 😀👍🏽 and 你好，朋友。 Done."
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}

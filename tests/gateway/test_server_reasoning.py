@@ -18,7 +18,7 @@ from fake_worker import FakeWorkerProcess
 from server_helpers import MODEL, real_server, server_in_thread, sse_events
 from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
 GREEDY = dict(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)

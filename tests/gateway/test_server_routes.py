@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, fake_app, server_in_thread
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 KEY = "sekrit"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}

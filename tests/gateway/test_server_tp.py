@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server_helpers import kill_mid_stream, real_server
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
 from tiny_models import save_tiny_qwen3  # noqa: E402

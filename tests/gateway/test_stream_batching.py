@@ -19,7 +19,7 @@ from spillway.gateway.http.responses import completion_events
 from spillway.gateway.api.sampling_params import SamplingParams
 from spillway.gateway.generation.serving import Generation, merge_deltas
 from spillway.gateway.text.tokenizer import PromptTokenizer
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.messages import FinishReason, RequestDelta, TokenLogprobs
 
 TEXT = "Hello world, how are you"

@@ -16,7 +16,7 @@ import pytest
 from server_helpers import MODEL, fake_app, server_in_thread
 from spillway.gateway.cli.main import _server_settings, build_parser
 from spillway.gateway.link.worker_liveness import Liveness
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 
 SCRIPT_TEXT = "Hello world, and more words after it."
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}

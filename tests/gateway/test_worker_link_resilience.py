@@ -21,9 +21,9 @@ from ports import reserve_ports
 from server_helpers import MODEL, server_in_thread
 from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.gateway.cli.main import main
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig
-from spillway.protocol.link_auth import LinkKeys
+from spillway.protocol.local.link_auth import LinkKeys
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}]}
 SECRET = b"correct horse battery staple, twice over"

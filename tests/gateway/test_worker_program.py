@@ -26,7 +26,7 @@ def test_the_gateway_process_never_imports_torch():
         import spillway.gateway.cli.main
         from spillway.gateway import LLM, SamplingParams
         from spillway.gateway.cli.main import build_parser, worker_config
-        from spillway.protocol import model_files
+        from spillway.protocol.local import model_files
 
         config, root = worker_config(build_parser().parse_args(["serve", "--max-model-len", "1024"]))
         assert (config.max_model_len, root) == (1024, "HuggingFaceTB/SmolLM2-135M-Instruct"), (config, root)

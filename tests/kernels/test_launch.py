@@ -13,7 +13,7 @@ from triton.runtime.jit import JITFunction
 
 import spillway.kernels
 from spillway.kernels import utils
-from spillway.protocol import envs
+from spillway.protocol.local import envs
 
 CUDA = torch.device("cuda", 0)
 

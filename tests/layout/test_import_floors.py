@@ -72,7 +72,11 @@ def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def floor_of(module: str) -> tuple[str, int]:
+    """The package of `module` and its floor there; protocol's wire (protocol/*.py) is the
+    floor below protocol/local/."""
     package, _, rest = module.partition(".")
+    if package == "protocol":
+        return package, int(rest.partition(".")[0] == "local")
     floors = {"worker": WORKER_FLOORS, "gateway": GATEWAY_FLOORS}.get(package)
     if floors is None:
         return package, 0

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from spillway.gateway.link.worker_process import describe_exit
-from spillway.protocol.link_auth import (
+from spillway.protocol.local.link_auth import (
     LinkKeyError,
     LinkKeys,
     is_loopback,

@@ -273,7 +273,7 @@ def test_end_to_end_on_the_cpu_prints_every_row_with_finite_figures(tmp_path):
 
 def test_qwen3_32b_is_a_builtin_name_the_engine_builds():
     """bench_engine's `--decode qwen3-32b` resolves the name as every built-in config."""
-    from spillway.protocol.model_files import builtin_config_names, load_config, resolve_model
+    from spillway.protocol.local.model_files import builtin_config_names, load_config, resolve_model
     from spillway.worker.models.spec import DecoderSpec
 
     assert "qwen3-32b" in builtin_config_names()

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gateway"))
 from fake_worker import FakeWorkerProcess  # noqa: E402
 from server_helpers import MODEL, server_in_thread  # noqa: E402
 from spillway.gateway.http.app import ServerSettings, build_app  # noqa: E402
-from spillway.protocol import model_files  # noqa: E402
+from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig  # noqa: E402
 from tools import soak  # noqa: E402
 from tools.soak_memory import Sample, growth, parse_vm_rss, rss_bytes, rss_table, verdict  # noqa: E402

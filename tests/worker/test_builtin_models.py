@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spillway.protocol import model_files
-from spillway.protocol.model_files import TokenizerNotFoundError, load_config, load_tokenizer, resolve_model
+from spillway.protocol.local import model_files
+from spillway.protocol.local.model_files import TokenizerNotFoundError, load_config, load_tokenizer, resolve_model
 from spillway.worker.models.loader import init_dummy_weights, iter_weights
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.cpu_linear import pack_linear_layers

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spillway.protocol import model_cache, model_files
-from spillway.protocol.model_files import (
+from spillway.protocol.local import model_cache, model_files
+from spillway.protocol.local.model_files import (
     ModelFiles,
     default_model_path,
     load_config,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.protocol.config import SpeculativeConfig
 from spillway.protocol.messages import SamplingParams
 from spillway.protocol.reasoning import ThinkingPolicy

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.worker.runner.executor import load_model
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.llama import LlamaForCausalLM

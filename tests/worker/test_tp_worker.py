@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from spillway.gateway import LLM, SamplingParams
-from spillway.protocol import model_files
+from spillway.protocol.local import model_files
 from spillway.worker.runner.executor import Executor, PackedStep
 from spillway.worker.runner.model_runner import ChunkInput
 from spillway.worker.models import build_model

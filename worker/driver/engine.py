@@ -12,7 +12,7 @@ import torch
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
 from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, Stats
-from spillway.protocol import envs
+from spillway.protocol.local import envs
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
 from spillway.worker.core.block_manager import BlockManager

@@ -1,5 +1,5 @@
 """`python -m spillway.worker.models.gguf_convert model|tokenizer GGUF DEST`: the torch side of
-the model cache (protocol/model_cache.py runs it as a child, so its caller never imports torch).
+the model cache (protocol/local/model_cache.py runs it as a child, so its caller never imports torch).
 
     model:     DEST gets config.json, generation_config.json, the tokenizer and model.safetensors
                (float32; transformers undoes llama.cpp's Q/K order while dequantising)

@@ -1,4 +1,4 @@
-"""Weights of a resolved model folder (protocol/model_files.py finds and converts models):
+"""Weights of a resolved model folder (protocol/local/model_files.py finds and converts models):
 its safetensors files, random weights for load_format "dummy", and its EOS token ids."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 # The worker's one door to model files: resolution and configs are torch-free, shared with the gateway.
-from spillway.protocol.model_files import ModelFiles, load_config, resolve_model, safetensors_files
+from spillway.protocol.local.model_files import ModelFiles, load_config, resolve_model, safetensors_files
 
 if TYPE_CHECKING:
     import torch

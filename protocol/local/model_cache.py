@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from spillway.protocol import envs
+from spillway.protocol.local import envs
 
 
 def gguf_content_hash(gguf_path: Path) -> str:

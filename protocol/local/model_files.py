@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spillway.protocol import envs, model_cache
+from spillway.protocol.local import envs, model_cache
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_SHORT_NAME = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-BUILTIN_CONFIGS_DIR = Path(__file__).parent / "model_configs"
+BUILTIN_CONFIGS_DIR = Path(__file__).parents[1] / "model_configs"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from spillway.protocol.config import WorkerConfig
+
 
 def cache_dir() -> Path:
     """Where converted model files (dequantised GGUF weights, tokenizers) are kept."""
@@ -71,7 +73,7 @@ def input_major_weights() -> bool:
 
 
 def worker_key() -> str | None:
-    """The secret that authenticates and encrypts a remote worker's link (protocol/link_auth.py):
+    """The secret that authenticates and encrypts a remote worker's link (protocol/local/link_auth.py):
     SPILLWAY_WORKER_KEY, the same on the gateway and the worker; `--worker-key-file` wins."""
     return os.environ.get("SPILLWAY_WORKER_KEY") or None
 
@@ -80,3 +82,14 @@ def step_trace_path() -> str | None:
     """SPILLWAY_STEP_TRACE=FILE: the worker appends a JSON line per busy step there
     (worker/step_trace.py), to see where a request's first token waited."""
     return os.environ.get("SPILLWAY_STEP_TRACE") or None
+
+
+def worker_config_from_env(**settings) -> WorkerConfig:
+    """A WorkerConfig whose kernel switches come from the environment of the process that
+    configures the worker; explicit `settings` win. The worker uses its config's fields only."""
+    switches = {"programmatic_launch": programmatic_launch(),
+                "input_major_weights": input_major_weights(),
+                "allow_long_max_model_len": allow_long_max_model_len()}
+    if (rate := kv_load_gb_s()) is not None:
+        switches["kv_load_gb_s"] = rate
+    return WorkerConfig(**{**switches, **settings})
