@@ -11,7 +11,7 @@ import torch
 
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
-from tests.worker.test_gpu_engine import random_hf
+from tests.worker.driver.test_gpu_engine import random_hf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

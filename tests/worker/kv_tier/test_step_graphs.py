@@ -1,6 +1,6 @@
 """A step's graph in segments of layers (worker/kv_tier/step_graphs.py): where the segments start, and
 the order of waits and replays (host only, stand-ins for graphs and events; the capture and
-replay on a GPU: tests/worker/test_gpu_cascade_graphs.py)."""
+replay on a GPU: tests/worker/runner/test_gpu_cascade_graphs.py)."""
 
 from __future__ import annotations
 

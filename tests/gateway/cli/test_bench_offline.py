@@ -17,7 +17,7 @@ from spillway.gateway.cli.bench_offline import engine_kwargs
 from spillway.gateway.cli.main import add_other_commands, build_parser
 from spillway.gateway.offline.llm import LLM
 
-TINY_MODELS = Path(__file__).parents[1] / "worker"
+TINY_MODELS = Path(__file__).parents[2] / "worker"
 ENGINE = ["--device", "cpu", "--max-model-len", "64", "--num-gpu-blocks-override", "32", "--max-num-seqs", "8"]
 
 

@@ -12,7 +12,7 @@ from spillway.worker.driver.pipeline import pack_step
 from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer, ngram_lookup
 from spillway.worker.speculative.switch import SpeculationSwitch
 
-from tests.worker.test_step_pipeline import BLOCK, ROOT, make_request, make_scheduler, prefill_then_plan
+from tests.worker.driver.test_step_pipeline import BLOCK, ROOT, make_request, make_scheduler, prefill_then_plan
 
 
 def test_decodes_get_draft_slots_cut_by_max_tokens_and_max_model_len():

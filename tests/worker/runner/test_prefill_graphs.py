@@ -1,7 +1,7 @@
 """Prefill graphs on the CPU: token buckets, padded staging, and the prefill step a graph
 captures, run eagerly over its fixed views, giving the eager path's logits and KV.
 
-The GPU tests add the capture and replay themselves (tests/worker/test_gpu_engine.py).
+The GPU tests add the capture and replay themselves (tests/worker/driver/test_gpu_engine.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the staged logits-row index, the bucket a step takes, and the verify step a grap
 run eagerly over its fixed views, giving the eager path's rows (exactly those asked, in order)
 and KV.
 
-The GPU tests add the capture and replay themselves (tests/worker/test_gpu_verify_graphs.py).
+The GPU tests add the capture and replay themselves (tests/worker/runner/test_gpu_verify_graphs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from spillway.worker.runner.model_runner import ChunkInput, TokenFeed
 from spillway.worker.attention.step_inputs import StepInputs
 from test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
 from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
-from tests.worker.test_spec_engine import make_engine, tiny_model  # noqa: F401 (a fixture)
+from tests.worker.speculative.test_spec_engine import make_engine, tiny_model  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 

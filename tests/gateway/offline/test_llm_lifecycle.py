@@ -116,7 +116,7 @@ def test_an_interrupt_anywhere_in_the_callers_wait_leaves_the_engine_answering(t
     script = tmp_path / "sweep.py"
     script.write_text(INTERRUPT_SWEEP)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parents[1])], capture_output=True, text=True,
                           timeout=240)
     took = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

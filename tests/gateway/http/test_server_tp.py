@@ -17,7 +17,7 @@ import pytest
 from server_helpers import kill_mid_stream, real_server
 from spillway.protocol.local import model_files
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "worker"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "worker"))
 from tiny_models import save_tiny_qwen3  # noqa: E402
 
 
