@@ -1,7 +1,7 @@
 """The offline API: `LLM`, `SamplingParams`, `RequestOutput`, as vLLM users know them.
 
 `LLM` runs the server's client and per-request generation code (EngineClient, Generation) on
-an event loop of its own (gateway/offline/engine.py): one engine, one driver. Detokenization, stop
+an event loop of its own (gateway/offline/engine_thread.py): one engine, one driver. Detokenization, stop
 strings, `min_tokens` and the reasoning split behave offline exactly as they do in the server.
 """
 
@@ -20,7 +20,7 @@ from spillway.gateway.link import spec_args
 from spillway.gateway.link.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.generation.jobs import Job
 from spillway.gateway.api.prompt_ids import Prompt
-from spillway.gateway.offline.engine import EngineThread, run_generations
+from spillway.gateway.offline.engine_thread import EngineThread, run_generations
 from spillway.gateway.offline.inputs import check_prompt, normalize_params, normalize_prompts, require_tokenizer
 from spillway.gateway.offline.outputs import RequestOutput, completion_output, prompt_logprobs_output
 from spillway.gateway.text.reasoning import ReasoningMarkers, resolve_markers

@@ -65,7 +65,7 @@ INTERRUPT_SWEEP = textwrap.dedent("""
     from fake_worker import FakeWorkerProcess
     from spillway.gateway import LLM, SamplingParams
     from spillway.gateway.offline import llm as llm_module
-    from spillway.gateway.offline.engine import EngineThread
+    from spillway.gateway.offline.engine_thread import EngineThread
 
     llm_module.WorkerProcess = lambda config: FakeWorkerProcess(config, list(range(100, 140)), step_s=0.001)
     llm = LLM(device="cpu", max_model_len=256)
@@ -143,7 +143,7 @@ def test_a_dead_worker_raises_runtime_error(fake_llm, tokenizer):
 def test_closing_an_engine_whose_loop_does_not_answer_kills_its_worker(fake_llm, tokenizer, monkeypatch, caplog):
     """Every wait of close is bounded: a loop thread blocked for good (as a lock left held would
     block it) gets the worker killed, with a warning naming it, and the caller goes on."""
-    from spillway.gateway.offline import engine as offline
+    from spillway.gateway.offline import engine_thread as offline
 
     monkeypatch.setattr(offline, "CLOSE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(offline, "CLEANUP_TIMEOUT_S", 0.5)
