@@ -101,7 +101,8 @@ def run_decode(args, rows: Rows) -> None:
         decode_ms_per_token(engine, 16, 32, f"warm-{name}")
         ms = decode_ms_per_token(engine, args.prompt_len, args.new_tokens, f"bench-{name}")
         our_ms[name] = ms
-        graph_ms = bench_ms(lambda: engine.runner.graphs.replay(1)) if engine.runner.graphs else float("nan")
+        decode_graphs = engine.runner.cuda_graphs.decode
+        graph_ms = bench_ms(lambda: decode_graphs.replay(1)) if decode_graphs else float("nan")
         rows.add(row(f"decode {name} batch 1", ms, "ms/token", "floor", floor_ms, floor_ms / ms,
                      target=TARGETS.get(f"decode {name} vs floor"),
                      note=f"prompt {args.prompt_len}, {args.new_tokens} steps; decode graph replay alone "

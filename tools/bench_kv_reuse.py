@@ -44,13 +44,13 @@ def run_interference(args, rows: Rows) -> None:
     chunks = [ChunkInput([1000 + i], args.decode_context - 1, list(range(i * per_seq, (i + 1) * per_seq)))
               for i in range(args.decode_batch)]
     runner.execute(chunks)  # stages the inputs the decode graph replays, and warms it
-    bucket = runner.graphs.bucket_for(args.decode_batch)
+    bucket = runner.cuda_graphs.decode.bucket_for(args.decode_batch)
     stores = tuple(zip(range(decode_blocks, decode_blocks + n), range(n)))
     loads = tuple(zip(range(n, 2 * n), range(decode_blocks + n, decode_blocks + 2 * n)))
 
     def replays() -> None:
         for _ in range(args.decode_steps):
-            runner.graphs.replay(bucket)
+            runner.cuda_graphs.decode.replay(bucket)
 
     alone = sorted(step_seconds(replays, args.decode_steps) for _ in range(3))[1]
     window_s = 2 * alone * args.decode_steps  # the steps may slow down beside the traffic: room to spare
@@ -126,7 +126,7 @@ def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), 
             if load or store:
                 copier.run(KVCopies(cpu_to_gpu=loads if load else (), ahead_to_cpu=stores if store else (),
                                     load_batch=batch if load else 0), pace)
-        runner.graphs.replay(bucket)
+        runner.cuda_graphs.decode.replay(bucket)
         stepped = torch.cuda.Event()
         stepped.record()
         in_flight.append(stepped)

@@ -138,8 +138,8 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - started) / steps * 1e3
-    bucket = engine.runner.graphs.bucket_for(len(batch))
-    replay_ms = bench_ms(lambda: engine.runner.graphs.replay(bucket), warmup=20, rep=200)
+    bucket = engine.runner.cuda_graphs.decode.bucket_for(len(batch))
+    replay_ms = bench_ms(lambda: engine.runner.cuda_graphs.decode.replay(bucket), warmup=20, rep=200)
     print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}, "
           f"{args.kv_cache_dtype} KV cache): "
           f"Engine.step {step_ms:.2f} ms, graph replay alone {replay_ms:.2f} ms, "
@@ -152,6 +152,6 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(15)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            engine.runner.graphs.replay(bucket)
+            engine.runner.cuda_graphs.decode.replay(bucket)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))

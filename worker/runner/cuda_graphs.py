@@ -71,6 +71,9 @@ All graphs are captured into one memory pool (decode, prefill, cascade, short ca
 verify; each kind largest first) and write their logits into one shared buffer, allocated at
 its full size before the first capture: only one graph replays at a time, and its logits are
 consumed (sampled) before the next replay.
+
+A runner holds its graphs in a `CudaGraphs`: it captures them over the runner's pool at
+start-up and says which one a staged step replays.
 """
 
 from __future__ import annotations
@@ -78,14 +81,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from spillway.worker.attention.shared_prefix import may_share_a_prefix
+from spillway.worker.attention.step_inputs import StepInputs, StepLayout
+from spillway.worker.attention.torch_paged import AttentionBackend
 from spillway.worker.kv_tier.step_graphs import StepGraphs
-
-if TYPE_CHECKING:
-    from spillway.worker.runner.model_runner import ModelRunner
 
 
 # Past 512 tokens a step still pays ~20 ms of eager launches for an 8B model (36 layers), as much
@@ -164,90 +167,165 @@ class GraphBuckets:
         return max(self.decode[-1], *seqs, *self.verify)
 
 
-def decode_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
-    """A function running `runner`'s decode step of `bucket` rows on the static input views."""
-    from spillway.worker.attention.triton_paged import DecodeMetadata
+class CudaGraphs:
+    """A runner's captured steps (module doc): `decode` by batch size, `prefill` by token count
+    and its `cascade` and `short_cascade` twins, `verify` with speculative decoding; each None
+    until `capture`, and for a kind without buckets. Every step runs `model` over the pool
+    through `backend`, on the fixed views of `inputs` that the runner stages a step into, and
+    writes its logits into one buffer (`logits_rows`).
 
-    layout = runner.inputs.decode_layout(bucket)
-    metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
-    model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
-    logits = runner.logits_rows(bucket)
+    `max_prefix_len`: the longest context a block table reaches. `short_query_tokens`: the
+    longest query that a step replaying a short cascade twin may have.
+    """
 
-    def step() -> torch.Tensor:
-        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
-        return model.compute_logits(hidden, out=logits)
+    def __init__(self, model: nn.Module, inputs: StepInputs, backend: AttentionBackend, *, device: torch.device,
+                 max_num_seqs: int, max_prefix_len: int, short_query_tokens: int) -> None:
+        self.model, self.inputs, self.backend, self.device = model, inputs, backend, device
+        self.max_num_seqs = max_num_seqs
+        self.max_prefix_len = max_prefix_len
+        self.short_query_tokens = short_query_tokens
+        self.decode: StepGraphs | None = None
+        self.prefill: StepGraphs | None = None
+        self.cascade: StepGraphs | None = None  # only where steps may share a prefix
+        self.short_cascade: StepGraphs | None = None  # the first cascade buckets
+        self.verify: StepGraphs | None = None
+        self._logits: torch.Tensor | None = None
 
-    return step
+    # ---- which graph a step replays ----------------------------------------------------------
 
+    def graph_seqs(self, bucket: int, kind: str) -> int:
+        """The sequences a prefill (or verify) graph of `bucket` tokens holds."""
+        return prefill_graph_seqs(bucket, self.max_num_seqs, kind)
 
-def prefill_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
-    """A function running `runner`'s prefill step of `bucket` tokens on the static input views:
-    the logits of each sequence's last row."""
-    layout = runner.inputs.prefill_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
-    return _token_step(runner, layout, bucket, layout.last_rows)
-
-
-def cascade_step(runner: ModelRunner, bucket: int, short: bool = False) -> Callable[[], torch.Tensor]:
-    """`prefill_step` with cascade attention over the prefix length staged with the inputs; its
-    prefix splits are sized for the longest prefix a block table reaches. `short`: its suffix
-    pass at SHORT_SUFFIX_ROWS rows a program, for steps of short queries only."""
-    layout = runner.inputs.prefill_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs))
-    return _token_step(runner, layout, bucket, layout.last_rows, cascade=True, short=short)
-
-
-def short_cascade_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
-    """`cascade_step` of a short twin."""
-    return cascade_step(runner, bucket, short=True)
-
-
-def verify_step(runner: ModelRunner, bucket: int) -> Callable[[], torch.Tensor]:
-    """A function running `runner`'s verify step of `bucket` tokens on the static input views:
-    the logits of the `bucket` rows its `logits_rows` view names."""
-    layout = runner.inputs.verify_layout(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs, "verify"))
-    return _token_step(runner, layout, bucket, layout.logits_rows)
-
-
-def _token_step(runner: ModelRunner, layout, bucket: int, rows: torch.Tensor,
-                cascade: bool = False, short: bool = False) -> Callable[[], torch.Tensor]:
-    from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS
-    from spillway.worker.attention.triton_paged import graph_prefill_metadata
-
-    model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
-    metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
-                                      layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
-                                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                                      shared_prefix=layout.shared_prefix if cascade else None,
-                                      max_prefix_len=runner.max_blocks_per_seq * runner.block_size,
-                                      cascade_suffix_rows=SHORT_SUFFIX_ROWS if short else SUFFIX_ROWS)
-    logits = runner.logits_rows(rows.shape[0])
-
-    def step(layer_ready: Sequence | None = None) -> torch.Tensor:
-        hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata, layer_ready)
-        return model.compute_logits(hidden[rows], out=logits)
-
-    return step
-
-
-def capture_step_graphs(
-    runner: ModelRunner, buckets: GraphBuckets,
-) -> tuple[StepGraphs, StepGraphs | None, StepGraphs | None, StepGraphs | None, StepGraphs | None]:
-    """`runner`'s decode, prefill, cascade, short cascade and verify graphs (None for a kind
-    without buckets), captured in that order into one memory pool."""
-    pool = torch.cuda.graph_pool_handle()
-    inputs, device = runner.inputs, runner.device
-    decode = StepGraphs(buckets.decode, device)
-    decode.capture(functools.partial(decode_step, runner), inputs.pad_decode, pool)
-
-    def token_graphs(kind: str, sizes: list[int], step, pad: Callable[[int, int], None]) -> StepGraphs | None:
-        if not sizes:
+    def token_bucket(self, graphs: StepGraphs | None, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest bucket of the prefill or verify `graphs` that holds the step, or None."""
+        if graphs is None or num_tokens > graphs.max_bucket:
             return None
-        # The steps that compute on KV still landing are prefill steps: their graphs in segments.
-        graphs = StepGraphs(sizes, device, kind=kind, num_layers=None if kind == "verify" else runner.model.num_layers)
-        graphs.capture(functools.partial(step, runner),
-                       lambda bucket: pad(bucket, prefill_graph_seqs(bucket, runner.max_num_seqs, kind)), pool)
-        return graphs
+        for bucket in graphs.buckets[graphs.buckets.index(graphs.bucket_for(num_tokens)):]:
+            if num_seqs <= self.graph_seqs(bucket, graphs.kind):
+                return bucket
+        return None
 
-    return (decode, token_graphs("prefill", buckets.prefill, prefill_step, inputs.pad_prefill),
-            token_graphs("cascade", buckets.cascade, cascade_step, inputs.pad_prefill),
-            token_graphs("short_cascade", buckets.short_cascade, short_cascade_step, inputs.pad_prefill),
-            token_graphs("verify", buckets.verify, verify_step, inputs.pad_verify))
+    def prefill_for(self, bucket: int, layout: StepLayout) -> StepGraphs:
+        """The graphs whose `bucket` a prefill step staged as `layout` replays: without a shared
+        prefix the prefill graphs; with one the cascade twins, or their short twins where the
+        bucket has one and no query is longer than `short_query_tokens`."""
+        if not layout.shared_prefix_len or self.cascade is None:
+            return self.prefill
+        short = self.short_cascade
+        if short is not None and bucket in short.buckets and max(layout.query_lens) <= self.short_query_tokens:
+            return short
+        return self.cascade
+
+    # ---- start-up on CUDA --------------------------------------------------------------------
+
+    def buckets(self, max_batch_size: int, verify: bool) -> GraphBuckets:
+        """The `GraphBuckets` that `capture(kv_cache, max_batch_size, verify)` captures."""
+        cascade = may_share_a_prefix(self.max_num_seqs, self.max_prefix_len)
+        return GraphBuckets.plan(min(max_batch_size, self.max_num_seqs), self.max_num_seqs, self.inputs.capacity[0],
+                                 verify=verify, cascade=cascade, short_query_tokens=self.short_query_tokens)
+
+    def logits_bytes(self, max_batch_size: int, verify: bool) -> int:
+        """What `capture(kv_cache, max_batch_size, verify)` allocates for logits, beyond the
+        activations' peak: the shared buffer of `GraphBuckets.logits_rows` rows."""
+        return self.buckets(max_batch_size, verify).logits_rows * self.model.spec.vocab_size * 4
+
+    def logits_rows(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the graphs' shared float32 logits buffer.
+
+        Every graph writes its logits there: a buffer per graph, kept alive by its graph, would
+        hold sum(buckets) rows (10 GB for Qwen3-8B's vocabulary at max_num_seqs 512). One graph
+        replays at a time, and its logits are consumed on the same stream before the next
+        replay. `capture` allocates it at its full size first, so no graph holds an older,
+        smaller one."""
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(rows, self.model.spec.vocab_size, dtype=torch.float32, device=self.device)
+        return self._logits[:rows]
+
+    def capture(self, kv_cache: torch.Tensor, max_batch_size: int, verify: bool = False) -> None:
+        """Capture the decode step over `kv_cache` for every batch-size bucket up to
+        `max_batch_size`, then the prefill step (and its cascade twins) for every token bucket
+        the step budget allows, then with `verify` the verify step for every verify bucket,
+        each kind largest first, into one memory pool."""
+        buckets = self.buckets(max_batch_size, verify)
+        self.logits_rows(buckets.logits_rows)  # at its full size before any graph holds a view of it
+        pool = torch.cuda.graph_pool_handle()
+        inputs = self.inputs
+        decode = StepGraphs(buckets.decode, self.device)
+        decode.capture(functools.partial(self.decode_step, kv_cache), inputs.pad_decode, pool)
+
+        def token_graphs(kind: str, sizes: list[int], step, pad: Callable[[int, int], None]) -> StepGraphs | None:
+            if not sizes:
+                return None
+            # The steps that compute on KV still landing are prefill steps: their graphs in segments.
+            graphs = StepGraphs(sizes, self.device, kind=kind,
+                                num_layers=None if kind == "verify" else self.model.num_layers)
+            graphs.capture(functools.partial(step, kv_cache), lambda bucket: pad(bucket, self.graph_seqs(bucket, kind)),
+                           pool)
+            return graphs
+
+        (self.decode, self.prefill, self.cascade, self.short_cascade, self.verify) = (
+            decode, token_graphs("prefill", buckets.prefill, self.prefill_step, inputs.pad_prefill),
+            token_graphs("cascade", buckets.cascade, self.cascade_step, inputs.pad_prefill),
+            token_graphs("short_cascade", buckets.short_cascade, self.short_cascade_step, inputs.pad_prefill),
+            token_graphs("verify", buckets.verify, self.verify_step, inputs.pad_verify))
+
+    # ---- the steps a graph captures ----------------------------------------------------------
+
+    def decode_step(self, kv_cache: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        """A function running the decode step of `bucket` rows on the static input views."""
+        from spillway.worker.attention.triton_paged import DecodeMetadata
+
+        layout = self.inputs.decode_layout(bucket)
+        metadata = DecodeMetadata(layout.block_tables, layout.context_lens, layout.slot_mapping)
+        model, backend = self.model, self.backend
+        logits = self.logits_rows(bucket)
+
+        def step() -> torch.Tensor:
+            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata)
+            return model.compute_logits(hidden, out=logits)
+
+        return step
+
+    def prefill_step(self, kv_cache: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        """A function running the prefill step of `bucket` tokens on the static input views:
+        the logits of each sequence's last row."""
+        layout = self.inputs.prefill_layout(bucket, self.graph_seqs(bucket, "prefill"))
+        return self._token_step(kv_cache, layout, bucket, layout.last_rows)
+
+    def cascade_step(self, kv_cache: torch.Tensor, bucket: int, short: bool = False) -> Callable[[], torch.Tensor]:
+        """`prefill_step` with cascade attention over the prefix length staged with the inputs;
+        its prefix splits are sized for `max_prefix_len`. `short`: its suffix pass at
+        SHORT_SUFFIX_ROWS rows a program, for steps of short queries only."""
+        layout = self.inputs.prefill_layout(bucket, self.graph_seqs(bucket, "prefill"))
+        return self._token_step(kv_cache, layout, bucket, layout.last_rows, cascade=True, short=short)
+
+    def short_cascade_step(self, kv_cache: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        """`cascade_step` of a short twin."""
+        return self.cascade_step(kv_cache, bucket, short=True)
+
+    def verify_step(self, kv_cache: torch.Tensor, bucket: int) -> Callable[[], torch.Tensor]:
+        """A function running the verify step of `bucket` tokens on the static input views: the
+        logits of the `bucket` rows its `logits_rows` view names."""
+        layout = self.inputs.verify_layout(bucket, self.graph_seqs(bucket, "verify"))
+        return self._token_step(kv_cache, layout, bucket, layout.logits_rows)
+
+    def _token_step(self, kv_cache: torch.Tensor, layout: StepLayout, bucket: int, rows: torch.Tensor,
+                    cascade: bool = False, short: bool = False) -> Callable[[], torch.Tensor]:
+        from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS
+        from spillway.worker.attention.triton_paged import graph_prefill_metadata
+
+        model, backend = self.model, self.backend
+        metadata = graph_prefill_metadata(layout.query_start_loc, layout.context_lens, layout.block_tables,
+                                          layout.slot_mapping, bucket, num_heads=model.spec.num_heads,
+                                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                                          shared_prefix=layout.shared_prefix if cascade else None,
+                                          max_prefix_len=self.max_prefix_len,
+                                          cascade_suffix_rows=SHORT_SUFFIX_ROWS if short else SUFFIX_ROWS)
+        logits = self.logits_rows(rows.shape[0])
+
+        def step(layer_ready: Sequence | None = None) -> torch.Tensor:
+            hidden = model(layout.input_ids, layout.positions, kv_cache, backend, metadata, layer_ready)
+            return model.compute_logits(hidden[rows], out=logits)
+
+        return step

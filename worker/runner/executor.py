@@ -120,13 +120,13 @@ class Executor:
         """The bytes this device's KV pools may take: on CUDA, the utilisation's share of the GPU
         less what is in use (weights, CUDA context, other processes, a draft model's pool), the
         peak a step of max_num_batched_tokens adds and the graphs' logits buffer
-        (`ModelRunner.graph_logits_bytes`, larger with verify graphs); on the CPU, 1 GiB less
+        (`CudaGraphs.logits_bytes`, larger with verify graphs); on the CPU, 1 GiB less
         `draft_kv_bytes`."""
         if self.device.type != "cuda":
             return KVBudget(max(0, CPU_KV_CACHE_BYTES - self.draft_kv_bytes), gpu_memory_utilization)
         activation_peak = self._activation_peak()
         if with_graphs:
-            activation_peak += self.runner.graph_logits_bytes(self.max_num_seqs, self.speculative)
+            activation_peak += self.runner.cuda_graphs.logits_bytes(self.max_num_seqs, self.speculative)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * gpu_memory_utilization - (total - free) - activation_peak
         logger.info("GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations and graph "

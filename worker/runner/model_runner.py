@@ -23,9 +23,10 @@ the step's only synchronisation.
 On CUDA the executor (worker/runner/executor.py) builds the runner without a KV cache, measures the
 peak of one max_num_batched_tokens step (`Executor.kv_pool_blocks`), sizes the pool from what
 is left (`allocate_kv_cache`), then captures the decode, prefill (and their cascade twins) and
-(with speculative decoding) verify graphs (`capture_graphs`, worker/runner/runner_graphs.py). An eager step's attention
-metadata reads the views staged here (`AttentionBackend.metadata_for`): the step's inputs
-reach the device once.
+(with speculative decoding) verify graphs (`capture_graphs`: the runner's `CudaGraphs`), then
+runs the eager path's kernel variants once (`warm_up`). An eager step's attention metadata
+reads the views staged here (`AttentionBackend.metadata_for`): the step's inputs reach the
+device once.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ import torch
 from torch import nn
 
 from spillway.kernels.cascade_attention import short_query_tokens
-from spillway.worker.attention.torch_paged import AttentionBackend, TorchAttentionBackend
-from spillway.worker.runner.runner_graphs import RunnerGraphs
+from spillway.worker.attention.shared_prefix import CASCADE_MIN_TOKENS
 from spillway.worker.attention.step_inputs import StepInputs, StepLayout
+from spillway.worker.attention.torch_paged import AttentionBackend, TorchAttentionBackend
+from spillway.worker.runner.cuda_graphs import CudaGraphs
 
 
 @dataclass(slots=True)
@@ -81,14 +83,15 @@ def default_backend(device: torch.device, block_size: int, verifies: bool = Fals
     return TorchAttentionBackend(block_size)
 
 
-class ModelRunner(RunnerGraphs):
+class ModelRunner:
     """Owns the KV cache and runs the model over a batch of chunks, one step at a time.
 
     `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed
     so that masked-out slots never hold NaN. Without `num_blocks` it is allocated later by
     `allocate_kv_cache`, after the executor has measured what the model needs.
     Its dtype is `kv_cache_dtype`, by default the model's `dtype`; float8 e4m3 needs the
-    Triton kernels (kernels/fp8.py).
+    Triton kernels (kernels/fp8.py). `cuda_graphs` holds the steps captured on CUDA
+    (`capture_graphs`); a step that fits none runs eagerly.
     """
 
     def __init__(
@@ -128,12 +131,9 @@ class ModelRunner(RunnerGraphs):
             block_size=block_size,
             device=self.device,
         )
-        self.graphs = None  # decode StepGraphs (by batch size) once captured
-        self.prefill_graphs = None  # prefill StepGraphs (by token count) once captured
-        self.cascade_graphs = None  # their cascade twins (same buckets), where steps may share a prefix
-        self.short_cascade_graphs = None  # the cascade twins' twins for short queries (the first buckets)
-        self.verify_graphs = None  # verify StepGraphs (by token count), with speculative decoding
-        self._graph_logits: torch.Tensor | None = None  # their shared logits buffer
+        self.cuda_graphs = CudaGraphs(model, self.inputs, self.backend, device=self.device, max_num_seqs=max_num_seqs,
+                                      max_prefix_len=self.max_blocks_per_seq * block_size,
+                                      short_query_tokens=self.short_query_tokens)
         self.kv_cache: torch.Tensor | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
@@ -173,19 +173,19 @@ class ModelRunner(RunnerGraphs):
             assert all(len(chunks[row].token_ids) == 1 for row in feed.rows), "fed chunks have one token"
         if logits_rows is not None:
             return self._execute_rows(chunks, feed, logits_rows, num_tokens, layer_ready)
-        graphs = self.graphs
-        if graphs is not None and num_tokens == len(chunks) <= graphs.max_bucket and layer_ready is None:
-            bucket = graphs.bucket_for(len(chunks))
+        graphs = self.cuda_graphs
+        decode = graphs.decode
+        if decode is not None and num_tokens == len(chunks) <= decode.max_bucket and layer_ready is None:
+            bucket = decode.bucket_for(len(chunks))
             self.inputs.stage_decode(chunks, bucket)
             if feed is not None:
                 self._feed(self.inputs.decode_layout(bucket).input_ids, feed)
-            return graphs.replay(bucket)[: len(chunks)]
-        bucket = self._token_bucket(self.prefill_graphs, num_tokens, len(chunks))
+            return decode.replay(bucket)[: len(chunks)]
+        bucket = graphs.token_bucket(graphs.prefill, num_tokens, len(chunks))
         if bucket is not None:
-            layout = self.inputs.stage_prefill(chunks, bucket, self._graph_seqs(bucket, "prefill"))
+            layout = self.inputs.stage_prefill(chunks, bucket, graphs.graph_seqs(bucket, "prefill"))
             self._feed_rows(layout, feed)
-            graphs = self._prefill_graphs_for(chunks, bucket, layout.shared_prefix_len)
-            return graphs.replay(bucket, layer_ready)[: len(chunks)]
+            return graphs.prefill_for(bucket, layout).replay(bucket, layer_ready)[: len(chunks)]
         layout = self.inputs.stage(chunks)
         self._feed_rows(layout, feed)
         return self._forward(layout, None, layer_ready)
@@ -195,11 +195,12 @@ class ModelRunner(RunnerGraphs):
         """The logits of `logits_rows`, in order: the verify graph of the smallest bucket that
         holds the step (every row it asks for is one of its tokens), else (or with
         `layer_ready`: verify graphs are one segment) eagerly."""
-        bucket = self._token_bucket(self.verify_graphs, num_tokens, len(chunks))
+        graphs = self.cuda_graphs
+        bucket = graphs.token_bucket(graphs.verify, num_tokens, len(chunks))
         if bucket is not None and len(logits_rows) <= bucket and layer_ready is None:
-            layout = self.inputs.stage_verify(chunks, logits_rows, bucket, self._graph_seqs(bucket, "verify"))
+            layout = self.inputs.stage_verify(chunks, logits_rows, bucket, graphs.graph_seqs(bucket, "verify"))
             self._feed_rows(layout, feed)
-            return self.verify_graphs.replay(bucket)[: len(logits_rows)]
+            return graphs.verify.replay(bucket)[: len(logits_rows)]
         layout = self.inputs.stage(chunks, logits_rows)
         self._feed_rows(layout, feed)
         return self._forward(layout, layout.logits_rows, layer_ready)
@@ -241,9 +242,48 @@ class ModelRunner(RunnerGraphs):
 
     # ---- start-up on CUDA ------------------------------------------------------------------
 
+    def capture_graphs(self, max_batch_size: int, verify: bool = False) -> None:
+        """Capture `cuda_graphs` over this runner's pool: decode batches up to `max_batch_size`,
+        the prefill steps and their cascade twins, with `verify` the verify steps."""
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        self.cuda_graphs.capture(self.kv_cache, max_batch_size, verify)
+
     @torch.inference_mode()
     def warm_up(self, num_tokens: int = 513) -> None:
-        """Compile the eager path's kernel variants before the first request (worker/runner/warm_up.py)."""
-        from spillway.worker.runner.warm_up import warm_up_eager_kernels
+        """Compile the eager path's kernel variants before the first request: one eager step of
+        `num_tokens` (odd, past every prefill graph) over the pool's first blocks, which no
+        request holds yet (their slots get finite values that every later context overwrites
+        before reading), then cascade steps (`_warm_up_cascade`).
 
-        warm_up_eager_kernels(self, num_tokens)
+        Triton compiles a kernel per specialisation: its constexprs, and its integer arguments'
+        divisibility by 16. A variant first met by a request compiles inside that request's step
+        (~1 s): the profiling step (8,192 tokens) compiled one side only, and cascade attention
+        runs only when a step's sequences share a long prefix, its suffix pass in two tile sizes
+        (by the step's longest query). These steps meet the rest first (the CUDA graphs, cascade
+        twins included, compile theirs in the run before each capture)."""
+        assert self.kv_cache is not None, "allocate the KV cache first"
+        num_tokens = min(num_tokens, self.inputs.capacity[0])
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        if num_blocks > min(self.kv_cache.shape[0], self.max_blocks_per_seq):
+            return
+        self._forward(self.inputs.stage([ChunkInput([0] * num_tokens, 0, list(range(num_blocks)))]))
+        self._warm_up_cascade()
+
+    def _warm_up_cascade(self) -> None:
+        """Cascade attention's kernels (worker/attention/triton_paged.py): two sequences on
+        CASCADE_MIN_TOKENS shared tokens of the pool's first blocks (zeros, or what the step
+        before wrote: finite), each writing its new tokens into blocks of its own after them: one
+        token each (the suffix pass's short tiles), then the second `short_query_tokens + 1`
+        (its long ones). Skipped where the pool, a block table or a step (one sequence at most:
+        then no step ever shares a prefix) cannot hold that."""
+        prefix_blocks = -(-CASCADE_MIN_TOKENS // self.block_size)
+        prefix = list(range(prefix_blocks))
+        start = prefix_blocks * self.block_size
+        for query_len in (1, self.short_query_tokens + 1):
+            own_blocks = -(-query_len // self.block_size)
+            if (prefix_blocks + 1 + own_blocks > self.kv_cache.shape[0] or self.max_num_seqs < 2
+                    or prefix_blocks + own_blocks > self.max_blocks_per_seq):
+                return
+            own = list(range(prefix_blocks + 1, prefix_blocks + 1 + own_blocks))
+            self._forward(self.inputs.stage([ChunkInput([0], start, [*prefix, prefix_blocks]),
+                                             ChunkInput([0] * query_len, start, [*prefix, *own])]))

@@ -197,7 +197,7 @@ def test_on_cuda_with_graphs_greedy_and_stop_tokens_equal_synchronous_stepping(t
                                 ignore_eos=True)
         arrivals[0 if i < 8 else 5].append((f"r{i}", prompt, params))
     expected, got, ahead = both(tiny_model, arrivals, **cuda)
-    assert ahead.runner.graphs is not None
+    assert ahead.runner.cuda_graphs.decode is not None
     assert got == expected
 
 

@@ -65,8 +65,9 @@ def test_fp32_logits_match_hf_through_prefill_and_padded_decode_graphs(family, u
     replayed = []
     if use_graphs:
         runner.capture_graphs(8)
-        replay = runner.prefill_graphs.replay
-        runner.prefill_graphs.replay = lambda bucket, layer_ready=None: replayed.append(bucket) or replay(bucket, layer_ready)
+        prefill = runner.cuda_graphs.prefill
+        replay = prefill.replay
+        prefill.replay = lambda bucket, layer_ready=None: replayed.append(bucket) or replay(bucket, layer_ready)
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (1, 15, 16, 17, 70)]
     pool = list(range(64))
@@ -95,7 +96,7 @@ def test_fp32_logits_match_hf_through_prefill_and_padded_decode_graphs(family, u
                            for i, s in enumerate(sequences[:3])))
     print(f"{family} graphs={use_graphs}: max |logits - HF| = {worst:.2e}")
     assert worst < 1e-3
-    assert (runner.graphs is not None) == use_graphs
+    assert (runner.cuda_graphs.decode is not None) == use_graphs
     # The 119-token prompt step and the mixed step ran prefill graphs of 128 and 16 tokens.
     assert replayed == ([128, 16] if use_graphs else [])
 
@@ -160,7 +161,8 @@ def test_kv_pool_takes_the_utilisation_share_left_after_weights_and_activations(
     print(f"KV pool {kv_bytes / 2**30:.2f} GiB in {engine.block_manager.num_gpu_blocks} blocks; "
           f"GPU in use {used / 2**30:.2f} of {total / 2**30:.2f} GiB")
     assert utilisation * total - (3 << 30) <= used <= utilisation * total + (1 << 30)
-    assert engine.runner.graphs is not None and engine.runner.graphs.buckets == decode_buckets(256)
+    decode = engine.runner.cuda_graphs.decode
+    assert decode is not None and decode.buckets == decode_buckets(256)
 
 
 def test_decode_graphs_share_one_logits_buffer_inside_the_memory_budget():
@@ -176,7 +178,7 @@ def test_decode_graphs_share_one_logits_buffer_inside_the_memory_budget():
     engine = Engine(WorkerConfig(model="smollm2-135m", load_format="dummy", dtype="bfloat16", device="cuda",
                                  gpu_memory_utilization=utilisation, max_num_seqs=512, max_model_len=4096))
     free, total = torch.cuda.mem_get_info()
-    graphs = engine.runner.graphs
+    graphs = engine.runner.cuda_graphs.decode
     print(f"GPU in use {(total - free) / 2**30:.2f} GiB against a share of {utilisation * total / 2**30:.2f} GiB; "
           f"{engine.block_manager.num_gpu_blocks} KV blocks")
     assert graphs is not None and graphs.buckets == decode_buckets(512)

@@ -54,8 +54,8 @@ def _graphed_runners(seed: int):
     cache = torch.randn(kernel_runner.kv_cache.shape, generator=torch.Generator().manual_seed(seed))
     torch_runner.kv_cache.copy_(cache)
     kernel_runner.kv_cache.copy_(cache)
-    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
-    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    kernel_runner.cuda_graphs.prefill = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cuda_graphs.cascade = cascade = EagerGraphs(kernel_runner, kind="cascade")
     return torch_runner, kernel_runner, prefill, cascade
 
 
@@ -91,14 +91,14 @@ def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkey
 
 def test_cascade_twins_are_planned_only_where_steps_can_share_a_prefix():
     _, kernel_runner, _ = _runners(PREFIX_BLOCKS + 2)  # tables reach CASCADE_MIN_TOKENS + 4 blocks
-    assert kernel_runner.graph_buckets(4, verify=False).cascade == [16, 32, 64, 96, 128]
+    assert kernel_runner.cuda_graphs.buckets(4, verify=False).cascade == [16, 32, 64, 96, 128]
     # 4 sequences of at most 8 tokens (2 query heads a KV head) fill 32 tokens at most
-    assert kernel_runner.graph_buckets(4, verify=False).short_cascade == [16, 32]
-    kernel_runner.max_num_seqs = 1
-    assert kernel_runner.graph_buckets(4, verify=False).cascade == []
-    assert kernel_runner.graph_buckets(4, verify=False).short_cascade == []
+    assert kernel_runner.cuda_graphs.buckets(4, verify=False).short_cascade == [16, 32]
+    kernel_runner.cuda_graphs.max_num_seqs = 1
+    assert kernel_runner.cuda_graphs.buckets(4, verify=False).cascade == []
+    assert kernel_runner.cuda_graphs.buckets(4, verify=False).short_cascade == []
     _, short_runner, _ = runner_pair("qwen3", max_model_len=CASCADE_MIN_TOKENS)
-    assert short_runner.graph_buckets(4, verify=False).cascade == []
+    assert short_runner.cuda_graphs.buckets(4, verify=False).cascade == []
 
 
 def test_warm_up_runs_a_cascade_step_where_the_pool_holds_one():

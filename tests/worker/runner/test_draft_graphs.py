@@ -58,8 +58,8 @@ def requests(prompts: list[list[int]]) -> list[Request]:
 def test_proposals_through_the_graphs_equal_the_eager_ones(small_qwen3):
     torch_runner, kernel_runner, _ = runner_pair("qwen3")
     assert kernel_runner.model.num_layers == 1
-    kernel_runner.graphs = decode = EagerGraphs(kernel_runner, 4)
-    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cuda_graphs.decode = decode = EagerGraphs(kernel_runner, 4)
+    kernel_runner.cuda_graphs.prefill = prefill = EagerGraphs(kernel_runner, kind="prefill")
     # Catch-up forwards of at most 40 tokens: the prompts take three, the first two of which
     # finish requests whose logits must outlive the next replay.
     eager, graphed = (DraftModelProposer(runner, 24, 40) for runner in (torch_runner, kernel_runner))

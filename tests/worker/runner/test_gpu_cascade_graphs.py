@@ -59,13 +59,13 @@ def test_shared_prefix_steps_replay_the_cascade_graph_and_give_the_eager_logits(
     graphed.kv_cache.normal_()
     eager.kv_cache.copy_(graphed.kv_cache)
     graphed.capture_graphs(8)
-    assert graphed.cascade_graphs.buckets == graphed.prefill_graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512]
+    assert graphed.cuda_graphs.cascade.buckets == graphed.cuda_graphs.prefill.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512]
     # 2 query heads a KV head: queries of up to 8 tokens fill one 16-row suffix program, and 8
     # sequence slots of them up to 64 tokens
     assert graphed.short_query_tokens == 8
-    assert graphed.short_cascade_graphs.buckets == [16, 32, 64]
-    cascade, prefill = counted_replays(graphed.cascade_graphs), counted_replays(graphed.prefill_graphs)
-    short = counted_replays(graphed.short_cascade_graphs)
+    assert graphed.cuda_graphs.short_cascade.buckets == [16, 32, 64]
+    cascade, prefill = counted_replays(graphed.cuda_graphs.cascade), counted_replays(graphed.cuda_graphs.prefill)
+    short = counted_replays(graphed.cuda_graphs.short_cascade)
     rng = random.Random(5)
     steps = [convoy(rng, PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 6 + [1]),  # 25 tokens: bucket 32, short
              convoy(rng, PREFIX_BLOCKS + 5, PREFIX_BLOCKS + 40, [4] * 3 + [40]),  # a longer prefix, bucket 64
@@ -100,8 +100,8 @@ def test_a_step_whose_kv_lands_layer_by_layer_replays_each_segment_after_its_lay
     eager.kv_cache.normal_()
     graphed.capture_graphs(8)
     num_layers = model.num_layers
-    assert graphed.cascade_graphs.segment_starts == [0, 4, 8]
-    replayed = counted_replays(graphed.cascade_graphs)
+    assert graphed.cuda_graphs.cascade.segment_starts == [0, 4, 8]
+    replayed = counted_replays(graphed.cuda_graphs.cascade)
     chunks = convoy(random.Random(7), PREFIX_BLOCKS, PREFIX_BLOCKS + 8, [4] * 3 + [9])
     expected = eager.execute(chunks)
     landed = torch.zeros_like(eager.kv_cache)

@@ -29,11 +29,12 @@ def graphed_and_eager_runners(family: str) -> tuple[ModelRunner, ModelRunner, li
     graphed, eager = (ModelRunner(model, num_blocks=64, block_size=BLOCK, device=CUDA, dtype=torch.float32,
                                   max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512) for _ in range(2))
     graphed.capture_graphs(8, verify=True)
-    assert graphed.verify_graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256]
-    assert graphed.logits_rows(1).data_ptr() == graphed.logits_rows(256).data_ptr()  # one buffer, allocated once
+    graphs = graphed.cuda_graphs
+    assert graphs.verify.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256]
+    assert graphs.logits_rows(1).data_ptr() == graphs.logits_rows(256).data_ptr()  # one buffer, allocated once
     replayed: list[int] = []
-    replay = graphed.verify_graphs.replay
-    graphed.verify_graphs.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
+    replay = graphs.verify.replay
+    graphs.verify.replay = lambda bucket: replayed.append(bucket) or replay(bucket)
     return graphed, eager, replayed
 
 

@@ -45,16 +45,16 @@ def test_past_128_tokens_a_step_pads_less_than_an_eighth_of_its_bucket():
 
 def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_and_sequences():
     _, runner, _ = runner_pair("qwen3")
-    runner.max_num_seqs = 128  # sequences per bucket: min(T, 128, 64); only the choice runs here
+    runner.cuda_graphs.max_num_seqs = 128  # sequences per bucket: min(T, 128, 64); only the choice runs here
     graphs = StepGraphs(prefill_buckets(128), CPU, kind="prefill")
-    assert runner._token_bucket(graphs, 1, 1) == 16
-    assert runner._token_bucket(graphs, 16, 3) == 16
-    assert runner._token_bucket(graphs, 17, 1) == 32
-    assert runner._token_bucket(graphs, 20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
-    assert runner._token_bucket(graphs, 40, 33) == 64  # 33 sequences take the bucket of 64 tokens
-    assert runner._token_bucket(graphs, 100, 65) is None  # no bucket holds 65 sequences
-    assert runner._token_bucket(graphs, 128, 2) == 128
-    assert runner._token_bucket(graphs, 129, 1) is None  # beyond the largest bucket: eager
+    assert runner.cuda_graphs.token_bucket(graphs, 1, 1) == 16
+    assert runner.cuda_graphs.token_bucket(graphs, 16, 3) == 16
+    assert runner.cuda_graphs.token_bucket(graphs, 17, 1) == 32
+    assert runner.cuda_graphs.token_bucket(graphs, 20, 17) == 32  # 17 sequences do not fit the bucket of 16 tokens
+    assert runner.cuda_graphs.token_bucket(graphs, 40, 33) == 64  # 33 sequences take the bucket of 64 tokens
+    assert runner.cuda_graphs.token_bucket(graphs, 100, 65) is None  # no bucket holds 65 sequences
+    assert runner.cuda_graphs.token_bucket(graphs, 128, 2) == 128
+    assert runner.cuda_graphs.token_bucket(graphs, 129, 1) is None  # beyond the largest bucket: eager
 
 
 def test_padded_staging_writes_the_chunks_then_padding_rows_and_sequences():
@@ -100,7 +100,7 @@ def test_prefill_graph_steps_give_the_eager_logits_and_kv():
     eagerly on the plain-torch runner; the KV caches must agree at the end, so no padded row
     wrote a slot."""
     torch_runner, kernel_runner, _ = runner_pair("qwen3")
-    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cuda_graphs.prefill = graphs = EagerGraphs(kernel_runner, kind="prefill")
     rng = random.Random(2)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 16, 33)]
     tables = [[0, 9, 13], [3, 17, 4, 21], [11, 2, 7, 20]]
@@ -143,9 +143,9 @@ def test_prefill_graph_steps_give_the_eager_logits_and_kv():
 
 def test_steps_beyond_the_largest_bucket_run_eagerly():
     torch_runner, kernel_runner, _ = runner_pair("llama")
-    kernel_runner.prefill_graphs = graphs = EagerGraphs(kernel_runner, kind="prefill")
-    kernel_runner.prefill_graphs.buckets = [16]
-    kernel_runner.prefill_graphs.max_bucket = 16
+    kernel_runner.cuda_graphs.prefill = graphs = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cuda_graphs.prefill.buckets = [16]
+    kernel_runner.cuda_graphs.prefill.max_bucket = 16
     rng = np.random.default_rng(3)
     chunks = [ChunkInput(rng.integers(0, VOCAB, 20).tolist(), 0, [1, 2])]
     got, expected = kernel_runner.execute(chunks), torch_runner.execute(chunks)

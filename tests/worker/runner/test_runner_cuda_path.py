@@ -14,15 +14,7 @@ import pytest
 import torch
 import transformers
 
-from spillway.worker.runner.cuda_graphs import (
-    GraphBuckets,
-    cascade_step,
-    decode_buckets,
-    decode_step,
-    prefill_step,
-    short_cascade_step,
-    verify_step,
-)
+from spillway.worker.runner.cuda_graphs import GraphBuckets, decode_buckets
 from spillway.worker.kv_tier.step_graphs import StepGraphs
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed
 from spillway.worker.models.llama import LlamaForCausalLM
@@ -53,9 +45,10 @@ class EagerGraphs(StepGraphs):
         buckets = GraphBuckets.plan(max(max_batch_size, 1), runner.max_num_seqs, runner.inputs.capacity[0],
                                     verify=True, cascade=True, short_query_tokens=runner.short_query_tokens)
         super().__init__(getattr(buckets, kind), CPU, kind=kind)
-        steps = {"decode": decode_step, "prefill": prefill_step, "cascade": cascade_step,
-                 "short_cascade": short_cascade_step, "verify": verify_step}
-        step_for = functools.partial(steps[kind], runner)
+        graphs = runner.cuda_graphs
+        steps = {"decode": graphs.decode_step, "prefill": graphs.prefill_step, "cascade": graphs.cascade_step,
+                 "short_cascade": graphs.short_cascade_step, "verify": graphs.verify_step}
+        step_for = functools.partial(steps[kind], runner.kv_cache)
         self.steps = {bucket: step_for(bucket) for bucket in self.buckets}
         self.replayed: list[int] = []
 
@@ -103,7 +96,7 @@ def test_kernel_path_prefill_then_padded_decode_buckets_match_hf():
     for row, p in enumerate(prompts):
         assert (logits[row] - hf_last_logits(hf, p)).abs().max().item() < 1e-4
 
-    runner.graphs = EagerGraphs(runner, max_batch_size=4)
+    runner.cuda_graphs.decode = EagerGraphs(runner, max_batch_size=4)
     sequences = [p + [token] for p, token in zip(prompts, logits.argmax(-1).tolist())]
     for step in range(3):
         logits = runner.execute([ChunkInput([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables)])
@@ -115,7 +108,7 @@ def test_kernel_path_prefill_then_padded_decode_buckets_match_hf():
     # A lone request runs the bucket of one; three ran the bucket of four, one row padded.
     single = runner.execute([ChunkInput([sequences[0][-1]], len(sequences[0]) - 1, tables[0])])
     assert (single[0] - hf_last_logits(hf, sequences[0])).abs().max().item() < 1e-4
-    assert runner.graphs.replayed == [4, 4, 4, 1]
+    assert runner.cuda_graphs.decode.replayed == [4, 4, 4, 1]
 
 
 TINY_CONFIGS = {
@@ -184,7 +177,7 @@ def test_fused_qkv_path_matches_the_torch_path(family):
     assert (logits - expected).abs().max().item() < 1e-4
     assert len(fused_calls) == num_layers
 
-    kernel_runner.graphs = EagerGraphs(kernel_runner, max_batch_size=4)
+    kernel_runner.cuda_graphs.decode = EagerGraphs(kernel_runner, max_batch_size=4)
     sequences = [p + [token] for p, token in zip(prompts, expected.argmax(-1).tolist())]
     for step in range(3):
         chunks = [ChunkInput([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables)]
@@ -193,7 +186,7 @@ def test_fused_qkv_path_matches_the_torch_path(family):
         for s, token in zip(sequences, expected.argmax(-1).tolist()):
             s.append(token)
     # Three sequences ran the bucket of four: its padded row must have stored nothing.
-    assert kernel_runner.graphs.replayed == [4, 4, 4]
+    assert kernel_runner.cuda_graphs.decode.replayed == [4, 4, 4]
     assert len(fused_calls) == 4 * num_layers
     torch.testing.assert_close(kernel_runner.kv_cache, torch_runner.kv_cache, rtol=1e-5, atol=1e-5)
 
@@ -212,7 +205,7 @@ def test_decode_tokens_fed_from_the_device_give_the_same_logits():
     in_order = TokenFeed([0, 1, 2], [0, 1, 2], torch.tensor(next_tokens))
     permuted = TokenFeed([0, 1], [1, 0], sampled)
     for graphs in (None, EagerGraphs(runner, max_batch_size=4)):
-        runner.graphs = graphs
+        runner.cuda_graphs.decode = graphs
         expected = runner.execute(real).clone()
         for feed in (in_order, permuted):
             placeholders = [ChunkInput([0] if row in feed.rows else c.token_ids, c.start, c.slot_table)

@@ -48,9 +48,9 @@ def test_the_short_twins_are_exactly_the_buckets_that_steps_of_short_queries_tak
     """Every step of 2 or more sequences, none longer than `short` tokens, through the runner's
     choice of bucket: the buckets taken are the planned twins, no more and no fewer."""
     _, runner, _ = runner_pair("qwen3")
-    runner.max_num_seqs = max_num_seqs  # only the choice of bucket runs here
+    runner.cuda_graphs.max_num_seqs = max_num_seqs  # only the choice of bucket runs here
     graphs = StepGraphs(prefill_buckets(8192), CPU, kind="prefill")
-    taken = {runner._token_bucket(graphs, num_tokens, num_seqs)
+    taken = {runner.cuda_graphs.token_bucket(graphs, num_tokens, num_seqs)
              for num_seqs in range(2, min(max_num_seqs, 64) + 1)
              for num_tokens in range(num_seqs, short * num_seqs + 1)}
     planned = GraphBuckets.plan(8, max_num_seqs, 8192, verify=False, cascade=True, short_query_tokens=short)
@@ -114,9 +114,9 @@ def test_a_graph_step_replays_the_short_twin_only_where_no_query_is_longer_than_
     tokens replays the short twin, the one with a 9-token query the cascade twin."""
     torch_runner, kernel_runner = _runners("qwen3", seed=3)
     assert kernel_runner.short_query_tokens == 8  # 2 query heads a KV head
-    kernel_runner.prefill_graphs = prefill = EagerGraphs(kernel_runner, kind="prefill")
-    kernel_runner.cascade_graphs = cascade = EagerGraphs(kernel_runner, kind="cascade")
-    kernel_runner.short_cascade_graphs = short = EagerGraphs(kernel_runner, kind="short_cascade")
+    kernel_runner.cuda_graphs.prefill = prefill = EagerGraphs(kernel_runner, kind="prefill")
+    kernel_runner.cuda_graphs.cascade = cascade = EagerGraphs(kernel_runner, kind="cascade")
+    kernel_runner.cuda_graphs.short_cascade = short = EagerGraphs(kernel_runner, kind="short_cascade")
     assert short.buckets == [16, 32] and cascade.buckets == [16, 32, 64, 96, 128]
     rows = _launched_rows(monkeypatch)
     num_layers = kernel_runner.model.num_layers

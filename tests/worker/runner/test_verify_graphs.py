@@ -43,9 +43,9 @@ def test_verify_buckets_come_only_with_speculation_and_stop_at_256_tokens():
 
 def test_the_reserved_logits_buffer_grows_to_the_largest_verify_bucket():
     _, runner, _ = runner_pair("qwen3")  # 4 sequences, steps of 128 tokens, 300 tokens of vocabulary
-    assert runner.graph_logits_bytes(4, verify=False) == 4 * VOCAB * 4
-    assert runner.graph_logits_bytes(4, verify=True) == 128 * VOCAB * 4
-    assert runner.graph_logits_bytes(64, verify=False) == 4 * VOCAB * 4  # batches are cut at max_num_seqs
+    assert runner.cuda_graphs.logits_bytes(4, verify=False) == 4 * VOCAB * 4
+    assert runner.cuda_graphs.logits_bytes(4, verify=True) == 128 * VOCAB * 4
+    assert runner.cuda_graphs.logits_bytes(64, verify=False) == 4 * VOCAB * 4  # batches are cut at max_num_seqs
 
 
 def test_the_executor_captures_verify_graphs_only_with_speculation(tiny_model, monkeypatch):  # noqa: F811
@@ -92,17 +92,17 @@ def test_verify_staging_refuses_rows_outside_the_step_or_the_bucket(rows, messag
 
 def test_a_verifying_step_takes_the_smallest_verify_bucket_that_holds_its_tokens_and_sequences():
     _, runner, _ = runner_pair("qwen3")
-    runner.max_num_seqs = 64  # verify sequences per bucket: min(T, 64, 32); only the choice runs here
+    runner.cuda_graphs.max_num_seqs = 64  # verify sequences per bucket: min(T, 64, 32); only the choice runs here
     graphs = StepGraphs(GraphBuckets.plan(64, 64, 8192, verify=True).verify, CPU, kind="verify")
     assert graphs.buckets == [16, 32, 64, 96, 128, 144, 160, 176, 192, 208, 224, 240, 256]
-    assert runner._token_bucket(graphs, 5, 1) == 16  # one request and 4 drafts
-    assert runner._token_bucket(graphs, 20, 17) == 32
-    assert runner._token_bucket(graphs, 256, 32) == 256  # 32 requests and 7 drafts each
-    assert runner._token_bucket(graphs, 66, 33) is None  # verification stops at batches of 32
+    assert runner.cuda_graphs.token_bucket(graphs, 5, 1) == 16  # one request and 4 drafts
+    assert runner.cuda_graphs.token_bucket(graphs, 20, 17) == 32
+    assert runner.cuda_graphs.token_bucket(graphs, 256, 32) == 256  # 32 requests and 7 drafts each
+    assert runner.cuda_graphs.token_bucket(graphs, 66, 33) is None  # verification stops at batches of 32
     prefill = StepGraphs(prefill_buckets(8192), CPU, kind="prefill")
-    assert runner._token_bucket(prefill, 66, 33) == 96  # a prefill graph holds 64 sequences
-    assert runner._token_bucket(graphs, 257, 1) is None  # a larger step runs eagerly
-    assert runner._token_bucket(None, 5, 1) is None  # no verify graphs without speculation
+    assert runner.cuda_graphs.token_bucket(prefill, 66, 33) == 96  # a prefill graph holds 64 sequences
+    assert runner.cuda_graphs.token_bucket(graphs, 257, 1) is None  # a larger step runs eagerly
+    assert runner.cuda_graphs.token_bucket(None, 5, 1) is None  # no verify graphs without speculation
     assert prefill_buckets(8192)[-1] == 2048  # the prefill graphs go further
 
 
@@ -112,7 +112,7 @@ def test_verify_graph_steps_give_the_eager_rows_in_order_and_the_same_kv(small_q
     through the verify graphs' step (bucket padding included) on one runner and eagerly on the
     plain-torch runner; the KV caches must agree at the end, so no padded row wrote a slot."""
     torch_runner, kernel_runner, _ = runner_pair("qwen3")
-    kernel_runner.verify_graphs = graphs = EagerGraphs(kernel_runner, kind="verify")
+    kernel_runner.cuda_graphs.verify = graphs = EagerGraphs(kernel_runner, kind="verify")
     rng = random.Random(4)
     sequences = [[rng.randrange(VOCAB) for _ in range(n)] for n in (6, 20, 11)]
     tables = [[0, 9, 13], [3, 17, 4], [11, 2, 7]]

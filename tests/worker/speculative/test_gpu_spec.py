@@ -30,8 +30,8 @@ def test_greedy_outputs_equal_plain_decoding_on_cuda(tiny_model, proposer_kind):
     jobs = mixed_jobs()
     plain = make_engine(tiny_model, speculative=None, **CUDA_SETTINGS)
     expected = run(plain, jobs, None)
-    assert plain.runner.graphs is not None and plain.num_async_steps > 0
-    assert plain.runner.verify_graphs is None  # captured only with speculation
+    assert plain.runner.cuda_graphs.decode is not None and plain.num_async_steps > 0
+    assert plain.runner.cuda_graphs.verify is None  # captured only with speculation
     if proposer_kind == "draft-model":
         engine = make_engine(tiny_model, speculative=SpeculativeConfig(
             method="draft_model", model=tiny_model, num_speculative_tokens=K), **CUDA_SETTINGS)
@@ -40,8 +40,8 @@ def test_greedy_outputs_equal_plain_decoding_on_cuda(tiny_model, proposer_kind):
         engine = make_engine(tiny_model, **CUDA_SETTINGS)
         proposer = NgramProposer(1, 3) if proposer_kind == "ngram" else ReplayProposer(
             {tuple(job.prompt): expected[job.request_id].tokens for job in jobs})
-    replayed, verified = counted(engine.runner.verify_graphs, "replay"), counted(engine.spec, "verify")
-    draft_replayed = counted(proposer.runner.graphs, "replay") if proposer_kind == "draft-model" else [1]
+    replayed, verified = counted(engine.runner.cuda_graphs.verify, "replay"), counted(engine.spec, "verify")
+    draft_replayed = counted(proposer.runner.cuda_graphs.decode, "replay") if proposer_kind == "draft-model" else [1]
     got = run(engine, jobs, proposer)
     assert tokens_and_reasons(got) == tokens_and_reasons(expected)
     assert engine.spec.metrics.num_accepted_tokens > 0
@@ -58,9 +58,10 @@ def test_draft_model_proposals_through_its_graphs_equal_the_eager_ones(tiny_mode
                                        max_graph_batch_size=max_graph_batch_size)
 
     eager, graphed = load(), load(max_graph_batch_size=4)
-    assert eager.runner.graphs is None and graphed.runner.graphs.buckets == [1, 2, 4]
-    assert graphed.runner.prefill_graphs.buckets == [16, 32]  # steps of at most 40 tokens
-    decode, prefill = counted(graphed.runner.graphs, "replay"), counted(graphed.runner.prefill_graphs, "replay")
+    assert eager.runner.cuda_graphs.decode is None and graphed.runner.cuda_graphs.decode.buckets == [1, 2, 4]
+    assert graphed.runner.cuda_graphs.prefill.buckets == [16, 32]  # steps of at most 40 tokens
+    graphs = graphed.runner.cuda_graphs
+    decode, prefill = counted(graphs.decode, "replay"), counted(graphs.prefill, "replay")
     rng = random.Random(3)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (30, 9, 50)]
     eager_requests, graphed_requests = requests(prompts), requests(prompts)
