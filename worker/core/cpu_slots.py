@@ -9,10 +9,9 @@ Within one step's plan, every CPU slot that a copy reads or writes is pinned (ou
 CPU LRU, so never evicted and never reused) until `take_copies` hands the copies to the
 plan. That makes the step's copies order-free but for one rule: a load runs after the stores
 when it fills a GPU slot that a store reads (the slot of a block evicted in the same step;
-worker/kv_tier/copier.py), while a CPU slot is never both a load's source and a store's destination
-in one step. `prepare_load` pins the
-CPU copies a lookup hit before it takes any GPU slot for them, so no eviction between lookup
-and load can drop them.
+worker/kv_tier/copier.py), while a CPU slot is never both a load's source and a store's
+destination in one step. `prepare_load` pins the CPU copies a lookup hit before it takes any
+GPU slot for them, so no eviction between lookup and load can drop them.
 
 Every CPU copy belongs to a hashed block: a block with a CPU copy and no GPU slot is cached
 on the CPU only; evicting its CPU copy then frees the block (`drop` callback).
