@@ -40,7 +40,7 @@ def build(model: str, seqs: int, new: int, prefix_len: int):
         from spillway.kernels.host_copy import warm_up_copies
 
         warm_up_copies(executor.device)
-        executor.runner.inputs.copy_by_kernel = True
+        executor.runner.inputs.stage_by_kernel()
     executor.kv_copier.cpu_pool[:prefix_blocks].normal_(0, 0.5)
     return engine, prefix_blocks
 

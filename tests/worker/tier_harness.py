@@ -41,8 +41,8 @@ class TierHarness:
         self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks)
         self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS])
-        self.scheduler.write_ahead_blocks = write_ahead_blocks
+                                   block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS],
+                                   write_ahead_blocks=write_ahead_blocks)
         self.pending_ahead: tuple[tuple[int, int], ...] = ()  # planned a step ago, not run yet
         self.land_delay = land_delay
         self.rng = random.Random(seed)
@@ -98,8 +98,8 @@ class TierHarness:
     def step(self) -> tuple[StepPlan, list[StepResult]]:
         self.num_steps += 1
         self._report_landed()
-        if self.manager.tier is not None and not self.pending_ahead:
-            self.manager.tier.ahead_stored()
+        if not self.pending_ahead:
+            self.manager.tier.complete_store()
         scheduler = self.scheduler
         early = (self.plan_before_landing and scheduler.num_awaiting_load > 0
                  and scheduler.num_running == scheduler.num_awaiting_load)

@@ -97,9 +97,14 @@ class StepInputs:
         self._allocate(max(max_num_tokens, max_num_seqs), max_num_seqs, max_blocks_per_seq)
         # The host buffer may be rewritten only once the last copy out of it has run.
         self._copied = None if self.on_cpu else torch.cuda.Event()
-        # Copy by a kernel instead of a copy engine (kernels/host_copy.py): set where the CPU
-        # tier's bulk copies keep the copy engines busy.
+        # Copy by a kernel instead of a copy engine (kernels/host_copy.py): `stage_by_kernel`.
         self.copy_by_kernel = False
+
+    def stage_by_kernel(self) -> None:
+        """From now on copy the staged inputs to the device by a kernel, not a copy engine: where
+        the CPU tier's bulk copies keep the copy engines busy, a copy engine would queue these
+        few kilobytes behind them."""
+        self.copy_by_kernel = True
 
     def _allocate(self, num_tokens: int, num_seqs: int, width: int) -> None:
         self.capacity = (num_tokens, num_seqs, width)

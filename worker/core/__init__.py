@@ -1,5 +1,6 @@
 """The engine's bookkeeping, pure Python: requests, the step plan, the scheduler and its
-admission and commits, the block manager with its LRU, prefix lookup and CPU-slot bookkeeping.
+admission and commits, the block manager with its LRU, prefix lookup and the verbs of the tier
+below it (tier.py: the CPU tier's slots, cpu_slots.py, or the null tier).
 
 Owns every decision about which tokens a step computes and which KV block lives where, as
 integers and data; it never touches a tensor. May import: protocol/ (the wire) and the standard

@@ -142,7 +142,7 @@ class Admission:
             self._awaiting_load[request.request_id] = awaited
             return True, None
         if awaited:
-            manager.tier.wait_for_loads_this_step()
+            manager.wait_for_loads_this_step()
         return True, self._chunk(request, num_tokens)
 
     def _count_hits(self, num_queried: int, num_on_gpu: int, num_on_cpu: int) -> None:
@@ -150,6 +150,6 @@ class Admission:
         self.prefix_cache_hits += num_on_gpu + num_on_cpu
         self.cached_tokens_gpu += num_on_gpu
         self.cached_tokens_cpu += num_on_cpu
-        if self.block_manager.tier is not None:
+        if self.block_manager.num_cpu_blocks:  # the tokens past the GPU hits were looked up there
             self.cpu_cache_queries += num_queried - num_on_gpu
             self.cpu_cache_hits += num_on_cpu

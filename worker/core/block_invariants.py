@@ -56,8 +56,7 @@ def _check_slots(manager: BlockManager) -> None:
     cpu = [block.cpu_slot for block in manager.blocks if block.cpu_slot is not None]
     _check(len(set(cpu)) == len(cpu), "a CPU slot is owned by two blocks")
     _check(all(0 <= slot < manager.num_cpu_blocks for slot in cpu), "a CPU slot out of range")
-    if manager.tier is not None:
-        manager.tier.check_invariants(manager.blocks, _check)
+    manager.tier.check_invariants(manager.blocks, _check)
 
 
 def _check(condition: bool, message: str) -> None:

@@ -28,12 +28,13 @@ once and its slot is reused before any cached one.
 Prefix cache: `hash -> block`, a bijection with the blocks whose `block_hash` is set.
 A block gets its hash when `commit` reports it full and computed, and loses it at eviction.
 
-The CPU tier (worker/core/cpu_slots.py, with `num_cpu_blocks`) builds on the split of blocks
-from slots: write-back gives a cached block a CPU slot before `_take_gpu_slot` drops its GPU
-slot (the block then lives on the CPU only, keeping its id and hash: "cached on the CPU"),
-and a hit on it takes a GPU slot through `_take_gpu_slot` and plans a load. The copies of a
-step are taken with `take_copies` once the step is planned; a request with a block still
-loading (`awaited_load_batch`) computes once the device reports that batch landed.
+The CPU tier (worker/core/cpu_slots.py, with `num_cpu_blocks`; without one the null tier of
+worker/core/tier.py, whose verbs do nothing) builds on the split of blocks from slots:
+write-back gives a cached block a CPU slot before `_take_gpu_slot` drops its GPU slot (the
+block then lives on the CPU only, keeping its id and hash: "cached on the CPU"), and a hit on
+it takes a GPU slot through `_take_gpu_slot` and plans a load. The copies of a step are taken
+with `take_copies` once the step is planned; a request with a block still loading
+(`awaited_load_batch`) computes once the device reports that batch landed (`loads_landed`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from spillway.worker.core.block_invariants import check_invariants
 from spillway.worker.core.block_lru import Block, BlockLRU
 from spillway.worker.core.cpu_slots import CpuTier
 from spillway.worker.core.prefix_lookup import CachedPrefix, current_prefix, look_up
-from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies
+from spillway.worker.core.step_plan import KVCopies
+from spillway.worker.core.tier import KVTier, NullTier
 
 
 @dataclass(slots=True)
@@ -86,7 +88,7 @@ class BlockManager:
         num_blocks = num_gpu_blocks + num_cpu_blocks
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
         self._free_block_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0 first
-        self.tier = CpuTier(num_cpu_blocks, self._drop_cpu_only) if num_cpu_blocks else None
+        self.tier: KVTier = CpuTier(num_cpu_blocks, self._drop_cpu_only) if num_cpu_blocks else NullTier()
         self._free_slots = deque(range(num_gpu_blocks))
         self._lru = BlockLRU()
         self._cached: dict[BlockHash, Block] = {}
@@ -106,7 +108,7 @@ class BlockManager:
     @property
     def cpu_usage(self) -> float:
         """Fraction of CPU slots holding a copy (0 without a tier)."""
-        return self.tier.usage if self.tier else 0.0
+        return self.tier.usage
 
     @property
     def num_cached_blocks(self) -> int:
@@ -121,22 +123,30 @@ class BlockManager:
         in the copies not taken yet, or on its way); 0 when none is. Only hits load, and a
         referenced block is never loaded again: the batch is fixed when the hits are taken."""
         table = self._tables.get(request_id)
-        if self.tier is None or table is None or table.load_batch <= self.tier.landed_through:
+        if table is None or table.load_batch <= self.tier.landed_through:
             return 0
         return table.load_batch
 
     def take_copies(self) -> KVCopies:
         """The copies planned since the last call, for the step being planned (module doc)."""
-        return self.tier.take_copies() if self.tier else NO_KV_COPIES
+        return self.tier.take_copies()
+
+    def loads_landed(self, through: int | None = None) -> None:
+        """The load batches up to `through` (every one taken so far when None) are on the GPU."""
+        self.tier.complete_load(through)
+
+    def wait_for_loads_this_step(self) -> None:
+        """The step being planned computes requests whose loads may still be landing: its
+        forward waits for every load queued (planned before the landing)."""
+        self.tier.wait_for_loads_this_step()
 
     def write_back_ahead(self, max_blocks: int, max_scan: int) -> int:
         """CPU copies for up to `max_blocks` cached GPU blocks from the LRU head, looking at
-        most `max_scan` deep (`CpuTier.write_back_ahead`); how many were planned. Into a full
-        tier (replacing its oldest copies) only while fewer than `max_scan` GPU slots are free:
-        the next allocations then reach that deep into the LRU."""
-        if self.tier is None:
-            return 0
-        return self.tier.write_back_ahead(self._lru, max_blocks, max_scan, replace=len(self._free_slots) < max_scan)
+        most `max_scan` deep (`CpuTier.prepare_store_ahead`); how many were planned. Into a
+        full tier (replacing its oldest copies) only while fewer than `max_scan` GPU slots are
+        free: the next allocations then reach that deep into the LRU."""
+        return self.tier.prepare_store_ahead(self._lru, max_blocks, max_scan,
+                                             replace=len(self._free_slots) < max_scan)
 
     def free_gpu_slots(self) -> list[int]:
         """The allocatable GPU slots in the order they are taken: free slots, then the slots
@@ -187,11 +197,11 @@ class BlockManager:
         self._version += 1
         if table is None:
             hits = prefix.blocks
-            # Every hit is held before any slot is taken: no eviction below can reach one.
+            # Every hit is held before any slot is taken: no eviction below can reach one (the
+            # tier pins those on the CPU before it takes their GPU slots).
             on_cpu = []
             for block in hits:
                 if block.gpu_slot is None:  # a GPU slot and a load below
-                    self.tier.pin(block)
                     block.ref_count = 1
                     on_cpu.append(block)
                 elif block.ref_count:  # shared with a running request: the usual hit
@@ -200,7 +210,7 @@ class BlockManager:
                     self._take_cached(block)
             load_batch = prefix.load_batch
             if on_cpu:  # one load batch: this request's
-                load_batch = self.tier.load(on_cpu, [self._take_gpu_slot() for _ in on_cpu])
+                load_batch = self.tier.prepare_load(on_cpu, self._take_gpu_slot)
             table = self._tables[request_id] = _Table(list(hits), [block.gpu_slot for block in hits], len(hits),
                                                       load_batch)
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
@@ -299,9 +309,8 @@ class BlockManager:
             return self._free_slots.popleft()
         block = self._lru.popleft()
         slot, block.gpu_slot = block.gpu_slot, None
-        if self.tier is not None:
-            self.tier.evicted(block)  # an ahead store or a load may still use the slot: its reuse waits
-        if block.cpu_slot is None and not (self.tier and self.tier.store(block, slot)):
+        self.tier.evicted(block)  # an ahead store or a load may still use the slot: its reuse waits
+        if block.cpu_slot is None and not self.tier.prepare_store(block, slot):
             self._drop_cpu_only(block)
         return slot
 

@@ -1,22 +1,22 @@
 """The CPU tier's bookkeeping: CPU slots, their LRU and the copies a step plans between tiers.
 
-A block gets a CPU slot in one way: write-back, when the block manager evicts a cached GPU
-block that has no CPU copy yet (`store`). The CPU copy then serves lookups after the GPU slot
-went elsewhere; a hit on it gives the block a new GPU slot and plans a load (`load`).
+The tier behind the verbs of worker/core/tier.py. A block gets a CPU slot in one way:
+write-back, when the block manager evicts a cached GPU block that has no CPU copy yet
+(`prepare_store`). The CPU copy then serves lookups after the GPU slot went elsewhere; a hit on
+it gives the block a new GPU slot and plans a load (`prepare_load`).
 
 Within one step's plan, every CPU slot that a copy reads or writes is pinned (out of the
 CPU LRU, so never evicted and never reused) until `take_copies` hands the copies to the
 plan. That makes the step's copies order-free but for one rule: a load runs after the stores
 when it fills a GPU slot that a store reads (the slot of a block evicted in the same step;
-worker/kv_tier/copier.py), while a CPU slot is never both a load's source and a store's destination
-in one step. A lookup pins the
-CPU copies it hits before any slot is taken, so no eviction between lookup and load can
-drop them.
+worker/kv_tier/copier.py), while a CPU slot is never both a load's source and a store's
+destination in one step. `prepare_load` pins the CPU copies a lookup hit before it takes any
+GPU slot for them, so no eviction between lookup and load can drop them.
 
 Every CPU copy belongs to a hashed block: a block with a CPU copy and no GPU slot is cached
 on the CPU only; evicting its CPU copy then frees the block (`drop` callback).
 
-Write-back ahead (`write_back_ahead`): cached GPU blocks near the head of the GPU LRU get a CPU
+Write-back ahead (`prepare_store_ahead`): cached GPU blocks near the head of the GPU LRU get a CPU
 copy before they are evicted, so that the eviction that later takes their slot has no store to
 wait for: a load into that slot (a CPU hit) then runs alone instead of behind a store of the
 same size. They take free CPU slots, and once none is free (a long-running tier is full) the
@@ -27,7 +27,8 @@ in turn); passed over, it goes to the LRU's tail. Only the GPU LRU's head is wri
 ahead, and into a full tier only while the GPU's free slots would not last through that
 head's depth (the caller says, `replace`), so a GPU with room to spare costs the tier no copy. Those
 copies run on the store stream without holding up any forward; a step that evicts a block
-whose ahead store may still run (`evicted`) makes its forward and its loads wait for it.
+whose ahead store may still run (`evicted`) makes its forward and its loads wait for it,
+until the device says they have finished (`complete_store`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies
 
 
 class CpuTier:
-    """CPU slots of one block each, an LRU of the evictable CPU copies and this step's copies."""
+    """CPU slots of one block each, an LRU of the evictable CPU copies and this step's copies
+    (a `KVTier`, worker/core/tier.py)."""
 
     def __init__(self, num_blocks: int, drop: Callable[[Block], None]) -> None:
         if num_blocks <= 0:
@@ -56,7 +58,7 @@ class CpuTier:
         # out of the LRU until it lands, so that no store overwrites them meanwhile.
         self._held: dict[int, Block] = {}
         # By block id: the blocks whose load is in this step's copies or in copies taken whose
-        # loads have not landed yet (`landed` drops those); each block's `load_batch` says which
+        # loads have not landed yet (`complete_load` drops those); each block's `load_batch` says which
         # batch (`KVCopies.load_batch_ends`): their requests compute once it has landed.
         self._loading: dict[int, Block] = {}
         self.landed_through = 0  # every load batch up to this one has landed
@@ -71,7 +73,7 @@ class CpuTier:
         self._ahead: list[tuple[int, int]] = []  # this step's write-back ahead of eviction
         self._ahead_ids: list[int] = []  # and the ids of its blocks
         # Block ids of ahead stores taken whose completion the device has not confirmed
-        # (`ahead_stored` clears them), and whether this step evicts one of them.
+        # (`complete_store` clears them), and whether this step evicts one of them.
         self._ahead_pending: set[int] = set()
         self._wait_for_ahead = False
         # What each owned CPU slot holds: the hash of the block stored there (invariants).
@@ -89,7 +91,7 @@ class CpuTier:
         """Fraction of CPU slots holding a copy."""
         return self.num_used / self.num_blocks
 
-    def store(self, block: Block, gpu_slot: int) -> bool:
+    def prepare_store(self, block: Block, gpu_slot: int) -> bool:
         """Give the hashed `block` a CPU copy of its GPU slot's KV (write-back): a free CPU
         slot, else the one of the least recently used CPU copy. False when every CPU slot is
         pinned by this step's copies (the block is then simply evicted)."""
@@ -113,8 +115,8 @@ class CpuTier:
         """Blocks whose ahead store was taken with a step's copies and may still run."""
         return len(self._ahead_pending)
 
-    def write_back_ahead(self, gpu_lru: Iterable[Block], max_blocks: int, max_scan: int,
-                         replace: bool = False) -> int:
+    def prepare_store_ahead(self, gpu_lru: Iterable[Block], max_blocks: int, max_scan: int,
+                            replace: bool = False) -> int:
         """Plan CPU copies of up to `max_blocks` cached GPU blocks without one, in `gpu_lru`'s
         order (the next evicted first), looking at most `max_scan` deep; into free CPU slots,
         and with `replace` into those of the least recently used CPU-only copies too (module
@@ -178,21 +180,21 @@ class CpuTier:
         every load queued, layer by layer (planned before the landing, worker/driver/tier_driver.py)."""
         self._wait_for_loads = self._wait_by_layer = True
 
-    def ahead_stored(self) -> None:
+    def complete_store(self) -> None:
         """Every ahead store taken so far has finished on the device."""
         self._ahead_pending.clear()
 
-    def pin(self, block: Block) -> None:
-        """Keep the block's CPU copy until this step's copies are taken (a lookup hit it)."""
-        if self._lru.pop(block.block_id, None) is not None or block.block_id in self._held:
-            self._pinned[block.block_id] = block
-
-    def load(self, blocks: Sequence[Block], gpu_slots: Sequence[int]) -> int:
-        """Plan the loads of one request's (pinned) CPU hits into the GPU slots taken for them,
-        setting each block's `gpu_slot`: one batch, which lands, and lets its request compute,
-        without waiting for the batches planned after it; returns the batch's number.
-        Ascending CPU slots get ascending GPU slots: where both are consecutive the loads copy
-        as one run (`kv_copies.block_runs`), not a copy per block."""
+    def prepare_load(self, blocks: Sequence[Block], take_gpu_slot: Callable[[], int]) -> int:
+        """Plan the loads of one request's CPU hits `blocks`: pin their CPU copies first, so
+        that no eviction by `take_gpu_slot` (which may store into the slot of the least recently
+        used copy) can reach one, then take a GPU slot for each and set its `gpu_slot`. One
+        batch, which lands, and lets its request compute, without waiting for the batches
+        planned after it; returns the batch's number. Ascending CPU slots get ascending GPU
+        slots: where both are consecutive the loads copy as one run (`kv_copies.block_runs`),
+        not a copy per block."""
+        for block in blocks:
+            self._pin(block)
+        gpu_slots = [take_gpu_slot() for _ in blocks]
         batch = self._num_load_batches = self._num_load_batches + 1
         block_ids = []
         for block, gpu_slot in zip(sorted(blocks, key=lambda block: block.cpu_slot), sorted(gpu_slots)):
@@ -205,12 +207,17 @@ class CpuTier:
         self._step_batches.append((batch, block_ids, len(self._loads)))
         return batch
 
+    def _pin(self, block: Block) -> None:
+        """Keep the block's CPU copy until this step's copies are taken."""
+        if self._lru.pop(block.block_id, None) is not None or block.block_id in self._held:
+            self._pinned[block.block_id] = block
+
     @property
     def num_loading(self) -> int:
         """Blocks whose load is planned or on its way."""
         return len(self._loading)
 
-    def landed(self, through: int | None = None) -> None:
+    def complete_load(self, through: int | None = None) -> None:
         """The load batches up to `through` (every batch taken so far when None) have landed
         on the GPU (one stream: they land in order)."""
         if through is None:

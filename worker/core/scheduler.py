@@ -81,6 +81,7 @@ class Scheduler(StepCommits, Admission):
         root_hash: BlockHash,
         eos_token_ids: Iterable[int],
         vocab_size: int | None = None,
+        write_ahead_blocks: int = 0,
     ) -> None:
         if block_size != block_manager.block_size:
             raise ValueError(f"block size {block_size} differs from {block_manager.block_size}")
@@ -114,7 +115,7 @@ class Scheduler(StepCommits, Admission):
         self._finished_holding: list[str] = []
         # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
         # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
-        self.write_ahead_blocks = 0
+        self.write_ahead_blocks = write_ahead_blocks
         # Cumulative, in prompt tokens, first schedulings only (never a resume).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -245,7 +246,7 @@ class Scheduler(StepCommits, Admission):
                 continue
             if awaiting:
                 del self._awaiting_load[request.request_id]
-                self.block_manager.tier.wait_for_loads_this_step()
+                self.block_manager.wait_for_loads_this_step()
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
                     break
@@ -274,8 +275,7 @@ class Scheduler(StepCommits, Admission):
     def loads_landed(self, through: int | None = None) -> None:
         """The CPU tier's load batches up to `through` (all taken so far when None) are on the
         GPU: the requests that waited for them compute from this step on."""
-        if self.block_manager.tier is not None:
-            self.block_manager.tier.landed(through)
+        self.block_manager.loads_landed(through)
         if through is None:
             self._awaiting_load.clear()
         else:

@@ -30,7 +30,7 @@ from spillway.worker.core.scheduler import Scheduler
 from spillway.worker.speculative.decoder import SpecDecoder
 from spillway.worker.speculative.setup import build_spec_decoder
 from spillway.worker.driver.stats import engine_stats, ready_message
-from spillway.worker.driver.tier_driver import TierDriver
+from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.tp.group import RankGroup, check_tensor_parallel
 from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
@@ -90,13 +90,15 @@ class Engine:
             root_hash=self.root_hash,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
+            write_ahead_blocks=write_ahead_blocks(self.executor.runner.kv_block_bytes) if num_cpu_blocks else 0,
         )
-        self.tier = TierDriver(self.block_manager, self.scheduler, self.executor) if num_cpu_blocks else None
+        self.tier: TierDriver | NullTierDriver = (TierDriver(self.block_manager, self.scheduler, self.executor)
+                                                  if num_cpu_blocks else NullTierDriver())
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._readback = TokenReadback(config.max_num_seqs, self.device,
-                                       by_kernel=self.tier is not None and self.tier.small_copies_by_kernel)
+                                       by_kernel=self.tier.small_copies_by_kernel)
         self._in_flight: LaunchedStep | None = None
         self._holding = False  # the step in flight is left there while loads land (TierDriver.hold_in_flight)
         self.num_async_steps = 0  # steps launched before the one before was committed
@@ -159,7 +161,7 @@ class Engine:
     def awaited_load_landed(self) -> bool:
         """While `waits_for_loads`: whether a load some request waits for has landed, so the
         next step computes (the busy loop stops taking arrivals in to run it)."""
-        return self.tier is not None and self.tier.awaited_load_landed()
+        return self.tier.awaited_load_landed()
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -169,8 +171,7 @@ class Engine:
         before the step in flight is committed, and is itself committed one call later."""
         previous = self._in_flight
         deltas: list[RequestDelta] = []
-        if self.tier is not None:
-            self.tier.before_step()
+        self.tier.before_step()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
         # Drafts follow committed tokens only: settle the step in flight before planning. So
         # does a step the device has finished: running ahead of an idle device gains nothing,
@@ -183,13 +184,12 @@ class Engine:
         # Nothing runs (or only a step planned so) and the loads the requests wait for are
         # about to land: plan them now, their forward queued behind the loads
         # (TierDriver.plan_before_landing).
-        before_landing = self.tier is not None and self.tier.plan_before_landing(previous)
+        before_landing = self.tier.plan_before_landing(previous)
         plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead,
                                                         before_landing=before_landing)
         if lookahead:
             self.spec.propose(plan)  # a plan with drafts does not run ahead
-        self._holding = (previous is not None and not plan.chunks and self.tier is not None
-                         and self.tier.hold_in_flight(previous))
+        self._holding = previous is not None and not plan.chunks and self.tier.hold_in_flight(previous)
         if self._holding:  # its tokens are committed once it has finished, at the top
             if plan.kv_copies is not NO_KV_COPIES:
                 self.executor.copy_kv(plan.kv_copies)
@@ -278,7 +278,7 @@ class Engine:
     def idle_write_back(self) -> bool:
         """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);
         whether to call again soon."""
-        return self.tier is not None and self.tier.idle_write_back()
+        return self.tier.idle_write_back()
 
     def release_finished(self) -> None:
         """Free the blocks of requests finished since the last call (with
@@ -287,8 +287,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         self.scheduler.release_finished()
-        if self.tier is not None:
-            self.tier.settle_loads()  # loads of requests gone may still write the slots it frees
+        self.tier.settle_loads()  # loads of requests gone may still write the slots it frees
         return self.block_manager.reset_prefix_cache()
 
     def close(self) -> None:

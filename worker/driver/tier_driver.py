@@ -1,6 +1,7 @@
 """The engine's side of the CPU tier: what it asks the device before each step, what it writes
 back while idle, and how it sizes the write-back ahead of eviction (the bookkeeping is in
-worker/core/cpu_slots.py, the copies in worker/kv_tier/copier.py).
+worker/core/cpu_slots.py, the copies in worker/kv_tier/copier.py). A worker without a tier has
+`NullTierDriver`, which answers the same questions with "nothing to do".
 
 With a tier on CUDA the tier's bulk copies occupy the copy engines, which take one direction's
 transfers in turn whatever stream queued them; a step's own small copies (its staged inputs, its
@@ -47,23 +48,28 @@ ARRIVALS_DEADLINE_S = 0.014
 HOLD_IN_FLIGHT_S = 0.002
 
 
+def write_ahead_blocks(block_bytes: int) -> int:
+    """Cached GPU blocks of `block_bytes` written back ahead of their eviction per step (the
+    scheduler's `write_ahead_blocks`)."""
+    # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
+    # step's stores, which the forward waits for, are queued behind it (a batch is planned
+    # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
+    # that into the LRU every step.
+    return min(64, max(1, WRITE_AHEAD_BYTES // block_bytes))
+
+
 class TierDriver:
     """The CPU tier of one engine, between its scheduler and its executor's copier."""
 
     def __init__(self, block_manager: BlockManager, scheduler: Scheduler, executor: Executor) -> None:
-        assert block_manager.tier is not None and executor.kv_copier is not None
+        assert block_manager.num_cpu_blocks and executor.kv_copier is not None
         self.tier, self.copier = block_manager.tier, executor.kv_copier
         self.block_manager, self.scheduler, self.executor = block_manager, scheduler, executor
         self.block_bytes = executor.runner.kv_block_bytes
-        # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
-        # step's stores, which the forward waits for, are queued behind it (a batch is planned
-        # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
-        # that into the LRU every step.
-        scheduler.write_ahead_blocks = min(64, max(1, WRITE_AHEAD_BYTES // self.block_bytes))
         self.small_copies_by_kernel = executor.device.type == "cuda"
         if self.small_copies_by_kernel:
             warm_up_copies(executor.device)
-            executor.runner.inputs.copy_by_kernel = True
+            executor.runner.inputs.stage_by_kernel()
 
     def before_step(self) -> None:
         """What the device finished since the last step: load batches that landed (their
@@ -74,7 +80,7 @@ class TierDriver:
         if self.tier.num_loading:
             self.scheduler.loads_landed(self.copier.landed_through())
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
-            self.tier.ahead_stored()
+            self.tier.complete_store()
 
     def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:
         """Whether to plan the requests waiting for loads now (`Scheduler.schedule(
@@ -132,7 +138,7 @@ class TierDriver:
         if self.tier.num_ahead_pending:
             if not self.copier.ahead_stored():
                 return True
-            self.tier.ahead_stored()
+            self.tier.complete_store()
         batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.block_bytes)
         # The next evicted 16 batches (2 GiB) at most: what a burst takes first, found within a
         # bounded walk of the LRU (a pool of a small model holds millions of blocks).
@@ -146,3 +152,28 @@ class TierDriver:
         when no request is left to wait for them."""
         if self.tier.num_loading and not self.scheduler.has_unfinished:
             self.scheduler.loads_landed(self.copier.landed_through(wait=True))
+
+
+class NullTierDriver:
+    """The engine's side of a worker without a CPU tier: no load to wait for or to plan
+    before, nothing to write back."""
+
+    small_copies_by_kernel = False
+
+    def before_step(self) -> None:
+        pass
+
+    def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:
+        return False
+
+    def hold_in_flight(self, step: LaunchedStep) -> bool:
+        return False
+
+    def awaited_load_landed(self) -> bool:
+        return False
+
+    def idle_write_back(self) -> bool:
+        return False
+
+    def settle_loads(self) -> None:
+        pass

@@ -55,9 +55,9 @@ def test_a_cpu_hit_is_loaded_once_and_shared_by_every_request_that_needs_it():
     # slots taken (3 and 2) in ascending order, one run (a3 -> 2, a2 -> 3).
     assert manager.take_copies() == KVCopies(cpu_to_gpu=((0, 2), (1, 3)), load_batch=1, load_batch_ends=((1, 2),))
     assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 1  # on their way
-    manager.tier.landed(0)
+    manager.loads_landed(0)
     assert manager.awaited_load_batch("c") == 1
-    manager.tier.landed(1)
+    manager.loads_landed(1)
     assert manager.awaited_load_batch("c") == manager.awaited_load_batch("d") == 0
     manager.free("c")
     manager.free("d")
@@ -81,9 +81,9 @@ def loaded_in_two_batches() -> BlockManager:
 def test_each_load_batch_lands_on_its_own_and_frees_only_its_requests():
     manager = loaded_in_two_batches()
     assert (manager.awaited_load_batch("c"), manager.awaited_load_batch("d")) == (1, 2)
-    manager.tier.landed(1)  # batch 2 still on its way
+    manager.loads_landed(1)  # batch 2 still on its way
     assert (manager.awaited_load_batch("c"), manager.awaited_load_batch("d")) == (0, 2)
-    manager.tier.landed()
+    manager.loads_landed()
     assert manager.awaited_load_batch("d") == 0 and manager.tier.num_loading == 0
 
 
@@ -95,7 +95,7 @@ def test_a_step_reusing_the_slot_of_a_block_still_loading_waits_for_the_loads():
     copies = manager.take_copies()
     assert copies.wait_for_loads and copies.load_batch == 0
     manager.check_invariants()
-    manager.tier.landed()
+    manager.loads_landed()
     manager.free("e")
     assert manager.allocate("f", 16)  # the same slots again, nothing loading now
     assert not manager.take_copies().wait_for_loads
@@ -171,7 +171,7 @@ def test_cached_blocks_are_written_back_ahead_from_the_lru_head_into_free_cpu_sl
     manager.check_invariants()
     # One batch at a time: nothing more until the device says the first one finished.
     assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 0
-    manager.tier.ahead_stored()
+    manager.tier.complete_store()
     assert manager.write_back_ahead(max_blocks=1, max_scan=8) == 1  # a1 into the last free slot
     assert manager.take_copies() == KVCopies(ahead_to_cpu=((1, 2),))
     # Evicting the blocks written back ahead needs no store; their CPU copies still serve hits.
@@ -212,7 +212,7 @@ def test_a_full_tier_writes_back_ahead_into_its_oldest_copies_so_the_eviction_st
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == []
     with pytest.raises(ValueError, match="looked up before"):  # a lookup made before the drop is refused
         manager.allocate("late", 8, stale)
-    manager.tier.ahead_stored()
+    manager.tier.complete_store()
     assert manager.allocate("c", 8)  # evicts b0 and b1: their copies exist, nothing to store
     assert not manager.take_copies().gpu_to_cpu
     hits = manager.find_cached_prefix([h("b0"), h("b1")])
@@ -240,7 +240,7 @@ def test_write_back_ahead_never_replaces_the_copy_of_a_block_still_on_the_gpu():
     cached_request(manager, "a", ["a0", "a1", "a2"])  # LRU head first: a2, a1, a0
     assert manager.write_back_ahead(max_blocks=3, max_scan=3) == 2  # a2 and a1 fill the tier
     manager.take_copies()
-    manager.tier.ahead_stored()
+    manager.tier.complete_store()
     # a0 would replace a2's or a1's copy, then that block the other's: a ring of stores.
     assert manager.write_back_ahead(max_blocks=3, max_scan=3) == 0
     assert manager.take_copies() is NO_KV_COPIES
@@ -259,7 +259,7 @@ def test_a_prefix_written_back_ahead_stores_and_reloads_in_one_run_each():
     stores = manager.take_copies().ahead_to_cpu
     assert stores == tuple((slot, slot) for slot in range(8))
     assert block_runs(stores) == [(0, 0, 8)]
-    manager.tier.ahead_stored()
+    manager.tier.complete_store()
     cached_request(manager, "filler", [f"f{i}" for i in range(8)])  # takes every GPU slot
     manager.take_copies()  # the filler's write-back
     hits = manager.find_cached_prefix([h(name) for name in names])

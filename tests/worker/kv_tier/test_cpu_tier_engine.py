@@ -11,6 +11,7 @@ from spillway.protocol.hashing import pack_token_ids
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
 from spillway.worker.driver.engine import Engine
+from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.kv_tier.paced_loads import PacedLoads
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -91,6 +92,17 @@ def test_a_conversation_reloads_its_history_from_the_tier_with_the_same_outputs(
     assert stats.num_cpu_blocks == 8 and stats.cpu_cache_usage == 5 / 8
     assert with_tier.ready().num_cpu_blocks == 8
     assert without.stats().kv_offload_bytes_gpu_to_cpu == 0
+
+
+def test_an_engine_without_a_tier_has_the_null_driver_and_plans_no_write_back(model_dir):
+    without, with_tier = engine_for(model_dir, num_cpu_blocks=0), engine_for(model_dir, num_cpu_blocks=8)
+    assert type(without.tier) is NullTierDriver and type(with_tier.tier) is TierDriver
+    assert without.scheduler.write_ahead_blocks == 0
+    assert with_tier.scheduler.write_ahead_blocks == write_ahead_blocks(with_tier.runner.kv_block_bytes) > 0
+    run(without, "turn-1", [(7 * i) % 90 + 1 for i in range(32)], GREEDY)
+    assert not without.idle_write_back() and not without.awaited_load_landed() and not without.waits_for_loads
+    assert without.block_manager.num_cached_blocks == 2 and without.reset_prefix_cache()
+    assert without.stats().cpu_prefix_cache_queries == 0
 
 
 def test_a_cpu_tier_larger_than_the_host_memory_is_refused_with_the_numbers(tmp_path):
