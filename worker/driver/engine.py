@@ -36,9 +36,12 @@ from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
 
 class Engine:
-    """Owns the scheduler, the sampler and the requests of one worker; drives its executor."""
+    """Owns the scheduler, the sampler and the requests of one worker; drives its executor.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    `defer_release`: finished requests' blocks are freed by `release_finished` (the busy loop
+    calls it once their deltas are sent), not when their last token is committed."""
+
+    def __init__(self, config: WorkerConfig, *, defer_release: bool = False) -> None:
         self.config = config
         if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
             # Refused before the model loads.
@@ -90,6 +93,7 @@ class Engine:
             root_hash=self.root_hash,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
+            defer_release=defer_release,
         )
         self.tier = TierDriver(self.block_manager, self.scheduler, self.executor) if num_cpu_blocks else None
         self.debug_invariants = envs.debug_invariants()

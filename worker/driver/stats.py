@@ -68,6 +68,7 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
             logger.exception("block manager invariants broken")
             ok = False
     seconds = copier.seconds() if copier else (0.0, 0.0)
+    counts = scheduler.counts
     return Stats(
         num_running=scheduler.num_running,
         num_waiting=scheduler.num_waiting,
@@ -76,17 +77,17 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         num_gpu_blocks=block_manager.num_gpu_blocks,
         num_free_gpu_blocks=block_manager.num_free_blocks,
         num_cpu_blocks=block_manager.num_cpu_blocks,
-        prefix_cache_queries=scheduler.prefix_cache_queries,
-        prefix_cache_hits=scheduler.prefix_cache_hits,
-        cached_tokens_gpu=scheduler.cached_tokens_gpu,
-        cached_tokens_cpu=scheduler.cached_tokens_cpu,
-        cpu_prefix_cache_queries=scheduler.cpu_cache_queries,
-        cpu_prefix_cache_hits=scheduler.cpu_cache_hits,
+        prefix_cache_queries=counts.prefix_cache_queries,
+        prefix_cache_hits=counts.prefix_cache_hits,
+        cached_tokens_gpu=counts.cached_tokens_gpu,
+        cached_tokens_cpu=counts.cached_tokens_cpu,
+        cpu_prefix_cache_queries=counts.cpu_cache_queries,
+        cpu_prefix_cache_hits=counts.cpu_cache_hits,
         kv_offload_bytes_gpu_to_cpu=copier.bytes_to_cpu if copier else 0,
         kv_offload_bytes_cpu_to_gpu=copier.bytes_to_gpu if copier else 0,
         kv_offload_seconds_gpu_to_cpu=seconds[0],
         kv_offload_seconds_cpu_to_gpu=seconds[1],
-        num_preemptions=scheduler.num_preemptions,
+        num_preemptions=counts.num_preemptions,
         num_steps=num_steps,
         invariants_ok=ok,
     )
