@@ -89,7 +89,7 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     links = GatewayLinks(ctx, [(inbox, outbox), *extra_links], keys)
     enc = encoder()
     try:
-        engine = Engine(config)
+        engine = Engine(config, defer_release=True)  # freed after the sends (Engine.release_finished)
     except Exception as exc:  # report why, then exit: the gateway raises it to the user
         if isinstance(exc, ValueError):  # a setting the model or the device cannot take: the message says it
             logger.error("worker failed to start: %s", exc)
@@ -130,7 +130,6 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
     trace = StepTrace(path) if (path := step_trace_path()) else None
     # On the CPU the linear layers' per-shape kernels churn glibc's heap (worker/heap.py).
     trimmer = HeapTrimmer() if engine.device.type == "cpu" else None
-    engine.scheduler.defer_release = True  # freed after the sends (Engine.release_finished)
     iteration_tokens: list[int] = []  # each step's tokens, until the next Stats carries them
     while True:
         beat.stage_started()

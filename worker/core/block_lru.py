@@ -1,4 +1,5 @@
-"""The logical KV block and the intrusive LRU list that orders the cached ones for eviction."""
+"""The logical KV block, a request's table of them, and the intrusive LRU list that orders the
+cached ones for eviction."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ class Block:
     # Links of the LRU list; both None exactly when the block is not in it.
     lru_prev: Block | None = field(default=None, repr=False)
     lru_next: Block | None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """A request's blocks, in token order."""
+
+    blocks: list[Block]
+    # [block.gpu_slot for block in blocks], kept as it grows so `slot_table` is one list copy:
+    # a referenced block's GPU slot never changes.
+    slots: list[int]
+    # Leading blocks already reported full by `commit` (or taken as cache hits).
+    num_committed: int = 0
+    # The last load batch bringing one of its hits to the GPU when it took them (0: none).
+    load_batch: int = 0
 
 
 class BlockLRU:

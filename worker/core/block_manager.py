@@ -41,27 +41,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from spillway.protocol.messages import BlockHash
 from spillway.worker.core.block_invariants import check_invariants
-from spillway.worker.core.block_lru import Block, BlockLRU
+from spillway.worker.core.block_lru import Block, BlockLRU, BlockTable
 from spillway.worker.core.cpu_slots import CpuTier
 from spillway.worker.core.prefix_lookup import CachedPrefix, current_prefix, look_up
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.core.tier import KVTier, NullTier
-
-
-@dataclass(slots=True)
-class _Table:
-    blocks: list[Block]
-    # [block.gpu_slot for block in blocks], kept as it grows so `slot_table` is one list copy:
-    # a referenced block's GPU slot never changes.
-    slots: list[int]
-    # Leading blocks already reported full by `commit` (or taken as cache hits).
-    num_committed: int = 0
-    # The last load batch bringing one of its hits to the GPU when it took them (0: none).
-    load_batch: int = 0
 
 
 class BlockManager:
@@ -92,7 +79,7 @@ class BlockManager:
         self._free_slots = deque(range(num_gpu_blocks))
         self._lru = BlockLRU()
         self._cached: dict[BlockHash, Block] = {}
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, BlockTable] = {}
         self._version = 0  # counts allocations and releases: a `CachedPrefix` is valid between two
 
     @property
@@ -211,8 +198,8 @@ class BlockManager:
             load_batch = prefix.load_batch
             if on_cpu:  # one load batch: this request's
                 load_batch = self.tier.prepare_load(on_cpu, self._take_gpu_slot)
-            table = self._tables[request_id] = _Table(list(hits), [block.gpu_slot for block in hits], len(hits),
-                                                      load_batch)
+            table = self._tables[request_id] = BlockTable(list(hits), [block.gpu_slot for block in hits],
+                                                          len(hits), load_batch)
         for _ in range(self._num_blocks_needed(num_tokens) - len(table.blocks)):
             block = self._new_block()
             table.blocks.append(block)
@@ -274,7 +261,10 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError on the first broken invariant (module doc). O(blocks): for
         tests and debug mode only (worker/core/block_invariants.py)."""
-        check_invariants(self)
+        check_invariants(self.blocks, self._tables, lru=self._lru, free_block_ids=self._free_block_ids,
+                         free_slots=self._free_slots, cached=self._cached, num_gpu_blocks=self.num_gpu_blocks,
+                         num_cpu_blocks=self.num_cpu_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                         tier=self.tier)
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

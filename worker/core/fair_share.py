@@ -44,7 +44,8 @@ class FairShare:
     # The fewest running choices a parent preempted this step held before it was (none: maxsize).
     preempted_holding: int = sys.maxsize
     held_back: bool = False  # whether `cap` has held something back this step
-    # Cleared once every parent has had its turn: what the step has left goes to whoever is next.
+    # Cleared (`lift_caps`) once every parent has had its turn: what the step has left goes to
+    # whoever is next.
     capped: bool = True
 
     @classmethod
@@ -62,6 +63,10 @@ class FairShare:
         allowed = max(min(num_tokens, self.step_share - self.used.get(parent, 0)), 0)
         self.held_back |= allowed < num_tokens
         return allowed
+
+    def lift_caps(self) -> None:
+        """Every parent has had its turn: `cap` holds nothing back from now on."""
+        self.capped = False
 
     def planned(self, request: Request, num_tokens: int) -> None:
         parent = request.parent_id

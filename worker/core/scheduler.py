@@ -34,14 +34,15 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from spillway.protocol.messages import BlockHash
+from spillway.worker.core.admission import Admission, AdmissionCounts, queue_key
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.core.fair_share import FairShare
-from spillway.worker.core.request import Request, RequestStatus, refusal
-from spillway.worker.core.admission import Admission, StepDraft, queue_key
-from spillway.worker.core.step_commits import StepCommits
+from spillway.worker.core.request import Request, RequestStatus, finished_status, refusal
+from spillway.worker.core.step_commits import StepCommits, mark_in_flight
+from spillway.worker.core.step_draft import StepDraft
 from spillway.worker.core.step_plan import ScheduledChunk, StepPlan, StepResult
 
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "StepResult"]
@@ -61,13 +62,18 @@ def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
     return bool(chunks)
 
 
-class Scheduler(StepCommits, Admission):
+class Scheduler:
     """Turns the request queues into one `StepPlan` per step; see the module doc.
 
     Usage per step: `plan = schedule()`, run the model on `plan.chunks`, then
-    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set:
-    the one place where tokens are committed (stop checks, thinking-budget state, block
-    hashing).
+    `update(plan, sampled)` with the token sampled for every chunk whose `sample` is set.
+    Admission and preemption are its `Admission`'s, the commit of tokens its `StepCommits`';
+    it holds the requests, the queues they share, and the release of finished requests.
+
+    `defer_release` (the worker's busy loop): a finished request's blocks are freed by
+    `release_finished`, called once its last delta is on its way, so that a step that finishes
+    many long requests (a 10k-token prompt's blocks take ~30-60 us to free) does not hold back
+    their last tokens. The next schedule frees them first in any case.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class Scheduler(StepCommits, Admission):
         eos_token_ids: Iterable[int],
         vocab_size: int | None = None,
         write_ahead_blocks: int = 0,
+        defer_release: bool = False,
     ) -> None:
         if block_size != block_manager.block_size:
             raise ValueError(f"block size {block_size} differs from {block_manager.block_size}")
@@ -96,36 +103,29 @@ class Scheduler(StepCommits, Admission):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.root_hash = root_hash
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size  # None: prompt token ids are not range-checked
-        self.waiting: list[Request] = []  # sorted by queue_key
-        self.running: list[Request] = []  # sorted by queue_key: the newest is last
+        self.defer_release = defer_release
+        # Both sorted by queue_key (the newest running request is last); shared with the
+        # admission, which changes them in place.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._parent_sizes: Counter[str] = Counter()  # unfinished choices per client request
         self.last_received = 0.0  # the newest request's arrival, on the monotonic clock
         # Running requests admitted on prefix blocks whose load has not landed, with the load
-        # batch they wait for (`loads_landed`).
+        # batch they wait for (`loads_landed`); shared with the admission, changed in place.
         self._awaiting_load: dict[str, int] = {}
-        # With `defer_release` (the worker's busy loop) a finished request's blocks are freed by
-        # `release_finished`, called once its last delta is on its way: a step that finishes
-        # many long requests (a 10k-token prompt's blocks take ~30-60 us to free) does not
-        # hold back their last tokens. The next schedule frees them first in any case.
-        self.defer_release = False
-        self._finished_holding: list[str] = []
+        self._finished_holding: list[str] = []  # with defer_release: finished, blocks not freed yet
         # With a CPU tier: cached GPU blocks written back ahead of eviction per step (the
         # engine sizes it; BlockManager.write_back_ahead), looked for 4x as deep in the LRU.
         self.write_ahead_blocks = write_ahead_blocks
-        # Cumulative, in prompt tokens, first schedulings only (never a resume).
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.num_preemptions = 0
-        # The same hits by where the KV was (gpu, cpu); and the CPU tier's own lookups: the
-        # prompt tokens past the GPU hits, and those found there (vLLM's external cache).
-        self.cached_tokens_gpu = 0
-        self.cached_tokens_cpu = 0
-        self.cpu_cache_queries = 0
-        self.cpu_cache_hits = 0
+        self._admission = Admission(block_manager, self.waiting, self.running, self._awaiting_load, max_num_seqs)
+        self._commits = StepCommits(block_manager, max_model_len, root_hash, frozenset(eos_token_ids))
+
+    @property
+    def counts(self) -> AdmissionCounts:
+        """Cumulative prefix-cache hits and preemptions (`AdmissionCounts`)."""
+        return self._admission.counts
 
     @property
     def has_unfinished(self) -> bool:
@@ -166,7 +166,7 @@ class Scheduler(StepCommits, Admission):
         if self._finished_holding:  # the id may be a finished request's whose blocks are still held
             self.release_finished()
         if self.block_manager.enable_prefix_caching:
-            self._hash_full_blocks(request)  # when the sender did not hash the prompt
+            self._commits.hash_full_blocks(request)  # when the sender did not hash the prompt
         insort(self.waiting, request, key=queue_key)
         self._requests[request.request_id] = request
         self._parent_sizes[request.parent_id] += 1
@@ -207,20 +207,54 @@ class Scheduler(StepCommits, Admission):
         join_through = max(self._awaiting_load.values(), default=0) if before_landing else 0
         deferred = self._plan_running(list(self.running), step, ahead, before_landing)
         if lookahead:  # after every running request has its blocks: drafts never cause a preemption
-            step.budget = self._reserve_draft_slots(list(step.chunks.values()), lookahead, step.budget)
-        self._admit_waiting(step, join_through, ahead)
+            self._reserve_draft_slots(list(step.chunks.values()), lookahead, step)
+        self._admission.admit_waiting(step, join_through, ahead)
         if step.budget > 0 and step.share.held_back:  # what the shares left, to whoever is next
-            step.share.capped = False
+            step.share.lift_caps()
             self._plan_running(deferred, step, ahead, before_landing)
             if lookahead:
-                late = [step.chunks[r.request_id] for r in deferred if r.request_id in step.chunks]
-                step.budget = self._reserve_draft_slots(late, lookahead, step.budget)
-            self._admit_waiting(step, join_through, ahead)
+                self._reserve_draft_slots([step.chunks[r.request_id] for r in deferred if r.request_id in step.chunks],
+                                          lookahead, step)
+            self._admission.admit_waiting(step, join_through, ahead)
         if self.write_ahead_blocks:
             self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
         chunks = list(step.chunks.values())
         return StepPlan(chunks, self.max_num_batched_tokens - step.budget, _may_run_ahead(chunks),
                         self.block_manager.take_copies())
+
+    def mark_in_flight(self, plan: StepPlan) -> None:
+        """`plan` runs on the device and its tokens are not read yet (step_commits.mark_in_flight):
+        `schedule(ahead=True)` plans the step after it, `update(plan, ...)` settles it."""
+        mark_in_flight(plan)
+
+    def update(self, plan: StepPlan, sampled: dict[str, int],
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[StepResult]:
+        """Apply a computed plan (`StepCommits.commit`: `sampled` maps request id -> token for
+        chunks with `sample`, `accepted` the drafts accepted before it) and finish the requests
+        it ends: their blocks are released now, or with `defer_release` by `release_finished`."""
+        results = self._commits.commit(plan, sampled, accepted)
+        finished = [result for result in results if result.finish_reason is not None]
+        for result in finished:
+            self._release(result.request, finished_status(result.finish_reason), defer=self.defer_release)
+        if finished:
+            self.running[:] = [request for request in self.running if not request.is_finished]
+        return results
+
+    def release_finished(self) -> None:
+        """Free the blocks of the requests finished with `defer_release` set."""
+        for request_id in self._finished_holding:
+            self.block_manager.free(request_id)
+        self._finished_holding.clear()
+
+    def loads_landed(self, through: int | None = None) -> None:
+        """The CPU tier's load batches up to `through` (all taken so far when None) are on the
+        GPU: the requests that waited for them compute from this step on."""
+        self.block_manager.loads_landed(through)
+        if through is None:
+            self._awaiting_load.clear()
+            return
+        for request_id in [request_id for request_id, batch in self._awaiting_load.items() if batch <= through]:
+            del self._awaiting_load[request_id]
 
     def _plan_running(self, requests: list[Request], step: StepDraft, ahead: bool,
                       before_landing: bool) -> list[Request]:
@@ -250,43 +284,39 @@ class Scheduler(StepCommits, Admission):
             if ahead:
                 if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
                     break
-            elif not self._allocate_or_preempt(request, num_tokens, step):
+            elif not self._admission.allocate_or_preempt(request, num_tokens, step):
                 continue  # the request was the one to go
-            step.add(self._chunk(request, num_tokens))
-            step.share.planned(request, num_tokens)
+            step.plan(request, num_tokens, self.block_manager.slot_table(request.request_id))
         return deferred
 
-    def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, budget: int) -> int:
+    def _last_token_is_pending(self, request: Request) -> bool:
+        """Whether the pending token ends the request by length, whatever it is."""
+        return (request.num_output_tokens + 1 >= request.params.max_tokens
+                or request.num_tokens + 1 >= self.max_model_len)
+
+    def _reserve_draft_slots(self, chunks: list[ScheduledChunk], lookahead: int, step: StepDraft) -> None:
         """Slots for up to `lookahead` drafts after each one-token decode, from free blocks and
         the token budget left, cut so that a fully accepted run (drafts and the token after
-        them) stays within max_tokens and max_model_len. Returns the budget left."""
+        them) stays within max_tokens and max_model_len."""
         for chunk in chunks:
             request = chunk.request
             if not (chunk.sample and chunk.num_tokens == 1):
                 continue
-            room = min(lookahead, budget, request.params.max_tokens - request.num_output_tokens - 1,
+            room = min(lookahead, step.budget, request.params.max_tokens - request.num_output_tokens - 1,
                        self.max_model_len - request.num_tokens - 1)
             if room > 0 and self.block_manager.allocate(request.request_id, request.num_tokens + room):
-                chunk.num_draft_slots = room
-                chunk.slot_table = self.block_manager.slot_table(request.request_id)
-                budget -= room
-        return budget
+                step.reserve_drafts(chunk, room, self.block_manager.slot_table(request.request_id))
 
-    def loads_landed(self, through: int | None = None) -> None:
-        """The CPU tier's load batches up to `through` (all taken so far when None) are on the
-        GPU: the requests that waited for them compute from this step on."""
-        self.block_manager.loads_landed(through)
-        if through is None:
-            self._awaiting_load.clear()
+    def _release(self, request: Request, status: RequestStatus, defer: bool = False) -> None:
+        """Finish the request; its blocks are freed now, or with `defer` by `release_finished`."""
+        self._awaiting_load.pop(request.request_id, None)
+        request.status = status
+        if defer:
+            self._finished_holding.append(request.request_id)
         else:
-            self._awaiting_load = {request_id: batch for request_id, batch in self._awaiting_load.items()
-                                   if batch > through}
-
-    def _has_free_seq_slot(self) -> bool:
-        return len(self.running) < self.max_num_seqs
-
-    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        slot_table = self.block_manager.slot_table(request.request_id)
-        sample = start + num_tokens == request.num_tokens + request.num_pending_tokens
-        return ScheduledChunk(request, start, num_tokens, slot_table, sample)
+            self.block_manager.free(request.request_id)
+        del self._requests[request.request_id]
+        sizes = self._parent_sizes
+        sizes[request.parent_id] -= 1
+        if not sizes[request.parent_id]:
+            del sizes[request.parent_id]  # the share of the step goes to the client requests still held

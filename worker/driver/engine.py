@@ -29,16 +29,19 @@ from spillway.worker.sample.sampler import Sampler, SamplingInput
 from spillway.worker.core.scheduler import Scheduler
 from spillway.worker.speculative.decoder import SpecDecoder
 from spillway.worker.speculative.setup import build_spec_decoder
-from spillway.worker.driver.stats import engine_stats, ready_message
+from spillway.worker.driver.stats import collect_stats, ready_message
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.tp.group import RankGroup, check_tensor_parallel
 from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
 
 class Engine:
-    """Owns the scheduler, the sampler and the requests of one worker; drives its executor."""
+    """Owns the scheduler, the sampler and the requests of one worker; drives its executor.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    `defer_release`: finished requests' blocks are freed by `release_finished` (the busy loop
+    calls it once their deltas are sent), not when their last token is committed."""
+
+    def __init__(self, config: WorkerConfig, *, defer_release: bool = False) -> None:
         self.config = config
         if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
             # Refused before the model loads.
@@ -91,6 +94,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             write_ahead_blocks=write_ahead_blocks(self.executor.runner.kv_block_bytes) if num_cpu_blocks else 0,
+            defer_release=defer_release,
         )
         self.tier: TierDriver | NullTierDriver = (TierDriver(self.block_manager, self.scheduler, self.executor)
                                                   if num_cpu_blocks else NullTierDriver())
@@ -119,7 +123,9 @@ class Engine:
                                      int(config.cpu_offload_gb * 2**30))
 
     def ready(self) -> Ready:
-        return ready_message(self)
+        return ready_message(self.config, self.block_manager, model=self.model_name, max_model_len=self.max_model_len,
+                             max_num_batched_tokens=self.max_num_batched_tokens, vocab_size=self.vocab_size,
+                             eos_token_ids=self.eos_token_ids, device=str(self.device), dtype=str(self.dtype))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -273,7 +279,9 @@ class Engine:
 
     def stats(self, check_invariants: bool = False) -> Stats:
         """Counters for the gateway (worker/driver/stats.py); the invariants only when asked or in debug mode."""
-        return engine_stats(self, check_invariants or self.debug_invariants)
+        return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
+                             check_invariants=check_invariants or self.debug_invariants,
+                             copier=self.executor.kv_copier, spec=None if self.spec is None else self.spec.metrics)
 
     def idle_write_back(self) -> bool:
         """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);

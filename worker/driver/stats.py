@@ -8,57 +8,45 @@ when asked (ControlCommand.CHECK_INVARIANTS) or in debug mode, never on a routin
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
-import msgspec
-
+from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import PROTOCOL_VERSION, Ready, RequestDelta, Stats
 from spillway.worker.core.block_manager import BlockManager
-from spillway.worker.kv_tier.copier import KVCopier
 from spillway.worker.core.scheduler import Scheduler
 from spillway.worker.core.step_plan import StepPlan
-
-if TYPE_CHECKING:
-    from spillway.worker.driver.engine import Engine
+from spillway.worker.kv_tier.copier import KVCopier
+from spillway.worker.speculative.decoder import SpecMetrics
 
 logger = logging.getLogger(__name__)
 
 
-def ready_message(engine: Engine) -> Ready:
+def ready_message(config: WorkerConfig, block_manager: BlockManager, *, model: str, max_model_len: int,
+                  max_num_batched_tokens: int, vocab_size: int, eos_token_ids: Iterable[int], device: str,
+                  dtype: str) -> Ready:
+    """What the worker tells a gateway at the start: the settings it runs with, as resolved."""
     return Ready(
         protocol_version=PROTOCOL_VERSION,
-        model=engine.model_name,
-        block_size=engine.block_size,
-        hash_seed=engine.config.hash_seed,
-        num_gpu_blocks=engine.block_manager.num_gpu_blocks,
-        num_cpu_blocks=engine.block_manager.num_cpu_blocks,
-        max_model_len=engine.max_model_len,
-        max_num_seqs=engine.config.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        vocab_size=engine.vocab_size,
-        eos_token_ids=list(engine.eos_token_ids),
-        device=str(engine.device),
-        dtype=str(engine.dtype).removeprefix("torch."),
-        enable_prefix_caching=engine.config.enable_prefix_caching,
+        model=model,
+        block_size=block_manager.block_size,
+        hash_seed=config.hash_seed,
+        num_gpu_blocks=block_manager.num_gpu_blocks,
+        num_cpu_blocks=block_manager.num_cpu_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        vocab_size=vocab_size,
+        eos_token_ids=list(eos_token_ids),
+        device=device,
+        dtype=dtype.removeprefix("torch."),
+        enable_prefix_caching=config.enable_prefix_caching,
     )
 
 
-def engine_stats(engine: Engine, check_invariants: bool) -> Stats:
-    """`collect_stats` of the engine's parts, with speculative decoding's counters where it runs."""
-    stats = collect_stats(engine.block_manager, engine.scheduler, num_steps=engine.num_steps,
-                          check_invariants=check_invariants, copier=engine.executor.kv_copier)
-    if engine.spec is None:
-        return stats
-    metrics = engine.spec.metrics
-    return msgspec.structs.replace(
-        stats, spec_num_drafts=metrics.num_drafts, spec_num_draft_tokens=metrics.num_draft_tokens,
-        spec_num_accepted_tokens=metrics.num_accepted_tokens,
-        spec_num_accepted_tokens_per_pos=list(metrics.accepted_per_position))
-
-
 def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_steps: int,
-                  check_invariants: bool, copier: KVCopier | None = None) -> Stats:
-    """O(1) counters; `invariants_ok` is None unless `check_invariants`."""
+                  check_invariants: bool, copier: KVCopier | None = None, spec: SpecMetrics | None = None) -> Stats:
+    """O(1) counters; `invariants_ok` is None unless `check_invariants`. `copier`: the CPU
+    tier's, if any; `spec`: speculative decoding's counters, where it runs."""
     ok = None
     if check_invariants:
         try:
@@ -68,6 +56,8 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
             logger.exception("block manager invariants broken")
             ok = False
     seconds = copier.seconds() if copier else (0.0, 0.0)
+    counts = scheduler.counts
+    spec = spec or SpecMetrics()  # no speculation: every count 0
     return Stats(
         num_running=scheduler.num_running,
         num_waiting=scheduler.num_waiting,
@@ -76,19 +66,23 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         num_gpu_blocks=block_manager.num_gpu_blocks,
         num_free_gpu_blocks=block_manager.num_free_blocks,
         num_cpu_blocks=block_manager.num_cpu_blocks,
-        prefix_cache_queries=scheduler.prefix_cache_queries,
-        prefix_cache_hits=scheduler.prefix_cache_hits,
-        cached_tokens_gpu=scheduler.cached_tokens_gpu,
-        cached_tokens_cpu=scheduler.cached_tokens_cpu,
-        cpu_prefix_cache_queries=scheduler.cpu_cache_queries,
-        cpu_prefix_cache_hits=scheduler.cpu_cache_hits,
+        prefix_cache_queries=counts.prefix_cache_queries,
+        prefix_cache_hits=counts.prefix_cache_hits,
+        cached_tokens_gpu=counts.cached_tokens_gpu,
+        cached_tokens_cpu=counts.cached_tokens_cpu,
+        cpu_prefix_cache_queries=counts.cpu_cache_queries,
+        cpu_prefix_cache_hits=counts.cpu_cache_hits,
         kv_offload_bytes_gpu_to_cpu=copier.bytes_to_cpu if copier else 0,
         kv_offload_bytes_cpu_to_gpu=copier.bytes_to_gpu if copier else 0,
         kv_offload_seconds_gpu_to_cpu=seconds[0],
         kv_offload_seconds_cpu_to_gpu=seconds[1],
-        num_preemptions=scheduler.num_preemptions,
+        num_preemptions=counts.num_preemptions,
         num_steps=num_steps,
         invariants_ok=ok,
+        spec_num_drafts=spec.num_drafts,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_num_accepted_tokens_per_pos=list(spec.accepted_per_position),
     )
 
 

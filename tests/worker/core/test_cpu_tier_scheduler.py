@@ -40,15 +40,15 @@ def test_a_second_turn_past_the_gpu_pool_loads_its_history_and_recomputes_only_t
     assert harness.cached["turn-2"] == 20
     assert harness.computed["turn-2"] == 12 + 3  # the new prompt tokens, then 3 decodes
     scheduler = harness.scheduler
-    assert (scheduler.cached_tokens_gpu, scheduler.cached_tokens_cpu) == (0, 20)
-    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (20 + 63 + 32, 20)
-    assert (scheduler.cpu_cache_queries, scheduler.cpu_cache_hits) == (20 + 63 + 32, 20)
+    assert (scheduler.counts.cached_tokens_gpu, scheduler.counts.cached_tokens_cpu) == (0, 20)
+    assert (scheduler.counts.prefix_cache_queries, scheduler.counts.prefix_cache_hits) == (20 + 63 + 32, 20)
+    assert (scheduler.counts.cpu_cache_queries, scheduler.counts.cpu_cache_hits) == (20 + 63 + 32, 20)
 
     without = two_turns(num_cpu_blocks=0)
     without.run()
     assert without.outputs == harness.outputs
     assert without.cached["turn-2"] == 0 and without.computed["turn-2"] == 32 + 3
-    assert without.scheduler.cpu_cache_queries == 0
+    assert without.scheduler.counts.cpu_cache_queries == 0
 
 
 def test_requests_on_blocks_still_landing_wait_without_holding_up_others_or_the_host():
@@ -91,7 +91,7 @@ def test_an_abort_while_its_blocks_load_leaves_them_cached_for_the_next_request(
     assert [(chunk.start, chunk.num_tokens) for chunk in plan.chunks] == [(20, 12)]
     harness.run()
     assert harness.cached["again"] == 20
-    assert harness.scheduler.cached_tokens_gpu == 20
+    assert harness.scheduler.counts.cached_tokens_gpu == 20
     without = two_turns(num_cpu_blocks=0)
     without.run()
     assert harness.outputs["again"] == without.outputs["turn-2"]
@@ -123,7 +123,7 @@ def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
     assert [chunk.request.request_id for chunk in plan.chunks] == ["long-1", "long-2"]
     harness.run()
     assert harness.cached["turn-2"] == 20  # counted once, at its first admission
-    assert harness.scheduler.cached_tokens_cpu == 20
+    assert harness.scheduler.counts.cached_tokens_cpu == 20
     without = preempted_while_loading(num_cpu_blocks=0)
     without.run()
     assert without.outputs == harness.outputs
@@ -168,7 +168,7 @@ def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(se
     without = random_workload(seed, 0)
     assert with_tier.outputs == without.outputs
     assert sum(with_tier.computed.values()) <= sum(without.computed.values())
-    assert with_tier.scheduler.num_preemptions + without.scheduler.num_preemptions > 0
+    assert with_tier.scheduler.counts.num_preemptions + without.scheduler.counts.num_preemptions > 0
     stores = [len(plan.kv_copies.gpu_to_cpu + plan.kv_copies.ahead_to_cpu) for plan in with_tier.plans]
     assert sum(stores) > 0
 
@@ -206,7 +206,7 @@ def test_history_written_back_ahead_loads_without_a_store_in_its_way():
 
 def test_the_random_workload_loads_from_the_tier_and_saves_compute():
     harnesses = [(random_workload(seed, 24), random_workload(seed, 0)) for seed in range(8)]
-    assert sum(with_tier.scheduler.cached_tokens_cpu for with_tier, _ in harnesses) > 0
+    assert sum(with_tier.scheduler.counts.cached_tokens_cpu for with_tier, _ in harnesses) > 0
     assert sum(sum(w.computed.values()) for w, _ in harnesses) < sum(sum(n.computed.values()) for _, n in harnesses)
 
 

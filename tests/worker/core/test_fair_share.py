@@ -68,5 +68,5 @@ def test_a_parent_of_several_choices_plans_its_share_of_the_step_before_the_othe
     share.planned(hog[1], 12)
     assert share.cap(hog[2], 1) == 0 and share.held_back
     assert share.cap(single, 60) == 60  # one choice: planned as any request, whole
-    share.capped = False
+    share.lift_caps()
     assert share.cap(hog[2], 40) == 40

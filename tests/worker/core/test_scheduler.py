@@ -31,13 +31,13 @@ class Harness:
     """
 
     def __init__(self, *, block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
-                 max_model_len=64, enable_prefix_caching=True, eos_token_ids=(NO_EOS,)):
+                 max_model_len=64, enable_prefix_caching=True, eos_token_ids=(NO_EOS,), defer_release=False):
         self.block_size = block_size
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, root_hash=ROOT,
-            eos_token_ids=list(eos_token_ids),
+            eos_token_ids=list(eos_token_ids), defer_release=defer_release,
         )
         self.kv: dict[tuple[int, int], int] = {}
         self.num_added = 0

@@ -17,12 +17,12 @@ def test_running_out_of_blocks_preempts_the_newest_which_resumes_and_completes()
     b = harness.add("b", list(range(10, 18)), max_tokens=12)
     for _ in range(9):
         harness.step()
-        assert harness.scheduler.num_preemptions == 0
+        assert harness.scheduler.counts.num_preemptions == 0
     plan, _ = harness.step()  # a's tokens reach block 5: no block left
     assert harness.scheduler.waiting == [b] and [c[0] for c in chunks(plan)] == ["a"]
     assert chunks(plan)[0][3] == [0, 1, 4, 6, 7]  # 7 was b's last block, the LRU head
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
-    assert harness.scheduler.num_preemptions == 1 and harness.scheduler.waiting == [b]
+    assert harness.scheduler.counts.num_preemptions == 1 and harness.scheduler.waiting == [b]
     assert len(harness.results["b"]) == 9
     harness.step()
     plan, results = harness.step()  # a finishes; b waits until it has
@@ -31,7 +31,7 @@ def test_running_out_of_blocks_preempts_the_newest_which_resumes_and_completes()
     # b recomputes prompt + 9 outputs, with its own first three blocks still cached.
     assert chunks(plan) == [("b", 12, 5, [2, 3, 5, 7, 6], True)]
     assert results[0].num_cached_tokens == -1
-    assert (harness.scheduler.prefix_cache_queries, harness.scheduler.prefix_cache_hits) == (16, 0)
+    assert (harness.scheduler.counts.prefix_cache_queries, harness.scheduler.counts.prefix_cache_hits) == (16, 0)
     harness.run()
     for request_id, prompt_len in (("a", 8), ("b", 8)):
         outputs = [t for r in harness.results[request_id] for t in r.new_token_ids]
@@ -45,9 +45,9 @@ def test_the_request_needing_a_block_is_preempted_when_it_is_the_newest():
     b = harness.add("b", list(range(6)))
     for _ in range(3):
         harness.step()
-        assert harness.scheduler.num_preemptions == 0
+        assert harness.scheduler.counts.num_preemptions == 0
     plan, _ = harness.step()  # b's 9th token needs a third block; a holds the last free one
-    assert harness.scheduler.waiting == [b] and harness.scheduler.num_preemptions == 1
+    assert harness.scheduler.waiting == [b] and harness.scheduler.counts.num_preemptions == 1
     assert chunks(plan) == [("a", 10, 1, [0, 1, 4], True)]
     assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 3
 
@@ -81,8 +81,7 @@ def test_abort_between_schedule_and_update_drops_the_chunk():
 
 
 def test_a_deferred_release_frees_the_blocks_after_the_results_or_at_the_next_schedule():
-    harness = Harness(num_blocks=8, max_model_len=32)
-    harness.scheduler.defer_release = True
+    harness = Harness(num_blocks=8, max_model_len=32, defer_release=True)
     harness.add("a", list(range(10)), max_tokens=1)
     _, results = harness.step()
     assert [(r.request.request_id, r.finish_reason) for r in results] == [("a", FinishReason.LENGTH)]
@@ -111,8 +110,8 @@ def test_a_deferred_release_frees_the_blocks_after_the_results_or_at_the_next_sc
 @pytest.mark.parametrize("seed", range(4))
 def test_a_random_workload_under_block_pressure_produces_every_expected_token(seed, defer_release):
     rng = random.Random(seed)
-    harness = Harness(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=40)
-    harness.scheduler.defer_release = defer_release
+    harness = Harness(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12, max_model_len=40,
+                      defer_release=defer_release)
     prefixes = [[rng.randrange(50) for _ in range(n)] for n in (0, 5, 9)]
     expected = {}
     for step in range(200):
@@ -127,6 +126,6 @@ def test_a_random_workload_under_block_pressure_produces_every_expected_token(se
     harness.run()
     outputs = {i: [t for r in results for t in r.new_token_ids] for i, results in harness.results.items()}
     assert outputs == expected
-    assert harness.scheduler.num_preemptions > 0
+    assert harness.scheduler.counts.num_preemptions > 0
     harness.scheduler.release_finished()
     assert harness.manager.num_free_blocks == 12

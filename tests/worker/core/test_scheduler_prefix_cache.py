@@ -18,8 +18,8 @@ def test_a_prefix_hit_always_recomputes_the_last_prompt_token(num_prompt_tokens,
     assert (start, num_tokens, sample) == (num_cached, num_prompt_tokens - num_cached, True)
     assert results[0].num_cached_tokens == num_cached
     assert harness.results["a"][0].num_cached_tokens == 0
-    assert harness.scheduler.prefix_cache_queries == 2 * num_prompt_tokens
-    assert harness.scheduler.prefix_cache_hits == num_cached
+    assert harness.scheduler.counts.prefix_cache_queries == 2 * num_prompt_tokens
+    assert harness.scheduler.counts.prefix_cache_hits == num_cached
     assert harness.step()[1][0].num_cached_tokens == -1  # only the first output carries it
 
 
@@ -38,7 +38,7 @@ def test_a_shared_system_prompt_hits_across_different_questions():
     blocks_a = [harness.manager.blocks[i] for i in harness.manager.block_ids("a")]
     assert [block.gpu_slot for block in blocks_a] == table_a
     assert [block.ref_count for block in blocks_a] == [2, 2, 1]
-    assert harness.scheduler.prefix_cache_hits == 8
+    assert harness.scheduler.counts.prefix_cache_hits == 8
 
 
 @pytest.mark.parametrize("hashed_by_gateway", [True, False])
@@ -60,4 +60,4 @@ def test_with_prefix_caching_off_nothing_hits_or_counts():
         harness.add(request_id, list(range(12)), max_tokens=2)
         harness.run()
     assert [harness.results[i][0].num_cached_tokens for i in "ab"] == [0, 0]
-    assert (harness.scheduler.prefix_cache_queries, harness.scheduler.prefix_cache_hits) == (0, 0)
+    assert (harness.scheduler.counts.prefix_cache_queries, harness.scheduler.counts.prefix_cache_hits) == (0, 0)

@@ -55,7 +55,7 @@ def test_a_short_request_beside_an_n64_hog_gets_a_token_in_each_of_its_first_ste
     assert engine.add_request(SHORT) is None
     short_steps = [step for step in range(1, 9) if step_once()]  # counted from its arrival
     assert short_steps == [1, 2, 3, 4]
-    assert engine.scheduler.num_preemptions > 0  # the hog's own choices gave way
+    assert engine.scheduler.counts.num_preemptions > 0  # the hog's own choices gave way
     assert sum(len(tokens[f"hog-{i}"]) for i in range(HOG_N) if f"hog-{i}" in tokens) > hog_tokens_before
     engine.abort([f"hog-{i}" for i in range(HOG_N)])
     manager = engine.scheduler.block_manager

@@ -42,7 +42,7 @@ def test_draft_slots_never_preempt_and_fit_the_token_budget():
     prefill_then_plan(other, *requests)  # x: 8 tokens in 2 blocks, y: 4 in 1: the pool is full
     plan = other.schedule(lookahead=3)
     assert [(c.num_tokens, c.num_draft_slots) for c in plan.chunks] == [(1, 0), (1, 0)]
-    assert other.num_preemptions == 0
+    assert other.counts.num_preemptions == 0
 
 
 def test_drafts_take_only_the_blocks_no_running_request_needs():
@@ -55,7 +55,7 @@ def test_drafts_take_only_the_blocks_no_running_request_needs():
     assert scheduler.block_manager.num_free_blocks == 1
     plan = scheduler.schedule(lookahead=4)  # newer's decode takes the last free block, not older's drafts
     assert [(c.request.request_id, c.num_draft_slots) for c in plan.chunks] == [("older", 0), ("newer", 0)]
-    assert scheduler.num_preemptions == 0 and scheduler.block_manager.num_free_blocks == 0
+    assert scheduler.counts.num_preemptions == 0 and scheduler.block_manager.num_free_blocks == 0
 
 
 def test_pack_step_asks_for_every_verified_row():
