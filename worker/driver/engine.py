@@ -23,6 +23,8 @@ from spillway.worker.runner.kv_blocks import num_blocks_for_memory
 from spillway.worker.sample.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.runner.model_runner import ModelRunner
 from spillway.worker.models import loader
+from spillway.worker.driver.commit_order import (AFTER_LAUNCH, BEFORE_LAUNCH, BEFORE_PLAN, FINISHED, NEXT_CALL,
+                                                 NOTHING, RUNNING, Commit, CommitOrder, commit_order)
 from spillway.worker.driver.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.core.request import Request
 from spillway.worker.sample.sampler import Sampler, SamplingInput
@@ -172,53 +174,67 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """plan -> inputs -> execute -> sample -> commit; returns the deltas of the steps
-        committed meanwhile. A plan that may run ahead (with async scheduling) is launched
-        before the step in flight is committed, and is itself committed one call later."""
+        """plan -> launch -> commit; returns the deltas of the steps committed meanwhile.
+        `commit_order` (worker/driver/commit_order.py) places the commits of the step in flight
+        and of the step launched now around the plan and the launch; each goes through
+        `_commit_due`. A plan that runs ahead (asynchronous scheduling) is launched before the
+        step in flight is committed, and is itself committed by the next call."""
         previous = self._in_flight
-        deltas: list[RequestDelta] = []
         self.tier.before_step()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
-        # Drafts follow committed tokens only: settle the step in flight before planning. So
-        # does a step the device has finished: running ahead of an idle device gains nothing,
-        # and its tokens (a burst's first tokens) should not wait for the admission of the
-        # requests that arrived meanwhile.
-        if previous is not None and (lookahead or previous.finished()):
-            self._in_flight = None
-            deltas = self._commit(previous)
+        state = (NOTHING if previous is None
+                 else RUNNING if lookahead or not previous.finished() else FINISHED)
+        order = commit_order(state, lookahead)  # before planning: whether `previous` goes first
+        deltas = self._commit_due(BEFORE_PLAN, order, previous, None, [])
+        if order.in_flight is BEFORE_PLAN:
             previous = None
-        # Nothing runs (or only a step planned so) and the loads the requests wait for are
-        # about to land: plan them now, their forward queued behind the loads
-        # (TierDriver.plan_before_landing).
-        before_landing = self.tier.plan_before_landing(previous)
-        plan = self.last_plan = self.scheduler.schedule(ahead=previous is not None, lookahead=lookahead,
-                                                        before_landing=before_landing)
-        if lookahead:
-            self.spec.propose(plan)  # a plan with drafts does not run ahead
-        self._holding = previous is not None and not plan.chunks and self.tier.hold_in_flight(previous)
-        if self._holding:  # its tokens are committed once it has finished, at the top
-            if plan.kv_copies is not NO_KV_COPIES:
-                self.executor.copy_kv(plan.kv_copies)
-            return deltas
-        run_ahead = self.async_scheduling and plan.run_ahead
-        if previous is not None and not run_ahead:
-            self._in_flight = None
-            deltas = self._commit(previous)
+        plan = self._plan(previous, lookahead)
+        holds = previous is not None and not plan.chunks and self.tier.hold_in_flight(previous)
+        order = commit_order(state, lookahead, holds, self.async_scheduling and plan.run_ahead)
+        self._holding = order.in_flight is NEXT_CALL
+        deltas = self._commit_due(BEFORE_LAUNCH, order, previous, None, deltas)
+        if order.in_flight is BEFORE_LAUNCH:
             plan.drop_finished()
         if not plan.chunks:
             if plan.kv_copies is not NO_KV_COPIES:  # loads for requests that start next step
                 self.executor.copy_kv(plan.kv_copies)
             return deltas
-        launched = self._launch(plan, previous if run_ahead else None, run_ahead)
-        if not run_ahead:
-            return deltas + self._commit(launched)
-        if previous is not None:
-            deltas = self._commit(previous)
-        # After that commit, which settles the counts of the requests `plan` continues.
-        self.scheduler.mark_in_flight(plan)
-        self._in_flight = launched
-        self.num_async_steps += 1
+        ahead = order.launched is NEXT_CALL
+        launched = self._launch(plan, previous if ahead else None, ahead)
+        deltas = self._commit_due(AFTER_LAUNCH, order, previous, launched, deltas)
+        if ahead:
+            # After that commit, which settles the counts of the requests `plan` continues.
+            self.scheduler.mark_in_flight(plan)
+            self._in_flight = launched
+            self.num_async_steps += 1
         return deltas
+
+    def _plan(self, in_flight: LaunchedStep | None, lookahead: int) -> StepPlan:
+        """The scheduler's plan, with drafts where it reserved slots; `in_flight`: the step
+        still on the device, whose tokens the plan counts as pending."""
+        # Nothing runs (or only a step planned so) and the loads the requests wait for are
+        # about to land: plan them now, their forward queued behind the loads
+        # (TierDriver.plan_before_landing).
+        before_landing = self.tier.plan_before_landing(in_flight)
+        plan = self.last_plan = self.scheduler.schedule(ahead=in_flight is not None, lookahead=lookahead,
+                                                        before_landing=before_landing)
+        if lookahead:
+            self.spec.propose(plan)  # a plan with drafts does not run ahead
+        return plan
+
+    def _commit_due(self, point: Commit, order: CommitOrder, previous: LaunchedStep | None,
+                    launched: LaunchedStep | None, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """Commit the step that `order` places at `point` (at most one is): the step in flight
+        or the one launched now; its deltas follow `deltas`."""
+        if order.in_flight is point:
+            self._in_flight = None
+            step = previous
+        elif order.launched is point:
+            step = launched
+        else:
+            return deltas
+        committed = self._commit(step)
+        return deltas + committed if deltas else committed
 
     def _launch(self, plan: StepPlan, previous: LaunchedStep | None, ahead: bool) -> LaunchedStep:
         """Inputs, execute, sample: everything up to the tokens, read by no host code.
