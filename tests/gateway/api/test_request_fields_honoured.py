@@ -14,7 +14,7 @@ from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate
-from test_request_fields import BOS, CHAT, COMPLETION, OUTPUT, REFUSED, ROWS, SCRIPT, Sent
+from tests.gateway.api.test_request_fields import BOS, CHAT, COMPLETION, OUTPUT, REFUSED, ROWS, SCRIPT, Sent
 
 BASE = {CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
         COMPLETION: {"model": MODEL, "prompt": "Hi there", "max_tokens": 4}}

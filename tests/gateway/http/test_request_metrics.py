@@ -14,7 +14,7 @@ from spillway.gateway.metrics.metrics import GatewayMetrics
 from spillway.gateway.metrics.request_metrics import RequestTimes, one_two_five_buckets
 from spillway.gateway.http.stats_log import StatsLogger
 from spillway.protocol.messages import Stats
-from test_server_fake import fake_app, script  # noqa: F401 (fixtures)
+from tests.gateway.http.test_server_fake import fake_app, script  # noqa: F401 (fixtures)
 
 STEP_S = 0.01
 

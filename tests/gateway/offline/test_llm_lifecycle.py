@@ -18,7 +18,7 @@ import pytest
 from fake_worker import FakeWorkerProcess
 from spillway.gateway import LLM
 from spillway.gateway.offline import llm as llm_module
-from test_llm_driver import COUNTING, encode, fake_llm, greedy, tokenizer  # noqa: F401 (fixtures)
+from tests.gateway.offline.test_llm_driver import COUNTING, encode, fake_llm, greedy, tokenizer  # noqa: F401 (fixtures)
 
 
 def interrupt_main_after(seconds: float) -> threading.Timer:

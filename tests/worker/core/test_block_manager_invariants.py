@@ -6,7 +6,7 @@ import pytest
 
 from spillway.worker.core.block_manager import BlockManager
 
-from test_block_manager import h, make_manager
+from tests.worker.core.test_block_manager import h, make_manager
 
 
 def _bump_ref_count(manager: BlockManager) -> None:

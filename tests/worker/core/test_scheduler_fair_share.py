@@ -4,7 +4,7 @@ every step (worker/core/fair_share.py)."""
 
 from __future__ import annotations
 
-from test_scheduler import ROOT, Harness, chunks, expected_outputs
+from tests.worker.core.test_scheduler import ROOT, Harness, chunks, expected_outputs
 
 from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import Generate, SamplingParams

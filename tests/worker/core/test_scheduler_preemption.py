@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_scheduler import Harness, chunks, expected_outputs
+from tests.worker.core.test_scheduler import Harness, chunks, expected_outputs
 
 from spillway.protocol.messages import FinishReason
 from spillway.worker.core.request import RequestStatus

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_scheduler import Harness, chunks
+from tests.worker.core.test_scheduler import Harness, chunks
 
 
 @pytest.mark.parametrize("num_prompt_tokens, num_cached", [(32, 16), (33, 32), (31, 16), (16, 0)])

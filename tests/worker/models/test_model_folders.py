@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_loader import module_cache_dir, write_folder  # noqa: F401 (an autouse fixture: a private cache)
+from tests.worker.models.test_loader import module_cache_dir, write_folder  # noqa: F401 (an autouse fixture: a private cache)
 
 from spillway.protocol.local.model_files import ModelFiles, resolve_model
 from spillway.worker.models.loader import iter_weights

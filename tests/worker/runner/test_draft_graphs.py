@@ -18,7 +18,7 @@ from spillway.worker.core.request import Request
 from spillway.worker.sample.sampler import Sampler
 from spillway.worker.speculative.draft_model import DraftModelProposer
 from spillway.worker.speculative.setup import build_spec_decoder
-from test_runner_cuda_path import TINY_CONFIGS, VOCAB, EagerGraphs, runner_pair
+from tests.worker.runner.test_runner_cuda_path import TINY_CONFIGS, VOCAB, EagerGraphs, runner_pair
 from tests.worker.speculative.test_spec_engine import tiny_model  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")

@@ -17,7 +17,7 @@ from spillway.worker.kv_tier.step_graphs import StepGraphs
 from spillway.worker.attention.triton_paged import graph_prefill_metadata
 from spillway.worker.runner.model_runner import ChunkInput, TokenFeed
 from spillway.worker.attention.step_inputs import StepInputs
-from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
+from tests.worker.runner.test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
 
 CPU = torch.device("cpu")
 

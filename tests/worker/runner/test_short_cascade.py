@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
+from tests.worker.runner.test_runner_cuda_path import BLOCK, VOCAB, EagerGraphs, runner_pair
 
 import spillway.worker.attention.triton_paged as attention_triton
 from spillway.kernels.cascade_attention import SHORT_SUFFIX_ROWS, SUFFIX_ROWS, short_query_tokens

@@ -18,8 +18,8 @@ from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS, GraphBucke
 from spillway.worker.kv_tier.step_graphs import StepGraphs
 from spillway.worker.runner.model_runner import ChunkInput, TokenFeed
 from spillway.worker.attention.step_inputs import StepInputs
-from test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
-from test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
+from tests.worker.runner.test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
+from tests.worker.runner.test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
 from tests.worker.speculative.test_spec_engine import make_engine, tiny_model  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")

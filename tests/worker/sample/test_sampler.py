@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampler_filters import FILTER_CASES, fixed_logits, make_input, reference_probs, support
+from tests.worker.sample.test_sampler_filters import FILTER_CASES, fixed_logits, make_input, reference_probs, support
 
 from spillway.protocol.messages import SamplingParams
 from spillway.worker.sample.sampler import Sampler, SamplingInput, adjusted_logits, filtered_logits
