@@ -103,7 +103,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cpu_offload_gb: float = 0.0
     num_cpu_blocks_override: int | None = None
     # GB/s the tier's loads take at most while other requests compute (worker/kv_tier/paced_loads.py;
-    # SPILLWAY_KV_LOAD_GB_S, read by `worker_config_from_env`); 0: full speed always.
+    # SPILLWAY_KV_LOAD_GB_S, read by `worker_config_from_env`); 0: full speed always. A decode
+    # step beside the loads slows by about 0.1% per GB/s of them on the H200 (docs/performance.md:
+    # 1.024x its time alone at 26, 1.031x at 32, 1.048x at full speed, ~51 GB/s), under the 3%
+    # aimed at; a GPU with less memory bandwidth pays more per GB/s and wants less.
     kv_load_gb_s: float = 26.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly

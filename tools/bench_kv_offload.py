@@ -106,13 +106,20 @@ def block_shape(args) -> tuple[int, ...]:
 
 
 def pooled_copier(args, num_slots: int):
-    """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each."""
-    from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
+    """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each,
+    paced as an engine's (its default rate; the burst of the reference model's step, Qwen3-8B's
+    on the H200; the speed guess of this machine's link: worker/driver/timing.py)."""
+    from spillway.protocol.config import WorkerConfig
+    from spillway.worker.driver.timing import REFERENCE_DECODE_STEP_S, LinkTiming, StepTiming
     from spillway.worker.kv_tier.copier import KVCopier
+    from spillway.worker.kv_tier.host_pool import allocate_cpu_pool, time_host_to_device
 
     shape = block_shape(args)
     gpu = torch.randn((num_slots, *shape), dtype=torch.bfloat16, device="cuda")
-    return KVCopier(gpu, allocate_cpu_pool(num_slots, shape, torch.bfloat16, pinned=True))
+    return KVCopier(gpu, allocate_cpu_pool(num_slots, shape, torch.bfloat16, pinned=True),
+                    load_bytes_per_s=WorkerConfig(model=args.model).kv_load_gb_s * 1e9,
+                    load_burst_s=StepTiming.derive(REFERENCE_DECODE_STEP_S).load_burst_s,
+                    load_speed_guess=LinkTiming.derive(time_host_to_device(gpu.device)).load_speed_guess)
 
 
 def timed_seconds(queue) -> float:

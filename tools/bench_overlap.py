@@ -35,7 +35,12 @@ def build(model: str, seqs: int, new: int, prefix_len: int):
     engine = landing_engine(model, seqs, new, prefix_len)
     executor = engine.executor
     if executor.kv_copier is None:
-        executor.allocate_cpu_kv_cache(prefix_blocks, load_bytes_per_s=0)
+        from spillway.worker.driver.timing import LinkTiming
+        from spillway.worker.kv_tier.host_pool import time_host_to_device
+
+        executor.allocate_cpu_kv_cache(prefix_blocks, load_bytes_per_s=0, load_burst_s=engine.timing.load_burst_s,
+                                       load_speed_guess=LinkTiming.derive(
+                                           time_host_to_device(executor.device)).load_speed_guess)
     if executor.device.type == "cuda":  # as the engine's tier does: staged inputs do not queue behind loads
         from spillway.kernels.host_copy import warm_up_copies
 

@@ -2,8 +2,9 @@
 
     drain inboxes (Generate | Abort | Control) -> engine.step() -> push StepOutputs to each link
 
-(with work in flight, an iteration takes messages in for at most DRAIN_BUDGET_S, or
-LANDING_DRAIN_BUDGET_S while nothing can compute before loads from the CPU tier land).
+(with work in flight, an iteration takes messages in for at most the engine's drain budget, or
+its landing drain budget while nothing can compute before loads from the CPU tier land; both
+scale with the model's step: worker/driver/timing.py).
 
 The gateway binds both sockets; the worker connects, so a worker on another host only
 needs the gateway's address (and, off loopback, the link's key: protocol/local/link_auth.py).
@@ -53,20 +54,9 @@ logger = logging.getLogger("spillway.worker")
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 1000
-# How long one iteration keeps taking messages in while there is work: a burst of arrivals
-# (each a decode and an add, ~0.1-1 ms for a long prompt) must not hold back the step that
-# commits tokens already computed, nor the admission of the requests taken in so far.
-DRAIN_BUDGET_S = 0.002
-# The same while nothing can compute before loads from the CPU tier land: a burst on one long
-# prefix is taken in slices of ~5 ms, each followed by a step that admits that slice (~0.3 ms
-# a 10k-token request), so the admission of those in by the landing is done when it lands and
-# the step after it computes them all (requests admitted on a load compute together once it
-# lands, whichever step admitted them). Taken for 20 ms at once, a fast burst (35 requests,
-# from several API servers) was admitted in one 12 ms step after the landing. A landing ends
-# the intake at once (an event query per message), so the step it allows is not held back.
-LANDING_DRAIN_BUDGET_S = 0.005
 # With nothing to compute until a load from the CPU tier lands (a 10k-token prefix takes
-# ~27 ms), the inbox is polled this long between checks of the device, not in a spin.
+# ~27 ms on the H200), the inbox is polled between checks of the device, not in a spin: for the
+# shortest wait a poll takes (whole milliseconds).
 LANDING_POLL_MS = 1
 
 
@@ -142,7 +132,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
         else:
             timeout = LANDING_POLL_MS if engine.waits_for_loads else 0
         landing = engine.waits_for_loads
-        budget = LANDING_DRAIN_BUDGET_S if landing else DRAIN_BUDGET_S
+        budget = engine.timing.landing_drain_budget_s if landing else engine.timing.drain_budget_s
         landed = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
         for link, data in links.take(timeout, lambda: engine.has_work, budget, landed):
             try:

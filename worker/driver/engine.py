@@ -7,6 +7,8 @@ here (see main.py).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from spillway.kernels.utils import use_programmatic_launch
@@ -17,7 +19,7 @@ from spillway.protocol.config import WorkerConfig
 from spillway.protocol.reasoning import forced_token
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.runner.device_settings import resolve_device_settings
-from spillway.worker.kv_tier.host_pool import check_host_memory
+from spillway.worker.kv_tier.host_pool import check_host_memory, time_host_to_device
 from spillway.worker.runner.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
 from spillway.worker.runner.kv_blocks import num_blocks_for_memory
 from spillway.worker.sample.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
@@ -33,8 +35,11 @@ from spillway.worker.speculative.decoder import SpecDecoder
 from spillway.worker.speculative.setup import build_spec_decoder
 from spillway.worker.driver.stats import collect_stats, ready_message
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
+from spillway.worker.driver.timing import LinkTiming, StepTiming
 from spillway.worker.tp.group import RankGroup, check_tensor_parallel
 from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -77,11 +82,21 @@ class Engine:
                 draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
         num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
+        # The deadlines and budgets scale with the model's step as this device runs it, the CPU
+        # tier's write-back with its link (worker/driver/timing.py).
+        decode_step_s = finish_start(self.executor, config)
+        self.timing = StepTiming.derive(decode_step_s)
+        logger.info("decode step: %.3f ms", decode_step_s * 1e3)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
+        link: LinkTiming | None = None
         if num_cpu_blocks:
-            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, config.kv_load_gb_s * 1e9,
-                                                config.setting("cpu_offload_gb"))
-        finish_start(self.executor, config)
+            copy_bytes_per_s = time_host_to_device(self.device)
+            link = LinkTiming.derive(copy_bytes_per_s)
+            logger.info("host-to-device copy: %.1f GB/s", copy_bytes_per_s / 1e9)
+            self.executor.allocate_cpu_kv_cache(num_cpu_blocks, load_bytes_per_s=config.kv_load_gb_s * 1e9,
+                                                load_burst_s=self.timing.load_burst_s,
+                                                load_speed_guess=link.load_speed_guess,
+                                                size_setting=config.setting("cpu_offload_gb"))
         if self.group is not None:
             self.executor.step_sender = self.group.send_step
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
@@ -95,11 +110,12 @@ class Engine:
             root_hash=self.root_hash,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
-            write_ahead_blocks=write_ahead_blocks(self.executor.runner.kv_block_bytes) if num_cpu_blocks else 0,
+            write_ahead_blocks=(0 if link is None else
+                                write_ahead_blocks(self.executor.runner.kv_block_bytes, link.write_ahead_bytes)),
             defer_release=defer_release,
         )
-        self.tier: TierDriver | NullTierDriver = (TierDriver(self.block_manager, self.scheduler, self.executor)
-                                                  if num_cpu_blocks else NullTierDriver())
+        self.tier: TierDriver | NullTierDriver = NullTierDriver() if link is None else TierDriver(
+            self.block_manager, self.scheduler, self.executor, self.timing.landing, link.idle_write_ahead_bytes)
         self.debug_invariants = envs.debug_invariants()
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)

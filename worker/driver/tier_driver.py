@@ -17,55 +17,31 @@ from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.runner.executor import Executor
 from spillway.worker.driver.pipeline import LaunchedStep
 from spillway.worker.core.scheduler import Scheduler
+from spillway.worker.driver.timing import LandingDeadlines
 
-# Bytes of cached GPU blocks written back ahead of their eviction, per step, and per batch while
-# the engine is idle (a request arriving meanwhile finds its stores queued behind at most ~2 ms
-# of them).
-WRITE_AHEAD_BYTES = 128 * 2**20
-IDLE_WRITE_AHEAD_BYTES = 128 * 2**20
-# While every running request waits for its loads, the step that computes them is planned before
-# they land, its forward queued behind them on the device, so that its host time (~2 ms for one
-# request on a 10k-token prefix, 4-7 ms for 50 on the H200's host) passes while they land: once
-# they should land within PLAN_BEFORE_LANDING_S. Where the loads land layer by layer
-# (worker/kv_tier/copier.py) its forward computes each layer as it lands, so it is planned sooner,
-# once they should land within PLAN_OVERLAPPED_S, and most of its device time (5.6 ms for one
-# request, 11.4 for 50 on the H200) passes meanwhile too; but not while requests still come in
-# (none for ARRIVALS_QUIET_S): a burst on one prefix reaches the worker over ~10 ms, and a member
-# that arrives after the plan computes in the step after, which waits behind it. Once they land
-# within ARRIVALS_DEADLINE_S it is planned whatever still arrives: a burst's step planned later
-# than that (its host time, ~3.5 ms for 50, then ~11 ms of device time for 50 on a 10k-token
-# prefix) no longer overlaps the loads, and every member waits for the stragglers' step's whole
-# device time after the landing, where a straggler left out waits for one step more.
-PLAN_BEFORE_LANDING_S = 0.006
-PLAN_OVERLAPPED_S = 0.02
-ARRIVALS_QUIET_S = 0.003
-ARRIVALS_DEADLINE_S = 0.014
-# Members that arrive after that step was launched wait for the same loads: while those land in
-# more than HOLD_IN_FLIGHT_S the engine leaves the step in flight instead of waiting for its
-# tokens, so that the late members' step can be planned before the landing too (once arrivals
-# stop, or within PLAN_BEFORE_LANDING_S), queued behind it on the device; closer to the landing
-# it waits for the first step's tokens, which come ~1-2 ms after the landing.
-HOLD_IN_FLIGHT_S = 0.002
-
-
-def write_ahead_blocks(block_bytes: int) -> int:
+def write_ahead_blocks(block_bytes: int, write_ahead_bytes: int) -> int:
     """Cached GPU blocks of `block_bytes` written back ahead of their eviction per step (the
-    scheduler's `write_ahead_blocks`)."""
-    # ~2 ms of copy a step at ~55 GB/s: the store stream is free again before the next
-    # step's stores, which the forward waits for, are queued behind it (a batch is planned
-    # only once the one before has finished). At most 64 blocks: the scheduler walks 4x
-    # that into the LRU every step.
-    return min(64, max(1, WRITE_AHEAD_BYTES // block_bytes))
+    scheduler's `write_ahead_blocks`), `write_ahead_bytes` of them (worker/driver/timing.py)."""
+    # The store stream is free again before the next step's stores, which the forward waits
+    # for, are queued behind it (a batch is planned only once the one before has finished).
+    # At most 64 blocks: the scheduler walks 4x that into the LRU every step.
+    return min(64, max(1, write_ahead_bytes // block_bytes))
 
 
 class TierDriver:
     """The CPU tier of one engine, between its scheduler and its executor's copier."""
 
-    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, block_manager: BlockManager, scheduler: Scheduler, executor: Executor,
+                 deadlines: LandingDeadlines, idle_write_ahead_bytes: int) -> None:
+        """`deadlines`: when to plan before a landing (`plan_before_landing`, `hold_in_flight`);
+        `idle_write_ahead_bytes`: the cached blocks written back a batch while idle
+        (`idle_write_back`; worker/driver/timing.py)."""
         assert block_manager.num_cpu_blocks and executor.kv_copier is not None
         self.tier, self.copier = block_manager.tier, executor.kv_copier
         self.block_manager, self.scheduler, self.executor = block_manager, scheduler, executor
+        self.deadlines = deadlines
         self.block_bytes = executor.runner.kv_block_bytes
+        self.idle_write_ahead_bytes = idle_write_ahead_bytes
         self.small_copies_by_kernel = executor.device.type == "cuda"
         if self.small_copies_by_kernel:
             warm_up_copies(executor.device)
@@ -84,15 +60,17 @@ class TierDriver:
 
     def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:
         """Whether to plan the requests waiting for loads now (`Scheduler.schedule(
-        before_landing=True)`): every running request waits for loads, all of them are queued
-        on the device, and they should land within PLAN_BEFORE_LANDING_S (`KVCopier.loads_land_in`,
-        an estimate on the host clock), or within PLAN_OVERLAPPED_S where they land layer by
-        layer and no request arrived for ARRIVALS_QUIET_S (within ARRIVALS_DEADLINE_S whatever
-        arrives). `in_flight`: the step on the device, if any; only one planned before the
-        landing too, whose requests count as waiting (a burst's late members go behind it,
-        once arrivals stop or within PLAN_BEFORE_LANDING_S: each such step costs a whole
-        step's device time). Only on CUDA: elsewhere loads land as they are queued."""
-        scheduler = self.scheduler
+        before_landing=True)`), so that the host time of their step (and, where the loads land
+        layer by layer, most of its device time) passes while the loads land: every running
+        request waits for loads, all of them are queued on the device, and they should land
+        within `plan_before_landing_s` (`KVCopier.loads_land_in`, an estimate on the host
+        clock), or within `plan_overlapped_s` where they land layer by layer and no request
+        arrived for `arrivals_quiet_s` (within `arrivals_deadline_s` whatever arrives).
+        `in_flight`: the step on the device, if any; only one planned before the landing too,
+        whose requests count as waiting (a burst's late members go behind it, once arrivals
+        stop or within `plan_before_landing_s`: each such step costs a whole step's device
+        time). Only on CUDA: elsewhere loads land as they are queued."""
+        scheduler, deadlines = self.scheduler, self.deadlines
         if self.copier.load_stream is None or not scheduler.num_awaiting_load:
             return False
         beside = 0
@@ -103,24 +81,25 @@ class TierDriver:
         if scheduler.num_running != scheduler.num_awaiting_load + beside:
             return False
         land_in = self.copier.loads_land_in()
-        if land_in is None or land_in > PLAN_OVERLAPPED_S:
+        if land_in is None or land_in > deadlines.plan_overlapped_s:
             return False
-        if land_in <= PLAN_BEFORE_LANDING_S:
+        if land_in <= deadlines.plan_before_landing_s:
             return True
         if not self.copier.lands_by_layer():
             return False
-        quiet = time.monotonic() - scheduler.last_received >= ARRIVALS_QUIET_S
-        return quiet or (in_flight is None and land_in <= ARRIVALS_DEADLINE_S)
+        quiet = time.monotonic() - scheduler.last_received >= deadlines.arrivals_quiet_s
+        return quiet or (in_flight is None and land_in <= deadlines.arrivals_deadline_s)
 
     def hold_in_flight(self, step: LaunchedStep) -> bool:
         """Whether to leave `step` in flight rather than wait for its tokens, with nothing else
         to launch: it was planned before the landing, requests wait for loads that land in more
-        than HOLD_IN_FLIGHT_S, and the device has not finished it (its tokens go out as soon as
-        the engine sees it has, `Engine.step`)."""
+        than `hold_in_flight_s`, and the device has not finished it (its tokens go out as soon
+        as the engine sees it has, `Engine.step`), so that late members can be planned behind
+        it before the landing too."""
         if not step.plan.kv_copies.wait_for_loads or not self.scheduler.num_awaiting_load:
             return False
         land_in = self.copier.loads_land_in()
-        return land_in is not None and land_in > HOLD_IN_FLIGHT_S and not step.finished()
+        return land_in is not None and land_in > self.deadlines.hold_in_flight_s and not step.finished()
 
     def awaited_load_landed(self) -> bool:
         """Whether a load batch some request waits for has landed since the last step (an event
@@ -139,9 +118,9 @@ class TierDriver:
             if not self.copier.ahead_stored():
                 return True
             self.tier.complete_store()
-        batch = max(1, IDLE_WRITE_AHEAD_BYTES // self.block_bytes)
-        # The next evicted 16 batches (2 GiB) at most: what a burst takes first, found within a
-        # bounded walk of the LRU (a pool of a small model holds millions of blocks).
+        batch = max(1, self.idle_write_ahead_bytes // self.block_bytes)
+        # The next evicted 16 batches (2 GiB on the H200) at most: what a burst takes first,
+        # found within a bounded walk of the LRU (a pool of a small model holds millions of blocks).
         if not self.block_manager.write_back_ahead(batch, 16 * batch):
             return False
         self.executor.copy_kv(self.block_manager.take_copies())

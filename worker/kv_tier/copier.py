@@ -60,12 +60,8 @@ from collections.abc import Sequence
 import torch
 
 from spillway.worker.kv_tier.block_copies import block_runs, copy_blocks, copy_layers, copy_runs
-from spillway.worker.kv_tier.paced_loads import LOAD_BYTES_PER_S, LoadChunk, PacedLoads
+from spillway.worker.kv_tier.paced_loads import LoadChunk, PacedLoads
 from spillway.worker.core.step_plan import KVCopies
-
-# A load's speed before any was timed: a little under the pinned host-to-device copies measured
-# on the H200 (55 GB/s). Only the estimate of when loads land uses it (`loads_land_in`).
-LOAD_SPEED_GUESS = 45e9
 
 
 def _overlap(copies: KVCopies) -> bool:
@@ -83,8 +79,11 @@ class KVCopier:
     """Runs each step's `KVCopies` between the GPU pool and the CPU pool (module doc), and
     counts the bytes and the time they took."""
 
-    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor,
-                 load_bytes_per_s: float = LOAD_BYTES_PER_S) -> None:
+    def __init__(self, gpu_pool: torch.Tensor, cpu_pool: torch.Tensor, load_bytes_per_s: float,
+                 load_burst_s: float, load_speed_guess: float) -> None:
+        """`load_bytes_per_s` and `load_burst_s`: the loads' pace while others compute (0: never
+        paced) and what a quiet spell saves up of it (worker/kv_tier/paced_loads.py);
+        `load_speed_guess`: a load's speed until some are timed (`load_speed`)."""
         self.gpu_pool = gpu_pool
         self.cpu_pool = cpu_pool
         self.block_bytes = gpu_pool[0].nbytes
@@ -92,8 +91,7 @@ class KVCopier:
         self.store_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.load_stream = torch.cuda.Stream(gpu_pool.device) if on_cuda else None
         self.num_layers = gpu_pool.shape[1]
-        # load_bytes_per_s 0: never paced
-        self.pending_loads = PacedLoads(self.block_bytes, load_bytes_per_s, self.num_layers)
+        self.pending_loads = PacedLoads(self.block_bytes, load_bytes_per_s, load_burst_s, self.num_layers)
         self._last_loads: torch.cuda.Event | None = None  # after every load queued so far
         # Per layer, an event after that layer of every load queued so far (once every chunk of
         # the last batch is queued; None after a batch in whole blocks): what a forward planned
@@ -109,6 +107,7 @@ class KVCopier:
         self._load_sizes: deque[int] = deque()  # the bytes of each entry of _load_timings
         # The loads' own speed, from the timed ones (a paced chunk times its copy alone), and
         # the host clock's estimate of when the loads queued so far will have landed.
+        self.load_speed_guess = load_speed_guess
         self._timed_load_bytes = 0
         self._timed_load_seconds = 0.0
         self._loads_done_at = 0.0
@@ -270,9 +269,10 @@ class KVCopier:
 
     def load_speed(self) -> float:
         """Bytes a second of a load on its own: the timed loads' average once there are 10 ms
-        of them, else LOAD_SPEED_GUESS."""
+        of them, else `load_speed_guess`. Only the estimate of when loads land uses it
+        (`loads_land_in`)."""
         if self._timed_load_seconds < 0.01:
-            return LOAD_SPEED_GUESS
+            return self.load_speed_guess
         return self._timed_load_bytes / self._timed_load_seconds
 
     def lands_by_layer(self) -> bool:

@@ -1,9 +1,12 @@
 """The CPU tier's pool: one host tensor in the GPU pool's layout, allocated once, refused
-beyond the host memory available, page-locked on CUDA (its copies: worker/kv_tier/copier.py)."""
+beyond the host memory available, page-locked on CUDA (its copies: worker/kv_tier/copier.py);
+and the rate of a copy from page-locked host memory to the device, timed at start-up."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -52,3 +55,43 @@ def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.
             raise RuntimeError(f"page-locking the CPU KV tier's {size / 2**30:.2f} GiB failed (CUDA error {error})")
         weakref.finalize(pool, cudart.cudaHostUnregister, pool.data_ptr())
     return pool
+
+
+# Bytes a timed copy moves: on CUDA enough that a copy's fixed cost (~10 us) is ~0.2% of it at
+# 55 GB/s; on the CPU, where the tier's copies are plain memory copies, little (every engine
+# with a tier times one at start-up, tests' included).
+TIMED_COPY_BYTES = 256 * 2**20
+TIMED_HOST_COPY_BYTES = 4 * 2**20
+
+
+def time_host_to_device(device: torch.device, repeats: int = 3) -> float:
+    """Bytes a second of a copy from page-locked host memory to `device` (on the CPU, of a plain
+    copy between two host buffers): the median of `repeats`, after one untimed copy. What the
+    CPU tier's loads run at on their own (worker/driver/timing.py scales by it)."""
+    on_cuda = device.type == "cuda"
+    nbytes = TIMED_COPY_BYTES if on_cuda else TIMED_HOST_COPY_BYTES
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    cudart = torch.cuda.cudart() if on_cuda else None
+    if on_cuda and int(cudart.cudaHostRegister(host.data_ptr(), nbytes, 0)):
+        raise RuntimeError(f"page-locking {nbytes} bytes to time a copy failed")
+    try:
+        target.copy_(host, non_blocking=on_cuda)
+        times = []
+        for _ in range(repeats):
+            if on_cuda:
+                started, finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                started.record()
+                target.copy_(host, non_blocking=True)
+                finished.record()
+                finished.synchronize()
+                times.append(started.elapsed_time(finished) / 1000)
+            else:
+                started_s = time.perf_counter()
+                target.copy_(host)
+                times.append(time.perf_counter() - started_s)
+    finally:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            cudart.cudaHostUnregister(host.data_ptr())
+    return nbytes / statistics.median(times)

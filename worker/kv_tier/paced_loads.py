@@ -8,16 +8,16 @@ copier queues a step's loads in chunks of about CHUNK_BYTES, on average no faste
 `bytes_per_s`: a token bucket on the host clock, topped up each time the engine looks (every
 step, and every poll while requests wait for their loads). While loads are pending the bucket
 fills without a bound, so a step longer than usual (a long prefill) costs them no rate: what
-accrued during it goes when it ends. While none are pending it fills to BURST_S of the rate at
-most: the first chunks after a quiet spell go at once. While nothing computes (every request
+accrued during it goes when it ends. While none are pending it fills to `burst_s` of the rate
+at most: the first chunks after a quiet spell go at once. While nothing computes (every request
 waits for loads) or a step must wait for the loads, what is pending is queued at once. Loads still land in order (one stream), a batch's landing event after
 its last chunk.
 
 A batch is queued a group of layers at a time, the first layers first (every block's slice of
 layers 0..k, then k+1..2k, ...: worker/kv_tier/block_copies.py `copy_layers`), so that a forward queued
 behind the loads can start on its first layers while the last ones still arrive
-(worker/kv_tier/copier.py). A group is a whole number of the step graphs' segments (4 layers,
-worker/kv_tier/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the graphs wait a
+(worker/kv_tier/copier.py). A group is a whole number of the step graphs' segments (4 layers of
+an 8B model, worker/kv_tier/step_graphs.py) whose slice of a block is at least MIN_SLICE_BYTES: the graphs wait a
 segment at a time anyway, and with a group a layer the step that queued a 10k-token prefix's
 loads took 4-8 ms more host time on the H200's host (36 pitched copies of 626 rows; whether
 the driver's work per row or the copier's per chunk was not measured). A batch whose blocks
@@ -33,14 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spillway.worker.kv_tier.block_copies import block_runs
-from spillway.worker.kv_tier.step_graphs import LAYERS_PER_SEGMENT
+from spillway.worker.kv_tier.step_graphs import segment_size
 
-# Under 3% of a decode step beside it: at 32 GB/s set, loads that reached 30.2 GB/s cost the
-# step 1.031x on the H200 (about 0.1% per GB/s). The engine takes its rate from
-# WorkerConfig.kv_load_gb_s (SPILLWAY_KV_LOAD_GB_S), whose default is this one.
-LOAD_BYTES_PER_S = 26e9
 CHUNK_BYTES = 64 * 2**20  # ~1.2 ms of copy at full speed
-BURST_S = 0.01  # the most the bucket holds after a quiet spell: loads at full speed for ~6 ms
 MIN_SLICE_BYTES = 64 * 2**10  # a pitched copy's rows at least: one layer of an 8B model's block
 MAX_SLICE_COPIES = 1024  # ~5 ms of host time at ~5 us a launch
 
@@ -64,18 +59,21 @@ class PacedLoads:
     """Loads planned and not yet queued on the load stream, in order, and the bucket that
     says how many bytes of them may go now."""
 
-    def __init__(self, block_bytes: int, bytes_per_s: float = LOAD_BYTES_PER_S, num_layers: int = 1) -> None:
+    def __init__(self, block_bytes: int, bytes_per_s: float, burst_s: float, num_layers: int = 1) -> None:
+        """`bytes_per_s`: the pace (`WorkerConfig.kv_load_gb_s`), 0 for never paced; `burst_s`:
+        the most seconds of it a quiet spell saves up (worker/driver/timing.py)."""
         if bytes_per_s < 0:
             raise ValueError(f"a load rate must not be negative, got {bytes_per_s}")
         self.block_bytes = block_bytes
         self.num_layers = num_layers
         # Whole segments of the step's graphs (worker/kv_tier/step_graphs.py), at least MIN_SLICE_BYTES
         layer_bytes = block_bytes // num_layers
-        group = max(LAYERS_PER_SEGMENT, -(-MIN_SLICE_BYTES // layer_bytes))
-        self.layers_per_group = min(num_layers, -(-group // LAYERS_PER_SEGMENT) * LAYERS_PER_SEGMENT)
+        segment = segment_size(num_layers)
+        group = max(segment, -(-MIN_SLICE_BYTES // layer_bytes))
+        self.layers_per_group = min(num_layers, -(-group // segment) * segment)
         self.bytes_per_s = bytes_per_s  # 0: never paced
         self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
-        self._capacity = max(bytes_per_s * BURST_S, self.chunk_blocks * block_bytes)
+        self._capacity = max(bytes_per_s * burst_s, self.chunk_blocks * block_bytes)
         self._bucket = self._capacity
         self._filled_at = time.monotonic()
         self._pending: deque[LoadChunk] = deque()

@@ -5,9 +5,9 @@ land a group of layers at a time, first layers first).
 
 A forward inside one graph cannot wait for an event recorded outside it, and running the step
 eagerly instead took the H200's host 23-29 ms to launch for Qwen3-8B (tools/bench_overlap.py:
-longer than a 10k-token prefix's ~27 ms load, docs/performance.md). So the
-prefill graphs and their cascade twins are captured as a graph per LAYERS_PER_SEGMENT layers
-(the embedding goes with the first, the final norm and the logits with the last), and a step
+longer than a 10k-token prefix's ~27 ms load, docs/performance.md). So the prefill graphs and
+their cascade twins are captured as a graph per segment of layers (`segment_size`; the
+embedding goes with the first, the final norm and the logits with the last), and a step
 replays them in order: as one graph, a few host microseconds a segment more; planned before
 the landing, each segment after the event of its last layer, so the step ends about one
 segment's compute after the last layer lands.
@@ -32,12 +32,24 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-LAYERS_PER_SEGMENT = 4  # Qwen3-8B: 9 segments; the convoy's step computes ~1.3 ms after its landing
+# A step ends about one segment's compute after its last layer lands, and each segment's replay
+# costs a few host microseconds more: with Qwen3-8B's 36 layers in 9 segments the convoy's step
+# computes ~1.3 ms after the landing, and its 9 replays take 1.028x one graph's time
+# (docs/performance.md, bench_landing). Fewer than MIN_LAYERS_PER_SEGMENT a segment would only
+# add replays (and the loads' pitched copies, a group of whole segments each:
+# worker/kv_tier/paced_loads.py) to a small model's step, whose tail after the landing is short.
+MAX_SEGMENTS = 9
+MIN_LAYERS_PER_SEGMENT = 4
 
 
-def segment_starts(num_layers: int, layers_per_segment: int = LAYERS_PER_SEGMENT) -> list[int]:
-    """The first layer of each segment."""
-    return list(range(0, num_layers, layers_per_segment))
+def segment_size(num_layers: int) -> int:
+    """The layers of each segment (the last may have fewer) of a model of `num_layers`."""
+    return max(MIN_LAYERS_PER_SEGMENT, -(-num_layers // MAX_SEGMENTS))
+
+
+def segment_starts(num_layers: int, layers_per_segment: int | None = None) -> list[int]:
+    """The first layer of each segment (of `segment_size(num_layers)` layers by default)."""
+    return list(range(0, num_layers, layers_per_segment or segment_size(num_layers)))
 
 
 class _NoWait:
@@ -102,7 +114,7 @@ class StepGraphs:
         self.device = device
         self.kind = kind
         self.max_bucket = self.buckets[-1]
-        # `num_layers`: each step a graph per segment of LAYERS_PER_SEGMENT layers (module doc)
+        # `num_layers`: each step a graph per segment of layers (`segment_size`, module doc)
         self.num_layers = num_layers
         self.segment_starts = segment_starts(num_layers) if num_layers else None
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}

@@ -182,15 +182,15 @@ class Executor:
         logger.info("KV cache: %d blocks of %d tokens in %s", num_blocks, self.runner.block_size,
                     str(self.runner.kv_cache_dtype).removeprefix("torch."))
 
-    def allocate_cpu_kv_cache(self, num_blocks: int, load_bytes_per_s: float,
-                              size_setting: str = "cpu_offload_gb") -> None:
+    def allocate_cpu_kv_cache(self, num_blocks: int, *, load_bytes_per_s: float, load_burst_s: float,
+                              load_speed_guess: float, size_setting: str = "cpu_offload_gb") -> None:
         """The CPU tier's pool (pinned on CUDA), after the GPU pool; ValueError beyond the
-        host's available memory, naming `size_setting`. `load_bytes_per_s`: the loads' pace
-        while others compute."""
+        host's available memory, naming `size_setting`. The loads' pace while others compute,
+        what a quiet spell saves up of it, and their speed until timed: `KVCopier`."""
         runner = self.runner
         cpu_pool = allocate_cpu_pool(num_blocks, runner.kv_cache_shape, runner.kv_cache_dtype,
                                      pinned=self.device.type == "cuda", size_setting=size_setting)
-        self.kv_copier = KVCopier(runner.kv_cache, cpu_pool, load_bytes_per_s)
+        self.kv_copier = KVCopier(runner.kv_cache, cpu_pool, load_bytes_per_s, load_burst_s, load_speed_guess)
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")
 

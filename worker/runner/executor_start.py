@@ -1,9 +1,10 @@
 """An executor's start-up, the same on every tensor-parallel rank (worker/driver/engine.py runs it on
 rank 0, worker/tp/rank.py on the others): the forward passes it runs (profiling, graph capture,
-warm-up) call collectives, so every rank must take the same road in the same order.
+warm-up, the decode step's timing) call collectives, so every rank must take the same road in
+the same order.
 
     build_executor ──► [rank 0: a draft model's share] ──► pool_blocks (MIN over the ranks)
-                   ──► allocate_kv_cache ──► [rank 0: the CPU tier] ──► finish_start
+                   ──► allocate_kv_cache ──► finish_start ──► [rank 0: the CPU tier]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from spillway.protocol.config import WorkerConfig
 from spillway.protocol.model_len import long_max_model_len_problem, trained_length
 from spillway.worker.runner.executor import Executor, load_model
 from spillway.worker.runner.kv_budget import blocks_per_request, shared_pool_blocks, shortfall_message
+from spillway.worker.runner.step_time import time_decode_step
 from spillway.worker.models import loader
 
 
@@ -120,8 +122,10 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def finish_start(executor: Executor, config: WorkerConfig) -> None:
-    """After the pool: the CUDA graphs (the same buckets on every rank), then the eager warm-up."""
+def finish_start(executor: Executor, config: WorkerConfig) -> float:
+    """After the pool: the CUDA graphs (the same buckets on every rank), then the eager warm-up;
+    returns the seconds of the model's decode step, timed last (worker/runner/step_time.py)."""
     if executor.device.type == "cuda" and not config.enforce_eager:
         executor.capture_graphs()
     executor.warm_up()
+    return time_decode_step(executor.runner)

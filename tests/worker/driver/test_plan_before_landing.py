@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from spillway.worker.driver import tier_driver
-from spillway.worker.driver.tier_driver import (ARRIVALS_DEADLINE_S, ARRIVALS_QUIET_S, HOLD_IN_FLIGHT_S,
-                                         PLAN_BEFORE_LANDING_S, PLAN_OVERLAPPED_S, TierDriver)
+from spillway.worker.driver.tier_driver import TierDriver
+from spillway.worker.driver.timing import REFERENCE_DECODE_STEP_S, StepTiming
 
 NOW = 1000.0
+DEADLINES = StepTiming.derive(REFERENCE_DECODE_STEP_S).landing  # the H200's: 6, 20, 3, 14 and 2 ms
+PLAN_BEFORE_LANDING_S, PLAN_OVERLAPPED_S = DEADLINES.plan_before_landing_s, DEADLINES.plan_overlapped_s
+ARRIVALS_QUIET_S, ARRIVALS_DEADLINE_S = DEADLINES.arrivals_quiet_s, DEADLINES.arrivals_deadline_s
+HOLD_IN_FLIGHT_S = DEADLINES.hold_in_flight_s
 
 
 @dataclass
@@ -61,8 +65,8 @@ class InFlight:
 
 
 def driver(copier: Copier, scheduler: Scheduler | None = None) -> TierDriver:
-    planned = TierDriver.__new__(TierDriver)  # only the copier and the scheduler are read
-    planned.copier, planned.scheduler = copier, scheduler or Scheduler()
+    planned = TierDriver.__new__(TierDriver)  # only the copier, the scheduler and the deadlines are read
+    planned.copier, planned.scheduler, planned.deadlines = copier, scheduler or Scheduler(), DEADLINES
     return planned
 
 

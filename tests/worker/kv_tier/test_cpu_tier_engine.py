@@ -130,7 +130,7 @@ def busy_conversation(model_dir, device: str, num_gpu_blocks: int, num_cpu_block
     engine.debug_invariants = True
     if load_bytes_per_s is not None:
         copier = engine.executor.kv_copier
-        copier.pending_loads = PacedLoads(copier.block_bytes, load_bytes_per_s)
+        copier.pending_loads = PacedLoads(copier.block_bytes, load_bytes_per_s, engine.timing.load_burst_s)
         copier.pending_loads.chunk_blocks = 1
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
@@ -256,11 +256,9 @@ def test_the_busy_loop_hears_of_a_landed_load_before_the_next_step(model_dir):
 def test_the_landing_estimate_waits_for_loads_still_to_be_queued(model_dir):
     """On the CPU copies run as they are queued: nothing is left to land. Loads not queued yet
     (paced) have no landing time; the engine never plans ahead of a landing here."""
-    from spillway.worker.kv_tier.copier import LOAD_SPEED_GUESS
-
     engine = engine_for(model_dir, num_cpu_blocks=8)
     copier = engine.executor.kv_copier
-    assert copier.loads_land_in() == 0.0 and copier.load_speed() == LOAD_SPEED_GUESS
+    assert copier.loads_land_in() == 0.0 and copier.load_speed() == copier.load_speed_guess
     conversation(engine, GREEDY)
     assert copier.loads_land_in() == 0.0 and not engine.tier.plan_before_landing()
     copier.pending_loads.add(((0, 1),), None, None, 0)

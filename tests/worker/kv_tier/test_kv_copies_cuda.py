@@ -22,6 +22,11 @@ NUM_BLOCKS = 1024
 STALL_CYCLES = 200_000_000  # ~0.1 s of the store stream: far longer than any copy here
 
 
+def copier_of(gpu: torch.Tensor, cpu: torch.Tensor, load_bytes_per_s: float = 26e9) -> KVCopier:
+    """A copier paced as the engine's by default, with its burst and speed guess on the H200."""
+    return KVCopier(gpu, cpu, load_bytes_per_s, load_burst_s=0.01, load_speed_guess=45e9)
+
+
 def pools() -> tuple[torch.Tensor, torch.Tensor]:
     gpu = torch.zeros((NUM_BLOCKS, *BLOCK_SHAPE), dtype=torch.bfloat16, device="cuda")
     cpu = allocate_cpu_pool(NUM_BLOCKS, BLOCK_SHAPE, torch.bfloat16, pinned=True)
@@ -38,7 +43,7 @@ def test_the_pool_is_page_locked_at_its_own_size():
 
 def test_a_store_reads_what_compute_wrote_before_it_and_not_what_compute_writes_after():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     half = NUM_BLOCKS // 2
     torch.cuda._sleep(50_000_000)  # compute is busy when the copies are issued
     gpu[:half].fill_(1.0)  # written by the steps before
@@ -53,7 +58,7 @@ def test_a_store_reads_what_compute_wrote_before_it_and_not_what_compute_writes_
 
 def test_each_load_batch_is_reported_once_landed_and_no_forward_waits_for_loads():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     cpu.fill_(3.0)
     half = NUM_BLOCKS // 2
     copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(half)), load_batch=1))
@@ -75,7 +80,7 @@ def test_each_load_batch_is_reported_once_landed_and_no_forward_waits_for_loads(
 
 def test_a_step_reusing_a_slot_still_loading_waits_for_the_loads():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     cpu.fill_(3.0)
     with torch.cuda.stream(copier.load_stream):
         torch.cuda._sleep(STALL_CYCLES)
@@ -88,7 +93,7 @@ def test_a_step_reusing_a_slot_still_loading_waits_for_the_loads():
 
 def test_stores_run_before_loads_that_refill_their_slots():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     gpu[4].fill_(5.0)
     cpu[0].fill_(6.0)
     copier.run(KVCopies(gpu_to_cpu=((4, 3),), cpu_to_gpu=((0, 4),), load_batch=1))
@@ -103,7 +108,7 @@ def test_stores_run_before_loads_that_refill_their_slots():
 
 def test_stores_and_loads_of_disjoint_slots_run_at_once_and_both_land():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     half = NUM_BLOCKS // 2
     gpu[:half].fill_(7.0)
     cpu[half:].fill_(8.0)
@@ -125,7 +130,7 @@ def test_stores_and_loads_of_disjoint_slots_run_at_once_and_both_land():
 
 def test_a_load_into_a_slot_a_late_store_reads_waits_for_it_and_is_timed_alone():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     gpu[4].fill_(5.0)
     cpu[0].fill_(6.0)
     with torch.cuda.stream(copier.store_stream):
@@ -141,7 +146,7 @@ def test_a_load_into_a_slot_a_late_store_reads_waits_for_it_and_is_timed_alone()
 
 def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_slots():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     half = NUM_BLOCKS // 2
     gpu[:half].fill_(1.0)  # cached blocks
     with torch.cuda.stream(copier.store_stream):
@@ -164,7 +169,7 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
 def test_paced_loads_wait_to_be_pumped_and_land_after_the_compute_before_their_step():
     gpu, cpu = pools()
     # Groups of 4 layers (256 KiB of a block): a chunk is 256 blocks' group; one goes at once.
-    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)
+    copier = copier_of(gpu, cpu, load_bytes_per_s=1e9)
     cpu.fill_(3.0)
     torch.cuda._sleep(50_000_000)  # compute is busy when the loads are planned
     gpu.fill_(1.0)  # written by the steps before: the loads must land after it
@@ -181,7 +186,7 @@ def test_paced_loads_wait_to_be_pumped_and_land_after_the_compute_before_their_s
 
 def test_a_step_reusing_a_slot_still_loading_waits_for_the_paced_loads_too():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu, load_bytes_per_s=1e9)
+    copier = copier_of(gpu, cpu, load_bytes_per_s=1e9)
     cpu.fill_(3.0)
     copier.run(KVCopies(cpu_to_gpu=tuple((slot, slot) for slot in range(NUM_BLOCKS)), load_batch=1), pace=True)
     assert copier.pending_loads
@@ -197,7 +202,7 @@ def test_a_forward_planned_before_the_landing_waits_for_each_layer_of_every_load
     """Two batches, the second late: the events returned are per layer (one per group of 4), and
     each says that layer of both batches has landed while later layers may still be on their way."""
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     for layer in range(BLOCK_SHAPE[0]):
         cpu[:, layer].fill_(10.0 + layer)
     half = NUM_BLOCKS // 2
@@ -221,7 +226,7 @@ def test_a_forward_planned_before_the_landing_waits_for_each_layer_of_every_load
 
 def test_a_forward_that_only_reuses_a_loading_slot_waits_for_the_loads_as_a_whole():
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     copier.run(KVCopies(cpu_to_gpu=((0, 0),), load_batch=1))
     assert copier.run(KVCopies(wait_for_loads=True)) is None
 
@@ -231,7 +236,7 @@ def test_a_batch_in_whole_blocks_gives_no_layer_to_wait_for_and_the_forward_wait
 
     monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 2)  # two scattered blocks: 4 copies by layer group
     gpu, cpu = pools()
-    copier = KVCopier(gpu, cpu)
+    copier = copier_of(gpu, cpu)
     copier.run(KVCopies(cpu_to_gpu=((0, 0), (1, 1)), load_batch=1))
     assert copier.lands_by_layer()
     cpu[4].fill_(5.0)

@@ -27,12 +27,17 @@ def clock(monkeypatch) -> Clock:
     return clock
 
 
+def paced(block_bytes: int, bytes_per_s: float = 26e9, num_layers: int = 1) -> PacedLoads:
+    """Loads at the engine's default pace, with its burst on the H200 (worker/driver/timing.py)."""
+    return PacedLoads(block_bytes, bytes_per_s, burst_s=0.01, num_layers=num_layers)
+
+
 def pairs(count: int, first: int = 0) -> tuple[tuple[int, int], ...]:
     return tuple((first + i, first + i) for i in range(count))
 
 
 def test_a_batch_is_cut_into_chunks_and_only_its_last_names_the_batch(clock):
-    loads = PacedLoads(block_bytes=16 * MiB)  # 4 blocks a chunk
+    loads = paced(16 * MiB)  # 4 blocks a chunk
     loads.add(pairs(10), "ready", None, batch=7)
     loads.add(pairs(2, first=10), "ready-2", "stored", batch=8)
     assert len(loads) == 4
@@ -46,7 +51,7 @@ def test_a_batch_is_cut_into_chunks_and_only_its_last_names_the_batch(clock):
 
 
 def test_paced_chunks_go_no_faster_than_the_rate_after_the_first_burst(clock):
-    loads = PacedLoads(block_bytes=MiB, bytes_per_s=1e9)  # 64 blocks a chunk; the bucket holds one (> 10 ms)
+    loads = paced(MiB, bytes_per_s=1e9)  # 64 blocks a chunk; the bucket holds one (> 10 ms)
     loads.add(pairs(64 * 20), "ready", None, batch=1)
     assert len(loads.take(pace=True)) == 1  # a full bucket: one chunk at once
     assert loads.take(pace=True) == []  # nothing has accrued
@@ -64,7 +69,7 @@ def test_paced_chunks_go_no_faster_than_the_rate_after_the_first_burst(clock):
 
 
 def test_after_a_quiet_spell_the_first_chunks_go_at_once_up_to_the_burst_only(clock):
-    loads = PacedLoads(block_bytes=MiB, bytes_per_s=1e9)
+    loads = paced(MiB, bytes_per_s=1e9)
     loads.take(pace=True)  # the engine looks while nothing is pending
     clock.now += 10.0
     loads.take(pace=True)
@@ -76,16 +81,16 @@ def test_after_a_quiet_spell_the_first_chunks_go_at_once_up_to_the_burst_only(cl
 
 
 def test_a_rate_of_zero_never_paces_and_a_negative_one_is_refused(clock):
-    loads = PacedLoads(block_bytes=MiB, bytes_per_s=0)
+    loads = paced(MiB, bytes_per_s=0)
     loads.add(pairs(64 * 5), "ready", None, batch=1)
     assert len(loads.take(pace=True)) == 5
     with pytest.raises(ValueError, match="must not be negative"):
-        PacedLoads(block_bytes=MiB, bytes_per_s=-1)
+        paced(MiB, bytes_per_s=-1)
 
 
 def test_a_batch_goes_a_group_of_layers_at_a_time_first_layers_first_and_names_each_groups_end(clock):
     # 8 layers of 4 MiB a block: groups of 4 layers (a graph segment), a chunk one group of 4 blocks.
-    loads = PacedLoads(block_bytes=32 * MiB, num_layers=8)
+    loads = paced(32 * MiB, num_layers=8)
     loads.add(pairs(6), "ready", None, batch=3)
     chunks = loads.take(pace=False)
     assert [(chunk.first_layer, chunk.num_layers, len(chunk.pairs)) for chunk in chunks] == [
@@ -99,9 +104,9 @@ def test_a_batch_goes_a_group_of_layers_at_a_time_first_layers_first_and_names_e
 
 
 def test_small_layers_go_in_larger_groups_whole_segments_and_scattered_blocks_whole(clock, monkeypatch):
-    loads = PacedLoads(block_bytes=30 * 12 * 2**10, num_layers=30)  # SmolLM2-135M: 12 KiB a layer
+    loads = paced(30 * 12 * 2**10, num_layers=30)  # SmolLM2-135M: 12 KiB a layer
     assert loads.layer_groups(pairs(3)) == [(0, 8), (8, 8), (16, 8), (24, 6)]  # 64 KiB: 6 layers, 2 segments
-    loads = PacedLoads(block_bytes=7 * 40 * 2**10, num_layers=7)
+    loads = paced(7 * 40 * 2**10, num_layers=7)
     assert loads.layer_groups(pairs(3)) == [(0, 4), (4, 3)]
     monkeypatch.setattr(paced_loads, "MAX_SLICE_COPIES", 4)
     scattered = tuple((2 * i, 2 * i) for i in range(3))  # three runs: 6 copies by layer groups
@@ -110,5 +115,5 @@ def test_small_layers_go_in_larger_groups_whole_segments_and_scattered_blocks_wh
     loads.add(scattered, "ready", None, batch=1)
     (chunk,) = loads.take(pace=False)
     assert (chunk.first_layer, chunk.num_layers, chunk.layers_end, chunk.batch) == (0, 7, True, 1)
-    assert PacedLoads(block_bytes=MiB).layer_groups(pairs(2)) == [(0, 1)]  # one layer: whole blocks
-    assert PacedLoads(block_bytes=4 * MiB, num_layers=4).layer_groups(pairs(2)) == [(0, 4)]  # one segment
+    assert paced(MiB).layer_groups(pairs(2)) == [(0, 1)]  # one layer: whole blocks
+    assert paced(4 * MiB, num_layers=4).layer_groups(pairs(2)) == [(0, 4)]  # one segment

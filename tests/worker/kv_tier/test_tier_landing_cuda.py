@@ -34,7 +34,7 @@ def test_turn_2_planned_before_its_loads_land_waits_for_them_on_the_device(model
     from spillway.worker.kv_tier import paced_loads
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", slice_bytes)
-    monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)  # the model has 2 layers: a group each
+    monkeypatch.setattr(paced_loads, "segment_size", lambda num_layers: 1)  # the model has 2 layers: a group each
     engine, reference = cuda_engine(model_dir, 4, 8), cuda_engine(model_dir, 64, 0)
     copier = engine.executor.kv_copier
     runner, layer_waits = engine.executor.runner, []
@@ -86,7 +86,7 @@ def test_a_late_member_is_planned_behind_the_early_step_still_in_flight(model_di
     from spillway.worker.driver.pipeline import LaunchedStep
 
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", 1)  # loads by layer, as a large model's go
-    monkeypatch.setattr(paced_loads, "LAYERS_PER_SEGMENT", 1)
+    monkeypatch.setattr(paced_loads, "segment_size", lambda num_layers: 1)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine, reference = cuda_engine(model_dir, 4, 8), cuda_engine(model_dir, 64, 0)
     copier = engine.executor.kv_copier
