@@ -40,13 +40,13 @@ logger = logging.getLogger("spillway.gateway")
 _NOT_NOW = {errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED, errno.EINTR, errno.EPROTO}
 # After taking a connection a server leaves the socket to the others this long: a burst of
 # connections made before their requests are sent (a client's pool) spreads over the idle
-# servers too, rather than going to whichever woke first. A millisecond, uvloop's timer
-# resolution (a shorter pause is no pause under it), about one 10k-id request's intake: up to
-# 1,000 new connections a second per server; connections kept alive are not counted.
+# servers too, rather than going to whichever woke first. One tick of uvloop's timer, which
+# counts whole milliseconds (libuv's loop time): the shortest pause there is, whatever the
+# machine. Up to 1,000 new connections a second per server; connections kept alive are not counted.
 ACCEPT_INTERVAL_S = 0.001
-# A server holding more open connections than another leaves a ready one to the others at most
-# this long (then takes it: the others may all be busy with a long intake).
-MAX_DEFER_S = 0.002
+# A server holding more open connections than another leaves a ready one to the others for two
+# of its pauses at most (then takes it: the others may all be busy with a long intake).
+MAX_DEFER_S = 2 * ACCEPT_INTERVAL_S
 # accept() failed for want of a file handle, with no connection of this server's to close:
 # asyncio's own servers wait this long before they try again.
 ACCEPT_RETRY_S = 1.0

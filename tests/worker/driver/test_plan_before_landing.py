@@ -9,7 +9,7 @@ import pytest
 
 from spillway.worker.driver import tier_driver
 from spillway.worker.driver.tier_driver import TierDriver
-from spillway.worker.driver.timing import REFERENCE_DECODE_STEP_S, StepTiming
+from spillway.worker.driver.timing import REFERENCE_DECODE_STEP_S, LandingDeadlines, StepTiming
 
 NOW = 1000.0
 DEADLINES = StepTiming.derive(REFERENCE_DECODE_STEP_S).landing  # the H200's: 6, 20, 3, 14 and 2 ms
@@ -64,9 +64,9 @@ class InFlight:
         return self.done
 
 
-def driver(copier: Copier, scheduler: Scheduler | None = None) -> TierDriver:
+def driver(copier: Copier, scheduler: Scheduler | None = None, deadlines: LandingDeadlines = DEADLINES) -> TierDriver:
     planned = TierDriver.__new__(TierDriver)  # only the copier, the scheduler and the deadlines are read
-    planned.copier, planned.scheduler, planned.deadlines = copier, scheduler or Scheduler(), DEADLINES
+    planned.copier, planned.scheduler, planned.deadlines = copier, scheduler or Scheduler(), deadlines
     return planned
 
 
@@ -128,3 +128,17 @@ def test_an_early_step_stays_in_flight_while_loads_others_wait_for_land_later_th
     assert not driver(Copier(0.010)).hold_in_flight(InFlight(40, done=True))  # its tokens are there
     assert not driver(Copier(0.010)).hold_in_flight(InFlight(40, early=False))
     assert not driver(Copier(0.010), Scheduler(num_awaiting_load=0)).hold_in_flight(step)  # nobody else waits
+
+
+def test_a_model_with_a_step_twice_as_long_is_planned_twice_as_far_ahead_of_its_landing():
+    slow = StepTiming.derive(2 * REFERENCE_DECODE_STEP_S).landing
+    still_arriving = Scheduler(last_received=NOW)
+    whole_blocks = Copier(2 * PLAN_BEFORE_LANDING_S, by_layer=False)
+    assert not driver(whole_blocks, still_arriving).plan_before_landing()
+    assert driver(whole_blocks, still_arriving, slow).plan_before_landing()
+    by_layer = Copier(2 * ARRIVALS_DEADLINE_S)
+    assert not driver(by_layer, still_arriving).plan_before_landing()
+    assert driver(by_layer, still_arriving, slow).plan_before_landing()
+    step, landing_soon = InFlight(40), Copier(2 * HOLD_IN_FLIGHT_S)
+    assert driver(landing_soon).hold_in_flight(step)
+    assert not driver(landing_soon, deadlines=slow).hold_in_flight(step)  # its tokens come later after the landing

@@ -117,3 +117,11 @@ def test_small_layers_go_in_larger_groups_whole_segments_and_scattered_blocks_wh
     assert (chunk.first_layer, chunk.num_layers, chunk.layers_end, chunk.batch) == (0, 7, True, 1)
     assert paced(MiB).layer_groups(pairs(2)) == [(0, 1)]  # one layer: whole blocks
     assert paced(4 * MiB, num_layers=4).layer_groups(pairs(2)) == [(0, 4)]  # one segment
+
+
+def test_a_longer_burst_lets_more_chunks_go_at_once_after_a_quiet_spell(clock):
+    for burst_s, at_once in ((0.2, 2), (0.4, 5)):  # 200 and 400 MB of the rate: 2 and 5 chunks of 64 MiB
+        loads = PacedLoads(MiB, 1e9, burst_s)
+        clock.now += 10.0
+        loads.add(pairs(64 * 8), "ready", None, batch=1)
+        assert len(loads.take(pace=True)) == at_once

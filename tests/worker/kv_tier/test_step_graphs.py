@@ -4,7 +4,7 @@ replay on a GPU: tests/worker/runner/test_gpu_cascade_graphs.py)."""
 
 from __future__ import annotations
 
-from spillway.worker.kv_tier.step_graphs import replay_segments, segment_starts
+from spillway.worker.kv_tier.step_graphs import replay_segments, segment_size, segment_starts
 
 
 class Logged:
@@ -23,6 +23,12 @@ def test_segments_start_every_four_layers_and_the_last_takes_the_rest():
     assert segment_starts(30) == [0, 4, 8, 12, 16, 20, 24, 28]
     assert segment_starts(3) == [0]
     assert segment_starts(10, layers_per_segment=5) == [0, 5]
+
+
+def test_a_model_with_more_layers_gets_longer_segments_never_more_than_nine():
+    assert [segment_size(layers) for layers in (2, 28, 36, 37, 48, 64, 80, 126)] == [4, 4, 4, 5, 6, 8, 9, 14]
+    assert segment_starts(80) == [0, 9, 18, 27, 36, 45, 54, 63, 72]
+    assert len(segment_starts(126)) == 9
 
 
 def test_each_segment_replays_after_the_event_of_its_last_layer_and_without_events_at_once():
