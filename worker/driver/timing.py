@@ -6,7 +6,7 @@ batch-1 decode step replays in `REFERENCE_DECODE_STEP_S` and a pinned host-to-de
 at `REFERENCE_COPY_BYTES_PER_S`. A worker scales each by its own measurement against those: a
 model or a device whose step takes twice as long gets deadlines twice as long, a link half as
 fast writes half the bytes back a step. On an H200 serving Qwen3-8B the scale is ~1 and the
-values are the ones sized there (within the measurement's noise, ~1%). Parts of some are the
+values are the ones sized there, within the measurement's noise. Parts of some are the
 host's time (planning a step) or the clients' (how a burst spreads), which the device's step
 does not measure; they scale with it too, the nearest measure the worker has at start-up.
 
