@@ -24,7 +24,7 @@ def time_decode_step(runner: ModelRunner, repeats: int = 5) -> float:
     assert runner.kv_cache is not None, "allocate the KV cache first"
     chunks = [ChunkInput([0], 0, [0])]
     runner.execute(chunks)  # stages the inputs a graph replays, and warms caches and clocks
-    graphs = runner.graphs
+    graphs = runner.cuda_graphs.decode
     if graphs is not None:
         bucket = graphs.bucket_for(1)
 

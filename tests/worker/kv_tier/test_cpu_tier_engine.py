@@ -12,6 +12,7 @@ from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
 from spillway.worker.driver.engine import Engine
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
+from spillway.worker.driver.timing import REFERENCE_COPY_BYTES_PER_S, LinkTiming
 from spillway.worker.kv_tier.paced_loads import PacedLoads
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -98,7 +99,9 @@ def test_an_engine_without_a_tier_has_the_null_driver_and_plans_no_write_back(mo
     without, with_tier = engine_for(model_dir, num_cpu_blocks=0), engine_for(model_dir, num_cpu_blocks=8)
     assert type(without.tier) is NullTierDriver and type(with_tier.tier) is TierDriver
     assert without.scheduler.write_ahead_blocks == 0
-    assert with_tier.scheduler.write_ahead_blocks == write_ahead_blocks(with_tier.runner.kv_block_bytes) > 0
+    # The tiny model's blocks: the most a step takes whatever the link's measured rate.
+    on_the_h200 = LinkTiming.derive(REFERENCE_COPY_BYTES_PER_S).write_ahead_bytes
+    assert with_tier.scheduler.write_ahead_blocks == write_ahead_blocks(with_tier.runner.kv_block_bytes, on_the_h200) > 0
     run(without, "turn-1", [(7 * i) % 90 + 1 for i in range(32)], GREEDY)
     assert not without.idle_write_back() and not without.awaited_load_landed() and not without.waits_for_loads
     assert without.block_manager.num_cached_blocks == 2 and without.reset_prefix_cache()

@@ -3,14 +3,12 @@ copy rate a worker measures, and how the engine's parts get them (host only)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from spillway.protocol.config import WorkerConfig
 from spillway.worker.driver.engine import Engine
-from spillway.worker.driver.tier_driver import TierDriver
+from spillway.worker.driver.tier_driver import NullTierDriver, write_ahead_blocks
 from spillway.worker.driver.timing import (REFERENCE_COPY_BYTES_PER_S, REFERENCE_DECODE_STEP_S, LandingDeadlines,
                                            LinkTiming, StepTiming)
 from spillway.worker.kv_tier.host_pool import time_host_to_device
@@ -57,24 +55,13 @@ def test_a_measurement_that_is_no_time_or_no_rate_is_refused(measured):
         LinkTiming.derive(measured)
 
 
-def tier_driver(link: LinkTiming, block_bytes: int = QWEN3_8B_BLOCK_BYTES) -> tuple[TierDriver, SimpleNamespace]:
-    """A TierDriver over stand-ins (on the CPU: no copy kernel to warm up); the scheduler it sized."""
-    scheduler = SimpleNamespace(write_ahead_blocks=0)
-    executor = SimpleNamespace(kv_copier=object(), runner=SimpleNamespace(kv_block_bytes=block_bytes),
-                               device=torch.device("cpu"))
-    driver = TierDriver(SimpleNamespace(tier=object()), scheduler, executor,
-                        StepTiming.derive(REFERENCE_DECODE_STEP_S).landing, link.write_ahead_bytes,
-                        link.idle_write_ahead_bytes)
-    return driver, scheduler
-
-
 def test_a_slower_link_writes_fewer_blocks_back_ahead_of_eviction_a_step():
-    _, scheduler = tier_driver(LinkTiming.derive(REFERENCE_COPY_BYTES_PER_S))
-    assert scheduler.write_ahead_blocks == 56  # 128 MiB of 2.25 MiB blocks
-    _, scheduler = tier_driver(LinkTiming.derive(REFERENCE_COPY_BYTES_PER_S / 2))
-    assert scheduler.write_ahead_blocks == 28
-    _, scheduler = tier_driver(LinkTiming.derive(4 * REFERENCE_COPY_BYTES_PER_S))
-    assert scheduler.write_ahead_blocks == 64  # at most: the scheduler walks 4x that into the LRU each step
+    def blocks(copy_bytes_per_s: float) -> int:
+        return write_ahead_blocks(QWEN3_8B_BLOCK_BYTES, LinkTiming.derive(copy_bytes_per_s).write_ahead_bytes)
+
+    assert blocks(REFERENCE_COPY_BYTES_PER_S) == 56  # 128 MiB of 2.25 MiB blocks
+    assert blocks(REFERENCE_COPY_BYTES_PER_S / 2) == 28
+    assert blocks(4 * REFERENCE_COPY_BYTES_PER_S) == 64  # at most: the scheduler walks 4x that into the LRU each step
 
 
 def test_the_copy_rate_is_timed_on_the_cpu_too():
@@ -106,6 +93,7 @@ def test_the_engine_derives_its_timing_from_what_it_measured_and_hands_each_part
     assert engine.tier.deadlines == engine.timing.landing
     assert engine.tier.deadlines.arrivals_deadline_s == pytest.approx(0.042)
     assert engine.tier.idle_write_ahead_bytes == 64 * MiB
+    assert engine.scheduler.write_ahead_blocks == 64  # the tiny model's blocks: the most a step takes
     copier = engine.executor.kv_copier
     assert copier.load_speed() == copier.load_speed_guess == 22.5e9  # no load timed yet
     assert copier.pending_loads.bytes_per_s == 26e9  # the setting's, whatever was measured
@@ -120,5 +108,5 @@ def test_without_a_tier_the_engine_times_its_step_and_not_the_link(model_dir, mo
     monkeypatch.setattr(engine_module, "time_host_to_device", no_link)
     engine = Engine(WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
                                  num_gpu_blocks_override=4))
-    assert engine.tier is None
+    assert type(engine.tier) is NullTierDriver
     assert engine.timing.drain_budget_s > 0
