@@ -57,10 +57,10 @@ def allocate_cpu_pool(num_blocks: int, block_shape: Sequence[int], dtype: torch.
     return pool
 
 
-# Bytes a timed copy moves: on CUDA enough that a copy's fixed cost (~10 us) is ~0.2% of it at
-# 55 GB/s; on the CPU, where the tier's copies are plain memory copies, little (every engine
-# with a tier times one at start-up, tests' included).
-TIMED_COPY_BYTES = 256 * 2**20
+# Bytes a timed copy moves: on CUDA enough that a copy's fixed cost (~10 us) is ~0.4% of it at
+# 55 GB/s, and little beside the memory a GPU pool leaves free; on the CPU, where the tier's
+# copies are plain memory copies, less (every engine with a tier times one, tests' included).
+TIMED_COPY_BYTES = 128 * 2**20
 TIMED_HOST_COPY_BYTES = 4 * 2**20
 
 
