@@ -95,7 +95,7 @@ def _decode_kernel(
     # rest, at most two tiles, run unpipelined (MASKED_STAGES 1): a second pipelined loop would
     # double the shared memory a program holds, and halve the programs resident on a
     # multiprocessor. ONE_LOOP instead sends every tile through the masked loop, pipelined.
-    # Measured on an H200 (Qwen3-8B heads, tools/bench_attention.py), one loop is 4% faster
+    # Measured on an H200 (Qwen3-8B heads, tools/bench/kernels/attention.py), one loop is 4% faster
     # over a bf16 cache at batch 200 x 1,040, the same at 64 x 4,096 and 512 x 1,000-2,000,
     # 4-7% slower over a float8 cache.
     unmasked_end = start
