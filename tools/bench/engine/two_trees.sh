@@ -16,10 +16,11 @@ for tree in new prev; do
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/${tree}_site "$src" \
     >/dev/null 2>&1 || { echo "installing $src failed"; exit 1; }
 done
-run() {  # label tree site bench_engine-args...
-  local label=$1 tree=$2 site=$3; shift 3
-  echo "=== $label ($tree): bench_engine $*"
-  (cd "$tree" && PYTHONPATH=$site:/tmp/site python3 tools/bench/engine/engine.py "$@" --results "$out/$label-$what.jsonl" 2>&1 | tail -12)
+run() {  # label tree site engine-benchmark-args...
+  local label=$1 tree=$2 site=$3 bench=tools/bench/engine/engine.py; shift 3
+  [ -f "$tree/$bench" ] || bench=tools/bench_engine.py  # a tree from before tools/bench/
+  echo "=== $label ($tree): $bench $*"
+  (cd "$tree" && PYTHONPATH=$site:/tmp/site python3 $bench "$@" --results "$out/$label-$what.jsonl" 2>&1 | tail -12)
 }
 case $what in
   decode)
