@@ -241,16 +241,17 @@ def cascade_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
-    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-                   num_splits, out, rows=suffix_rows)
+    return launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+                  num_splits, out, rows=suffix_rows)
 
 
-def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-            num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
-            prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=SUFFIX_ROWS, num_warps=4,
-            num_stages=2) -> torch.Tensor:
-    """Both passes (or those named in `passes`, for timing one alone) on checked arguments; tile
-    sizes, warps and stages are open for tuning runs."""
+def launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+           num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
+           prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=SUFFIX_ROWS, num_warps=4,
+           num_stages=2) -> torch.Tensor:
+    """Both passes (or those named in `passes`, for timing one alone) on arguments
+    `cascade_attention` has checked, into `out`; tile sizes, warps and stages are open for tuning
+    runs."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
     group = num_heads // num_kv_heads

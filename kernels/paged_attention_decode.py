@@ -214,13 +214,13 @@ def paged_decode_attention(
     check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
           f"num_splits must be None or a positive int, got {num_splits}")
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
-    return _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits).view(q.shape)
+    return launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits).view(q.shape)
 
 
-def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
-            block_n=None, num_warps=None, num_stages=None, one_loop=False) -> torch.Tensor:
-    """The kernels on checked arguments; the tile size, warps, stages and loop structure are
-    open for tuning runs."""
+def launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
+           block_n=None, num_warps=None, num_stages=None, one_loop=False) -> torch.Tensor:
+    """The kernels on arguments `paged_decode_attention` has checked (q as `[B, Q, heads,
+    head_dim]`); the tile size, warps, stages and loop structure are open for tuning runs."""
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     device = kv_cache.device
