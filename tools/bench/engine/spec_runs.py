@@ -12,7 +12,7 @@ import json
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ def make_engine(model: str, device: str, *, max_model_len: int, max_num_seqs: in
         dtype="bfloat16" if device == "cuda" else "float32", device=device, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, num_gpu_blocks_override=num_blocks, async_scheduling=async_scheduling,
         speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=1)))
-    engine.spec = None
+    engine.use_speculation(None)
     return engine
 
 
@@ -46,8 +46,8 @@ class CountedSpec(SpecDecoder):
     """The engine's speculation, counting per step what the switch answered and whether
     any request got drafts (the proposer may find none)."""
 
-    def __init__(self, spec: SpecDecoder) -> None:
-        super().__init__(spec.proposer, spec.switch, spec.sampler)
+    def __init__(self, spec: SpecDecoder, switch: SpeculationSwitch | None = None) -> None:
+        super().__init__(spec.proposer, switch or spec.switch, spec.sampler)
         self.steps_on = self.steps_off = self.steps_drafted = 0
 
     def lookahead(self, batch_size: int) -> int:
@@ -68,17 +68,17 @@ def attach_spec(engine: Engine, config: SpeculativeConfig | None, *, always_on: 
     """Speculation as `config` builds it (None: off). `always_on`: the switch's costs zeroed,
     so it speculates whenever the batch allows."""
     if config is None:
-        engine.spec = None
+        engine.use_speculation(None)
         return None
-    spec = CountedSpec(build_spec_decoder(
+    built = build_spec_decoder(
         config, engine.sampler, target_vocab_size=engine.vocab_size, device=engine.device, dtype=engine.dtype,
         max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
         block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
         cuda_graphs=engine.device.type == "cuda" and not engine.config.enforce_eager,
-        draft_pool_blocks=lambda block_bytes: late_draft_pool_blocks(engine, block_bytes)))
-    if always_on:
-        spec.switch.draft_cost = spec.switch.verify_cost = 0.0
-    engine.spec = spec
+        draft_pool_blocks=lambda block_bytes: late_draft_pool_blocks(engine, block_bytes))
+    switch = replace(built.switch, draft_cost=0.0, verify_cost=0.0) if always_on else None
+    spec = CountedSpec(built, switch)
+    engine.use_speculation(spec)
     return spec
 
 
@@ -96,10 +96,10 @@ def recount(engine: Engine) -> CountedSpec:
     it: the same proposer (a draft model stays loaded) and costs, but nothing of what the
     warm-up measured (its prompt is not one the replay proposer knows)."""
     old = engine.spec.switch
-    engine.spec.switch = SpeculationSwitch(old.num_speculative_tokens, max_batch_size=old.max_batch_size,
-                                           draft_cost=old.draft_cost, verify_cost=old.verify_cost)
-    engine.spec = CountedSpec(engine.spec)
-    return engine.spec
+    spec = CountedSpec(engine.spec, SpeculationSwitch(old.num_speculative_tokens, max_batch_size=old.max_batch_size,
+                                                      draft_cost=old.draft_cost, verify_cost=old.verify_cost))
+    engine.use_speculation(spec)
+    return spec
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

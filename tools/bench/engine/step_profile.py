@@ -20,8 +20,11 @@ def kernel_profile(runner, steps: int) -> str:
 
     chunk = ChunkInput([1000], 300, list(range(-(-301 // runner.block_size))))
 
-    def eager_step() -> None:
-        runner._forward(runner.inputs.stage([chunk]))
+    def eager_step() -> None:  # the runner's eager forward, through its public parts: no graph replays
+        layout = runner.inputs.stage([chunk])
+        metadata = runner.backend.metadata_for(layout)
+        hidden = runner.model(layout.input_ids, layout.positions, runner.kv_cache, runner.backend, metadata, None)
+        runner.model.compute_logits(hidden[layout.last_rows])
 
     with torch.inference_mode():
         eager_step()
@@ -55,17 +58,11 @@ def prefill_phase(engine, num_requests: int) -> None:
     max_num_batched_tokens) and the device time by kernel of one of them, the first with more
     than a third of the requests decoding (left out of the rate: the profiler slows it). The
     slowest step shows a one-off cost, such as a kernel compiled for a new shape."""
-    scheduler, plans = engine.scheduler, []
-    schedule = scheduler.schedule
-
-    def recording_schedule(ahead: bool = False, **options):
-        plans.append(schedule(ahead, **options))
-        return plans[-1]
+    scheduler, plans = engine.scheduler, []  # the plans of Engine.step, for their tokens
 
     def is_decode(chunk) -> bool:
         return chunk.num_tokens == 1 and chunk.start >= chunk.request.num_prompt_tokens
 
-    scheduler.schedule = recording_schedule  # the plans of Engine.step, for their tokens
     profiled = None
     profiled_s = slowest_s = 0.0
     torch.cuda.synchronize()
@@ -76,15 +73,15 @@ def prefill_phase(engine, num_requests: int) -> None:
             paused = time.perf_counter()
             table, kernel_ms, num_kernels = step_kernels(engine)
             gc.collect()  # the profiler's reference cycles, now: collected later, they stall a timed step
-            profiled = plans.pop()
+            profiled = engine.last_plan
             profiled_s = time.perf_counter() - paused
         else:
             begun = time.perf_counter()
             engine.step()  # a mixed step returns once its tokens are read: its work is done
             slowest_s = max(slowest_s, time.perf_counter() - begun)
+            plans.append(engine.last_plan)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - started - profiled_s
-    del scheduler.schedule
     model = engine.runner.model
     lm_head = model.lm_head.weight.numel()
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - lm_head

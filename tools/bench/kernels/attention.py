@@ -93,7 +93,7 @@ def main() -> None:
     if args.extend:
         bench_extend(args.extend)
         return
-    from spillway.kernels.paged_attention_decode import _launch
+    from spillway.kernels.paged_attention_decode import launch
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     bandwidth = read_bandwidth()
@@ -113,8 +113,8 @@ def main() -> None:
             kv_bytes = int(lens.sum()) * kv_heads * head_dim * 2 * cache.element_size()
             default_us = None
             for one_loop, label in ((False, "two (default)"), (True, "one masked loop")):
-                us = 1e3 * bench_ms(lambda: _launch(q, cache, 0, tables, context_lens, head_dim**-0.5, None,
-                                                    one_loop=one_loop))
+                us = 1e3 * bench_ms(lambda: launch(q, cache, 0, tables, context_lens, head_dim**-0.5, None,
+                                                   one_loop=one_loop))
                 default_us = default_us or us
                 achieved = kv_bytes / (us / 1e6)
                 shape = f"{batch}x{low}" + (f"-{high}" if high != low else "")

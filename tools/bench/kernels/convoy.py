@@ -131,7 +131,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     """Cascade attention's prefix pass (rows per program, keys per tile, warps, pipeline stages,
     key splits) on one convoy: the prefix pass alone and both passes, each against the launch's
     defaults (the first line) in the same run; outputs checked against the prefill kernel's."""
-    from spillway.kernels.cascade_attention import PREFIX_N, PREFIX_ROWS, PREFIX_STAGES, PREFIX_WARPS, _launch
+    from spillway.kernels.cascade_attention import PREFIX_N, PREFIX_ROWS, PREFIX_STAGES, PREFIX_WARPS, launch
     from tools.bench.ceilings import bench_ms, machine
 
     c = convoy_inputs(seqs, new, prefix_len)
@@ -158,7 +158,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
         tiles = dict(prefix_rows=prefix_rows, prefix_n=prefix_n, prefix_warps=warps, prefix_stages=stages)
 
         def launch(passes=("prefix", "suffix")):
-            return _launch(*arguments, prefix, splits, out, passes=passes, **tiles)
+            return launch(*arguments, prefix, splits, out, passes=passes, **tiles)
         label = f"{prefix_rows:>5} {prefix_n:>5} {warps:>5} {stages:>6} {splits:>6}"
         try:
             error = float((launch().float() - reference).norm() / reference.norm())

@@ -78,21 +78,20 @@ def launcher(kind: str, b: dict, suffix_rows: int | None = None):
     q, num_kv_heads = b["q"], b["cache"].shape[4]
     shape = (num_kv_heads, q.shape[1] // num_kv_heads, q.shape[2])
     num_sms = multiprocessor_count(q.device)
-    out = torch.empty_like(q)
     arguments = (q, b["cache"], b["starts"], b["lens"], b["tables"], SCALE, q.shape[0])
     if kind == "cascade":
         splits = cascade_attention.cascade_num_splits(q.shape[0], *shape, int(b["prefix"][0]), num_sms)
-        tiles = {} if suffix_rows is None else {"rows": suffix_rows}
+        tiles = {} if suffix_rows is None else {"suffix_rows": suffix_rows}
 
         def run(layer):
             args = (arguments[0], arguments[1], layer, *arguments[2:])
-            return cascade_attention._launch(*args, b["prefix"], splits, out, **tiles)
+            return cascade_attention.cascade_attention(*args, b["prefix"], splits, **tiles)
     else:
         splits = paged_attention_prefill.prefill_num_splits(q.shape[0], b["tables"].shape[0], *shape, num_sms)
 
         def run(layer):
             args = (arguments[0], arguments[1], layer, *arguments[2:])
-            return paged_attention_prefill._launch(*args, out, splits)
+            return paged_attention_prefill.paged_prefill_attention(*args, splits)
     return run
 
 
@@ -165,7 +164,7 @@ def run_tree(tree: Path | None, suffix_rows: int | None) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="a source tree to compare against, in the same run")
-    parser.add_argument("--suffix-rows", type=int, help="cascade's suffix pass rows per program (this tree only)")
+    parser.add_argument("--suffix-rows", type=int, help="cascade's suffix pass rows per program, 16 or 64 (this tree only)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each tree, alternating")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -41,9 +41,9 @@ def compile_decode(cache_dtype: str, block_n: int, warps: int, stages: int, capa
         spec = importlib.util.spec_from_file_location("decode_under_test", kernel_file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        _decode_kernel = module._decode_kernel
     else:
-        from spillway.kernels.paged_attention_decode import _decode_kernel
+        from spillway.kernels import paged_attention_decode as module
+    decode_kernel = reading_kernel(module)
 
     cache = "*fp8e4nv" if cache_dtype == "fp8" else "*bf16"
     pointers = dict(q_ptr="*bf16", cache_ptr=cache, block_tables_ptr="*i32", context_lens_ptr="*i32",
@@ -56,14 +56,25 @@ def compile_decode(cache_dtype: str, block_n: int, warps: int, stages: int, capa
                      PIECE=min(16, block_n), NUM_SPLITS=1, DOT_PRECISION="tf32", ONE_LOOP=one_loop,
                      MASKED_STAGES=stages if one_loop else 1, PDL=capability >= 90)
     for name in ("PIECE", "ONE_LOOP", "MASKED_STAGES"):  # not in earlier trees
-        if name not in _decode_kernel.arg_names:
+        if name not in decode_kernel.arg_names:
             del constants[name]
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     divisible = {(names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *ints)}
-    source = ASTSource(_decode_kernel, signature, constexprs=constants, attrs=divisible)
+    source = ASTSource(decode_kernel, signature, constexprs=constants, attrs=divisible)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32),
                           options=dict(num_warps=warps, num_stages=stages))
+
+
+def reading_kernel(module):
+    """The module's Triton kernel that reads the queries and the cache (`q_ptr`, `cache_ptr`):
+    the decode kernel in every version of the file (the split reduction reads neither)."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = [value for value in vars(module).values()
+               if isinstance(value, JITFunction) and {"q_ptr", "cache_ptr"} <= set(value.arg_names)]
+    assert len(kernels) == 1, f"{module.__name__} has {len(kernels)} kernels that read q and the cache"
+    return kernels[0]
 
 
 def loop_histograms(ptx: str) -> list[tuple[int, collections.Counter]]:

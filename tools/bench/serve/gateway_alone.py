@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -58,9 +59,10 @@ def serve(port: int, folder: str, step_s: float, max_num_seqs: int, arrivals_pat
                           max_num_seqs=max_num_seqs)
     rng = random.Random(0)
     script = [rng.randrange(256, 49152) for _ in range(997)]  # random text, as tools/bench/serve/serve.py's prompts
-    settings = ServerSettings(worker=config, served_model_names=[SERVED_NAME], max_pending=4 * max_num_seqs)
-    if hasattr(settings, "freeze_startup_objects"):  # as `spillway serve` sets it (a baseline tree may lack it)
-        settings.freeze_startup_objects = True
+    # As `spillway serve` builds them (a baseline tree may lack the setting).
+    settings_names = {field.name for field in dataclasses.fields(ServerSettings)}
+    frozen = {"freeze_startup_objects": True} if "freeze_startup_objects" in settings_names else {}
+    settings = ServerSettings(worker=config, served_model_names=[SERVED_NAME], max_pending=4 * max_num_seqs, **frozen)
     app = build_app(settings, lambda: FakeWorkerProcess(config, script, step_s=step_s, arrivals_path=arrivals_path,
                                                                  hold_s=hold_s))
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", log_level="warning")
