@@ -1,14 +1,14 @@
 """What the GPU benchmarks measure against, on the machine they run on: its read and copy
-bandwidth and its bf16 matrix-product rate, and a timer for device work."""
+bandwidth and its bf16 matrix-product rate, and a timer for device work. torch is imported where
+it is used: a benchmark's --help needs none of it."""
 
 from __future__ import annotations
 
 import os
 
-import torch
-
 
 def machine() -> str:
+    import torch
     import transformers
     import triton
 
@@ -26,6 +26,8 @@ def bench_ms(fn, warmup: int = 50, rep: int = 300) -> float:
 
 def read_bandwidth() -> float:
     """Bytes/s reading 4 GiB once (a sum)."""
+    import torch
+
     x = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
     seconds = bench_ms(lambda: x.sum()) / 1e3
     del x
@@ -34,6 +36,8 @@ def read_bandwidth() -> float:
 
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy, bytes read plus written."""
+    import torch
+
     src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
     dst = torch.empty_like(src)
     seconds = bench_ms(lambda: dst.copy_(src)) / 1e3
@@ -42,6 +46,8 @@ def copy_bandwidth() -> float:
 
 def matmul_rate() -> float:
     """FLOP/s of a bf16 8192^3 matrix product on random data."""
+    import torch
+
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     return 2 * 8192**3 / (bench_ms(lambda: a @ b) / 1e3)

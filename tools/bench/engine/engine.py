@@ -34,7 +34,6 @@ import time
 from datetime import date
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
@@ -121,6 +120,8 @@ def run_decode(args, rows: Rows) -> None:
 
 def run_hf_decode(args, rows: Rows, engines: dict, our_ms: dict[str, float]) -> None:
     """Each HF baseline in a child process, the smallest model first."""
+    import torch
+
     smallest_first = sorted(engines, key=lambda name: weight_bytes_per_token(engines[name].runner.model))
     for name in smallest_first:
         ms = our_ms[name]
@@ -160,6 +161,8 @@ def run_prefill(args, rows: Rows) -> None:
 
 def run_attention(args, rows: Rows) -> None:
     """The decode kernel alone over a bf16 cache (the figure with a target) and an fp8 one."""
+    import torch
+
     from spillway.kernels.paged_attention_decode import paged_decode_attention
 
     bandwidth = read_bandwidth()
@@ -290,6 +293,8 @@ def main() -> None:
         with open(args.report) as f:
             print_table([json.loads(line) for line in f if line.strip()])
         return
+    import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/engine/engine.py needs a CUDA GPU")
     if args.child:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import random
 import time
 
-import torch
-
 
 def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
     """An engine for one request at a time, its KV pool fixed (no profiling run)."""
@@ -24,6 +22,8 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
     """Wall ms per decoded token of one greedy request, driving Engine.step() (the prefill
     step and its first token excluded; with async scheduling a step's token comes back from
     the next call, so tokens are counted, not calls)."""
+    import torch
+
     from spillway.protocol.messages import Generate, SamplingParams
 
     rng = random.Random(0)

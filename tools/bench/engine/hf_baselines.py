@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 
 def hf_static_compile_ms_per_token(name: str, new_tokens: int, seed: int = 0) -> dict:
     """HF `generate` with a static cache, which HF compiles itself (torch.compile, CUDA graphs).
@@ -15,6 +13,8 @@ def hf_static_compile_ms_per_token(name: str, new_tokens: int, seed: int = 0) ->
     (same initialiser, same seed) copied into the HF model. The prompt is one token; the
     time is the whole generate call over `new_tokens`, after warm-up calls that compile.
     """
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     from spillway.worker.models import build_model, loader
@@ -47,6 +47,8 @@ def hf_static_compile_ms_per_token(name: str, new_tokens: int, seed: int = 0) ->
 
 def hf_generate_batch(prompts: list[list[int]], output_len: int) -> tuple[float | None, str]:
     """Output tokens/s of HF continuous batching on `prompts` (random weights, same shape)."""
+    import torch
+
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from spillway.worker.models import loader

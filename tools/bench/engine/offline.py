@@ -16,8 +16,6 @@ import statistics
 import time
 from datetime import date
 
-import torch
-
 
 def make_prompts(vocab_size: int, batch: int, input_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -70,6 +68,7 @@ def bench_thinking_budget(args, prompts) -> None:
 
 
 def bench_hf(args, prompts) -> tuple[float, int]:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from spillway.worker.models import loader
@@ -107,6 +106,7 @@ def main() -> None:
                         help="instead: compare reasoning runs without and with this thinking budget")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds for --thinking-budget")
     args = parser.parse_args()
+    import torch
 
     from spillway.worker.models import loader
 

@@ -46,25 +46,25 @@ import sys
 import tempfile
 from datetime import date
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from spillway.protocol.config import SpeculativeConfig  # noqa: E402
 from spillway.protocol.local.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
 from tools.bench import result_rows  # noqa: E402
-from tools.bench.engine.spec_runs import (CountedSpec, Run, attach_spec, blocks_for, damp_layers_after,  # noqa: E402
-                                   decode_one_at_a_time, generate_all_at_once, make_engine, matching_tokens,
-                                   quote_back_prompts, random_prompts, recount, write_replay,
-                                   write_truncated_copy)
 from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+
+if TYPE_CHECKING:  # spec_runs imports the engine and torch: where it runs, not for --help
+    from tools.bench.engine.spec_runs import CountedSpec, Run
 
 THROUGHPUT_TARGET = 0.97  # speculation on / off: where it does not pay, the switch turns it off
 
 
 def spec_counts(spec: CountedSpec, run: Run, baseline: Run) -> dict[str, int]:
     """What a run with speculation did, beside the plain run's steps and tokens."""
+    from tools.bench.engine.spec_runs import matching_tokens
+
     metrics = spec.metrics
     return dict(draft_tokens=metrics.num_draft_tokens, accepted_tokens=metrics.num_accepted_tokens,
                 verified=metrics.num_drafts, steps=run.steps, plain_steps=baseline.steps,
@@ -93,6 +93,9 @@ class DecodeBench:
     """Batch 1 on one engine: the plain baseline first, then runs with speculation."""
 
     def __init__(self, args) -> None:
+        from tools.bench.engine.spec_runs import (blocks_for, damp_layers_after, decode_one_at_a_time, make_engine,
+                                                  quote_back_prompts, random_prompts, write_replay)
+
         self.args = args
         self.max_k = max([*args.k, args.draft_k])
         max_model_len = args.prompt_len + args.new_tokens + self.max_k + 16
@@ -119,6 +122,8 @@ class DecodeBench:
     def measure(self, rows: Rows, label: str, config: SpeculativeConfig, always_on: bool = False) -> None:
         """One timed run with `config`, after a warm-up (the verification's first steps compile
         kernels for their shapes; the switch starts from what the warm-up measured)."""
+        from tools.bench.engine.spec_runs import attach_spec, decode_one_at_a_time, recount
+
         attach_spec(self.engine, config, always_on=always_on)
         decode_one_at_a_time(self.engine, self.warm_prompt, self.warm_tokens, "warm")
         spec = recount(self.engine)
@@ -143,6 +148,8 @@ def run_decode(bench: DecodeBench, rows: Rows) -> None:
 
 
 def run_draft(bench: DecodeBench, rows: Rows) -> None:
+    from tools.bench.engine.spec_runs import write_truncated_copy
+
     args = bench.args
     num_layers = bench.engine.runner.model.spec.num_layers
     for layers in args.draft_layers:
@@ -157,6 +164,9 @@ def run_draft(bench: DecodeBench, rows: Rows) -> None:
 
 
 def run_throughput(args, rows: Rows) -> None:
+    from tools.bench.engine.spec_runs import (attach_spec, blocks_for, generate_all_at_once, make_engine,
+                                              random_prompts, write_replay)
+
     max_model_len = args.input_len + args.output_len + args.throughput_k + 16
     num_blocks = None if args.device == "cuda" else blocks_for(max_model_len, 16, max(args.batches))
     engine = make_engine(args.model, args.device, max_model_len=max_model_len, max_num_seqs=max(args.batches),
@@ -205,6 +215,8 @@ def median_run(runs: list[tuple[Run, CountedSpec | None]]) -> tuple[Run, Counted
 
 def free_memory() -> None:
     """The next engine or draft sizes itself from free memory: give back what is unreferenced."""
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -303,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.report) as f:
             print_table([json.loads(line) for line in f if line.strip()])
         return
+    import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools/bench/engine/spec.py needs a CUDA GPU (or --device cpu)")
     if args.device == "cuda":

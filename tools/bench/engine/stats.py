@@ -24,7 +24,6 @@ from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402
 from spillway.worker.core.block_manager import BlockManager  # noqa: E402
 from spillway.worker.core.request import Request  # noqa: E402
 from spillway.worker.core.scheduler import Scheduler  # noqa: E402
-from spillway.worker.driver.stats import collect_stats  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
@@ -67,6 +66,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
+    from spillway.worker.driver.stats import collect_stats  # the driver's floor imports torch: not for --help
+
     manager, scheduler = build_state(args.num_blocks, args.num_requests)
     print(f"{platform.node()} ({platform.processor() or platform.machine()}), {date.today()}, python "
           f"{platform.python_version()}: {manager.num_gpu_blocks} blocks, {manager.num_free_blocks} free, "

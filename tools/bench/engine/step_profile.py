@@ -7,13 +7,13 @@ from __future__ import annotations
 import gc
 import time
 
-import torch
-
 from tools.bench.ceilings import bench_ms
 
 
 def kernel_profile(runner, steps: int) -> str:
     """Device time by kernel over `steps` eager batch-1 decode forwards (what a graph replays)."""
+    import torch
+
     from torch.profiler import ProfilerActivity, profile
 
     from spillway.worker.runner.model_runner import ChunkInput
@@ -42,6 +42,8 @@ def kernel_profile(runner, steps: int) -> str:
 def step_kernels(engine) -> tuple[str, float, int]:
     """One Engine.step() under the profiler: its kernels' table, their device time in ms, and
     how many ran."""
+    import torch
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -58,6 +60,8 @@ def prefill_phase(engine, num_requests: int) -> None:
     max_num_batched_tokens) and the device time by kernel of one of them, the first with more
     than a third of the requests decoding (left out of the rate: the profiler slows it). The
     slowest step shows a one-off cost, such as a kernel compiled for a new shape."""
+    import torch
+
     scheduler, plans = engine.scheduler, []  # the plans of Engine.step, for their tokens
 
     def is_decode(chunk) -> bool:
@@ -108,6 +112,8 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     decode step's time goes: Engine.step() wall time against its decode graph's replay alone
     (the rest is host work the GPU waits for), the host's functions, and the kernels of the
     replay."""
+    import torch
+
     import cProfile
     import pstats
 

@@ -30,15 +30,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from tools.bench.ceilings import bench_ms, machine, read_bandwidth  # noqa: E402
 
 DEFAULT_SHAPES = "64x4096,512x1000-2000,200x1040"
 BLOCK_SIZE = 16
-CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -83,6 +80,8 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="with --convoy: sweep cascade attention's tiles, "
                         "warps, stages and splits against its defaults")
     args = parser.parse_args()
+    import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/kernels/attention.py needs a CUDA GPU")
     if args.convoy:
@@ -94,6 +93,8 @@ def main() -> None:
         bench_extend(args.extend)
         return
     from spillway.kernels.paged_attention_decode import launch
+
+    cache_dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     bandwidth = read_bandwidth()
@@ -109,7 +110,7 @@ def main() -> None:
         names = ["bf16", "fp8"] if args.cache_dtype == "both" else [args.cache_dtype]
         for name in names:
             cache = torch.randn(batch * width, 1, 2, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
-                                device="cuda").to(CACHE_DTYPES[name])
+                                device="cuda").to(cache_dtypes[name])
             kv_bytes = int(lens.sum()) * kv_heads * head_dim * 2 * cache.element_size()
             default_us = None
             for one_loop, label in ((False, "two (default)"), (True, "one masked loop")):
@@ -125,6 +126,8 @@ def main() -> None:
 
 
 def bench_extend(shapes: list[tuple[int, int, int]]) -> None:
+    import torch
+
     from spillway.kernels.paged_attention_prefill import paged_prefill_attention
 
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16

@@ -26,9 +26,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import torch  # noqa: E402
-
-from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS  # noqa: E402
 from tools.bench.ceilings import bench_ms, machine  # noqa: E402
 
 DEFAULT_TOKENS = (144, 176, 200, 232, 264, 300, 360, 420, 480)
@@ -58,15 +55,19 @@ def bucket_of(tokens: int, buckets: tuple[int, ...] | list[int]) -> int | None:
 PRODUCTS = ("qkv", "o", "gate_up", "down")  # layer_shapes' order
 
 
-def product_weight(n_in: int, n_out: int, input_major: bool, device="cuda", dtype=torch.bfloat16) -> torch.Tensor:
-    """An `[out, in]` weight for `F.linear`: stored `[in, out]` row-major (input-major, as
-    worker/models/gpu_linear.py stores them) or `[out, in]` row-major (output-major)."""
-    weight = torch.randn(n_out, n_in, device=device, dtype=dtype)
+def product_weight(n_in: int, n_out: int, input_major: bool, device="cuda", dtype=None) -> torch.Tensor:
+    """An `[out, in]` weight for `F.linear` (bf16 unless `dtype`): stored `[in, out]` row-major
+    (input-major, as worker/models/gpu_linear.py stores them) or `[out, in]` row-major (output-major)."""
+    import torch
+
+    weight = torch.randn(n_out, n_in, device=device, dtype=dtype or torch.bfloat16)
     return weight.t().contiguous().t() if input_major else weight
 
 
 def layer_ms(shapes: list[tuple[int, int]], rows: int, cache: dict[int, float]) -> float:
     """Milliseconds of one layer's products at `rows` rows (measured once per row count)."""
+    import torch
+
     if rows not in cache:
         weights = [product_weight(n_in, n_out, True) for n_in, n_out in shapes]
         inputs = [torch.randn(rows, n_in, device="cuda", dtype=torch.bfloat16) for n_in, _ in shapes]
@@ -81,6 +82,8 @@ def layer_ms(shapes: list[tuple[int, int]], rows: int, cache: dict[int, float]) 
 
 def print_layouts(shapes: list[tuple[int, int]], tokens: list[int]) -> None:
     """Each product at each row count, input-major against output-major, one after the other."""
+    import torch
+
     print(" | ".join(["rows", "product", "in x out", "input-major us", "output-major us", "output / input"]))
     for rows in tokens:
         for name, (n_in, n_out) in zip(PRODUCTS, shapes):
@@ -103,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", action="store_true",
                         help="each product alone at each row count, input-major against output-major weights")
     args = parser.parse_args(argv)
+    import torch
+
+    from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS
+
     tokens = [int(value) for value in args.tokens.split(",")]
     if any(value < 1 for value in tokens):
         parser.error("--tokens takes positive step sizes")

@@ -30,8 +30,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = 36
 HEADS = (32, 8, 128)  # query heads, KV heads, head_dim
@@ -46,11 +44,14 @@ CASES = {
 
 
 def graph_batch(prefix_len: int, own: list[int], new: list[int], slots: int, bucket: int, *, layers: int = LAYERS,
-                heads=HEADS, block_size: int = 16, dtype=torch.bfloat16, device="cuda") -> dict:
+                heads=HEADS, block_size: int = 16, dtype=None, device="cuda") -> dict:
     """A ragged batch as a prefill graph holds it: `len(new)` sequences sharing the first
     `prefix_len` positions' blocks, then their own, padded to `slots` sequences (empty: no
     query, no context) and `bucket` rows of q."""
+    import torch
+
     num_heads, num_kv_heads, head_dim = heads
+    dtype = dtype or torch.bfloat16
     generator = torch.Generator().manual_seed(0)
     shared = prefix_len // block_size
     lens = [prefix_len + o + n for o, n in zip(own, new)]
@@ -108,6 +109,8 @@ def check(run, b: dict, layer: int = 1) -> float:
 
 def graph_us(run, layers: int = LAYERS, replays: int = 20) -> float:
     """Median microseconds a layer of one graph replay holding `layers` launches."""
+    import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -133,6 +136,8 @@ def graph_us(run, layers: int = LAYERS, replays: int = 20) -> float:
 
 def measure(suffix_rows: int | None) -> dict[str, dict]:
     """Every case in this process (whatever `spillway` imports): error and us a layer."""
+    import torch
+
     results = {}
     for name, (kind, *shape) in CASES.items():
         b = graph_batch(*shape)

@@ -35,8 +35,6 @@ import sys
 from datetime import date
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from tools.bench import result_rows  # noqa: E402
@@ -107,6 +105,8 @@ def block_shape(args) -> tuple[int, ...]:
 
 def pooled_copier(args, num_slots: int):
     """A KVCopier between a random GPU pool and a pinned CPU pool of `num_slots` blocks each."""
+    import torch
+
     from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
     from spillway.worker.kv_tier.copier import KVCopier
 
@@ -117,6 +117,8 @@ def pooled_copier(args, num_slots: int):
 
 def timed_seconds(queue) -> float:
     """Device seconds from before `queue()` until compute has waited for all it queued."""
+    import torch
+
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -132,6 +134,8 @@ def median(values) -> float:
 
 
 def run_copies(args, rows: Rows) -> None:
+    import torch
+
     copier = pooled_copier(args, num_slots=2 * args.blocks)  # room for every other slot
     total = args.blocks * copier.block_bytes
     host = torch.empty(total // 2, dtype=torch.bfloat16, pin_memory=True)
@@ -152,6 +156,8 @@ def run_copies(args, rows: Rows) -> None:
 
 
 def stored_bytes_come_back(copier, num_blocks: int) -> bool:
+    import torch
+
     from spillway.worker.core.step_plan import KVCopies
 
     original = copier.gpu_pool[:num_blocks].clone()
@@ -167,6 +173,8 @@ def stored_bytes_come_back(copier, num_blocks: int) -> bool:
 def run_both(args, rows: Rows) -> None:
     """Stores of GPU slots 0..n-1 into CPU slots 0..n-1 and loads of CPU slots n..2n-1 into GPU
     slots n..2n-1, in one step; the baseline copies the same two spans."""
+    import torch
+
     from spillway.worker.core.step_plan import KVCopies
 
     n = args.blocks
@@ -207,6 +215,8 @@ BENCHMARKS = {"copies": run_copies, "both": run_both, "interference": run_interf
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/tier/kv_offload.py needs a CUDA GPU")
     result_rows.MACHINE = machine()

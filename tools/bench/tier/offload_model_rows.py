@@ -8,8 +8,6 @@ import math
 import random
 import time
 
-import torch
-
 from tools.bench.result_rows import Rows, row
 
 TARGET_RELOAD_SPEEDUP = 10.0
@@ -106,6 +104,8 @@ def stepped_seconds(bucket: int, runner, num_steps: int, copier=None, loads=(), 
     batch again each time the last has landed (`pace`: at the copier's rate, pumped before every
     step), and `stores` as stores ahead of eviction again each time the last are done. Returns the
     seconds and the bytes/s queued each way while the steps ran (loads still pending excluded)."""
+    import torch
+
     from collections import deque
 
     from spillway.worker.core.step_plan import KVCopies
@@ -150,6 +150,8 @@ def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate
     """Seconds per step of `replays` while a host thread queues `loads` over and over on the
     copier's load stream, PACED_CHUNK_BLOCKS blocks at a time, each chunk once the one before
     has landed and no sooner than `rate` bytes/s allows; and the bytes/s loaded meanwhile."""
+    import torch
+
     import threading
 
     from spillway.worker.kv_tier.block_copies import copy_blocks
@@ -185,6 +187,8 @@ def step_seconds_beside_paced_loads(replays, num_steps: int, copier, loads, rate
 
 
 def step_seconds(replays, num_steps: int) -> float:
+    import torch
+
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -200,6 +204,8 @@ def step_seconds_beside_traffic(replays, num_steps: int, copier, *, rounds: int,
     empty) run on the copier's streams, unordered against compute (whose replays start once
     every copy has begun); whether the copies ran until the last step ended; each direction's
     bytes/s."""
+    import torch
+
     from spillway.worker.kv_tier.block_copies import copy_blocks
 
     torch.cuda.synchronize()
@@ -237,6 +243,8 @@ def run_reload(args, rows: Rows) -> None:
     """The prefix's KV in GPU slots 0..n-1 (written by the recompute), stored to CPU slots
     0..n-1 and restored from there; medians of 3 recomputes (after one that compiles) and of 5
     restores."""
+    import torch
+
     from spillway.worker.runner.model_runner import ChunkInput
 
     num_blocks = math.ceil(args.prefix_tokens / args.block_size)

@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
@@ -21,20 +24,19 @@ def test_a_step_takes_the_smallest_bucket_that_holds_it_and_none_past_the_last()
     old = (16, 32, 64, 96, 128, 192, 256, 384, 512)
     assert [buckets.bucket_of(n, old) for n in (1, 16, 17, 200, 257, 512)] == [16, 16, 32, 256, 384, 512]
     assert buckets.bucket_of(513, old) is None
-    assert buckets.bucket_of(200, buckets.PREFILL_TOKEN_BUCKETS) == 208
+    assert buckets.bucket_of(200, PREFILL_TOKEN_BUCKETS) == 208
 
 
 def test_bad_step_sizes_are_refused_and_no_gpu_is_said_plainly(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         buckets.main(["--tokens", "200,0"])
     assert "positive step sizes" in capsys.readouterr().err
-    monkeypatch.setattr(buckets.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="none is visible"):
         buckets.main(["--tokens", "200"])
 
 
 def test_a_weight_stored_either_way_gives_the_same_products():
-    torch = buckets.torch
     torch.manual_seed(0)
     input_major = buckets.product_weight(8, 6, True, device="cpu", dtype=torch.float32)
     output_major = buckets.product_weight(8, 6, False, device="cpu", dtype=torch.float32)
@@ -46,6 +48,6 @@ def test_a_weight_stored_either_way_gives_the_same_products():
 
 
 def test_layouts_without_a_gpu_is_said_plainly(monkeypatch):
-    monkeypatch.setattr(buckets.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="none is visible"):
         buckets.main(["--layouts", "--tokens", "1,208"])
