@@ -142,7 +142,8 @@ def tree_env(tree: Path | None) -> dict[str, str] | None:
     spillway; None: this process's environment, the installed one."""
     if tree is None:
         return None
-    if not (tree / "worker" / "engine.py").is_file():
+    # worker/driver/ since the worker's floors; a baseline from before them has worker/engine.py.
+    if not any((tree / "worker" / path).is_file() for path in ("driver/engine.py", "engine.py")):
         raise SystemExit(f"{tree} is not a spillway source tree (no worker/driver/engine.py)")
     site = Path(tempfile.mkdtemp(prefix="spillway-tree-"))
     (site / "spillway").symlink_to(tree.resolve())

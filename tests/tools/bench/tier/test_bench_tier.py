@@ -168,8 +168,8 @@ def test_a_baseline_tree_is_served_from_its_own_source(monkeypatch, tmp_path):
     from tools.bench.serve import server_process
 
     tree = tmp_path / "tree"
-    (tree / "worker").mkdir(parents=True)
-    (tree / "worker" / "engine.py").write_text("WHICH = 'the baseline tree'\n")
+    (tree / "worker" / "driver").mkdir(parents=True)
+    (tree / "worker" / "driver" / "engine.py").write_text("WHICH = 'the baseline tree'\n")
     env = server_process.tree_env(tree)
     which = subprocess.run([sys.executable, "-c", "import spillway.worker.driver.engine as e; print(e.WHICH)"],
                            env=env, capture_output=True, text=True, check=True)
