@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(PY) tools/bench_offline.py $(ARGS)
+	$(PY) tools/bench/engine/offline.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -56,7 +56,7 @@ _LOG2E = 1.4426950408889634
 # prefix (Qwen3-8B heads) took 126.4 us (both passes) with 128 rows, 64 keys, 4 warps, 3 stages
 # and 4 splits, against 139.0 us with 2 stages and 8 splits (3 waves) and 184.8 us with 64 rows
 # and 3 splits; tiles of 128 keys, 8 warps or 256 rows did no better
-# (`tools/bench_attention.py --convoy --tune`, docs/performance.md).
+# (`tools/bench/kernels/attention.py --convoy --tune`, docs/performance.md).
 PREFIX_ROWS = 128
 PREFIX_N = 64
 PREFIX_WARPS = 4
@@ -66,7 +66,7 @@ SPLIT_WAVES = 1.5
 # sequence of a few new tokens leaves most of its program's rows empty: the convoy's cascade
 # (50 x 4 new tokens on a 10k-token prefix) took 117.8 us a layer with 64 rows, 106.5 with 16;
 # but a long query after thousands of its own keys re-reads them once per program: 2 x 128 new
-# tokens after 3,000 own keys, 131.1 us with 64, 155.2 with 16 (tools/bench_graph_attention.py,
+# tokens after 3,000 own keys, 131.1 us with 64, 155.2 with 16 (tools/bench/kernels/graph_attention.py,
 # docs/performance.md). So 16 rows only where every query fits one program of them.
 SUFFIX_ROWS = 64
 SHORT_SUFFIX_ROWS = 16
@@ -241,16 +241,17 @@ def cascade_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
-    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-                   num_splits, out, rows=suffix_rows)
+    return launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+                  num_splits, out, rows=suffix_rows)
 
 
-def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
-            num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
-            prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=SUFFIX_ROWS, num_warps=4,
-            num_stages=2) -> torch.Tensor:
-    """Both passes (or those named in `passes`, for timing one alone) on checked arguments; tile
-    sizes, warps and stages are open for tuning runs."""
+def launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, prefix_len,
+           num_splits, out, passes=("prefix", "suffix"), prefix_rows=PREFIX_ROWS, prefix_n=PREFIX_N,
+           prefix_warps=PREFIX_WARPS, prefix_stages=PREFIX_STAGES, rows=SUFFIX_ROWS, num_warps=4,
+           num_stages=2) -> torch.Tensor:
+    """Both passes (or those named in `passes`, for timing one alone) on arguments
+    `cascade_attention` has checked, into `out`; tile sizes, warps and stages are open for tuning
+    runs."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
     group = num_heads // num_kv_heads

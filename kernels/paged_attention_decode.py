@@ -95,7 +95,7 @@ def _decode_kernel(
     # rest, at most two tiles, run unpipelined (MASKED_STAGES 1): a second pipelined loop would
     # double the shared memory a program holds, and halve the programs resident on a
     # multiprocessor. ONE_LOOP instead sends every tile through the masked loop, pipelined.
-    # Measured on an H200 (Qwen3-8B heads, tools/bench_attention.py), one loop is 4% faster
+    # Measured on an H200 (Qwen3-8B heads, tools/bench/kernels/attention.py), one loop is 4% faster
     # over a bf16 cache at batch 200 x 1,040, the same at 64 x 4,096 and 512 x 1,000-2,000,
     # 4-7% slower over a float8 cache.
     unmasked_end = start
@@ -214,13 +214,13 @@ def paged_decode_attention(
     check(num_splits is None or (isinstance(num_splits, int) and num_splits >= 1),
           f"num_splits must be None or a positive int, got {num_splits}")
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
-    return _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits).view(q.shape)
+    return launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits).view(q.shape)
 
 
-def _launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
-            block_n=None, num_warps=None, num_stages=None, one_loop=False) -> torch.Tensor:
-    """The kernels on checked arguments; the tile size, warps, stages and loop structure are
-    open for tuning runs."""
+def launch(q4, kv_cache, layer, block_tables, context_lens, scale, num_splits,
+           block_n=None, num_warps=None, num_stages=None, one_loop=False) -> torch.Tensor:
+    """The kernels on arguments `paged_decode_attention` has checked (q as `[B, Q, heads,
+    head_dim]`); the tile size, warps, stages and loop structure are open for tuning runs."""
     batch_size, query_len, num_heads, head_dim = q4.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     device = kv_cache.device

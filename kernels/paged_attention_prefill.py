@@ -197,8 +197,8 @@ def paged_prefill_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_tables.shape[0] == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
-    return _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-                   num_splits)
+    return launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+                  num_splits)
 
 
 def check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, max_query_len) -> None:
@@ -222,10 +222,11 @@ def check_ragged_arguments(q, kv_cache, layer, query_start_loc, seq_lens, block_
           f"max_query_len must be an int >= 0, got {max_query_len}")
 
 
-def _launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
-            num_splits=1, rows=64, block_n=None, num_warps=4, num_stages=2,
-            min_split_len=MIN_SPLIT) -> torch.Tensor:
-    """The kernel on checked arguments; tile sizes and warps are open for tuning runs."""
+def launch(q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale, max_query_len, out,
+           num_splits=1, rows=64, block_n=None, num_warps=4, num_stages=2,
+           min_split_len=MIN_SPLIT) -> torch.Tensor:
+    """The kernel on arguments `paged_prefill_attention` has checked, into `out`; tile sizes and
+    warps are open for tuning runs."""
     num_kv_heads, head_dim = kv_cache.shape[4], kv_cache.shape[5]
     num_tokens, num_heads = q.shape[0], q.shape[1]
     group = num_heads // num_kv_heads

@@ -4,10 +4,10 @@ sockets, but "generates" by replaying a fixed token sequence, one token per step
 Its KV usage is one block per running request, so tests can see usage return to zero. Steps
 start `step_s` apart while requests run (a message arriving ends the wait early, as a real
 worker's poll does), so it also stands in for an engine of a known rate: every running request
-gets one token per step (tools/bench_gateway.py drives the gateway alone with it). With
+gets one token per step (tools/bench/serve/gateway_alone.py drives the gateway alone with it). With
 `hold_s`, a request that arrives at an idle worker starts a hold: no step runs until `hold_s`
 after it, and whatever arrives meanwhile joins the first step (a shared prefix being loaded
-from the CPU tier, as the convoy row of tools/bench_tier.py has it). With `beat`, it beats as
+from the CPU tier, as the convoy row of tools/bench/tier/served.py has it). With `beat`, it beats as
 the real worker does (worker/heartbeat.py); with `stall_s`, its first step holds the loop that
 long (a prefill of thousands of tokens on a CPU, a first step that compiles).
 """

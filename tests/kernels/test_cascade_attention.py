@@ -10,7 +10,7 @@ import pytest
 import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
-from spillway.kernels.cascade_attention import _launch, cascade_attention, cascade_num_splits
+from spillway.kernels.cascade_attention import cascade_attention, cascade_num_splits, launch
 from spillway.kernels.paged_attention_prefill import paged_prefill_attention
 from spillway.kernels.ragged_attention_reference import cascade_attention_reference, paged_prefill_attention_reference
 from spillway.kernels.utils import multiprocessor_count
@@ -122,13 +122,13 @@ def test_the_prefix_pass_tile_is_its_own(prefix_n, cache_dtype):
     q, cache, starts, lens, tables = shared_batch(1088, [2, 30, 0], query_lens, num_heads=8, num_kv_heads=2,
                                                   head_dim=32, cache_dtype=cache_dtype)
     num_rows, scale = sum(query_lens), 32**-0.5
-    out = _launch(q, cache, 1, starts, lens, tables, scale, 6, staged(1088, q.device), 3, torch.empty_like(q),
-                  prefix_n=prefix_n)
+    out = launch(q, cache, 1, starts, lens, tables, scale, 6, staged(1088, q.device), 3, torch.empty_like(q),
+                 prefix_n=prefix_n)
     expected = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, scale)
     assert relative_error(out[:num_rows], expected[:num_rows]) < 1e-5
     with pytest.raises(ValueError, match="the prefix pass's 32-key tiles are not whole 64-key tiles"):
-        _launch(q, cache, 1, starts, lens, tables, scale, 6, staged(1088, q.device), 3, torch.empty_like(q),
-                prefix_n=32)
+        launch(q, cache, 1, starts, lens, tables, scale, 6, staged(1088, q.device), 3, torch.empty_like(q),
+               prefix_n=32)
 
 
 def test_a_prefix_shorter_than_a_tile_is_read_with_each_sequence():

@@ -7,8 +7,8 @@ import torch
 from kernel_testing import gpu, paged_kv, random_tensor, relative_error
 
 from spillway.kernels.paged_attention_decode import (
-    _launch,
     default_num_splits,
+    launch,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -75,7 +75,7 @@ def test_either_loop_structure_matches_reference(one_loop, cache_dtype):
     cache, tables = paged_kv(context_lens, block_size=16, num_kv_heads=3, head_dim=32, cache_dtype=cache_dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     q = random_tensor(len(context_lens), 3, 9, 32)
-    out = _launch(q, cache, 1, tables, lens, 0.2, 2, block_n=32, one_loop=one_loop)
+    out = launch(q, cache, 1, tables, lens, 0.2, 2, block_n=32, one_loop=one_loop)
     ref = paged_decode_attention_reference(q, cache, 1, tables, lens, 0.2)
     assert relative_error(out, ref) < 1e-5
 

@@ -133,8 +133,8 @@ def test_split_keys_match_the_reference(case, num_splits):
     q = random_tensor(num_rows + 3, num_heads, head_dim)
     ref = paged_prefill_attention_reference(q, cache, 1, starts, lens, tables, head_dim**-0.5)
     out = torch.empty_like(q)
-    module._launch(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens), out,
-                   num_splits=num_splits, min_split_len=64)
+    module.launch(q, cache, 1, starts, lens, tables, head_dim**-0.5, max(query_lens), out,
+                  num_splits=num_splits, min_split_len=64)
     assert relative_error(out[:num_rows], ref[:num_rows]) < 1e-5
     assert bool((out[num_rows:] == 0).all())  # the padded rows: no split counted, zeros
     # Through the public call (splits of at least MIN_SPLIT keys): the same result.

@@ -64,7 +64,7 @@ GRID_CASES = [(16, 7, True), (64, 7, False), (64, 200, True)]
 
 @pytest.mark.parametrize("rows,padded_rows,flat", GRID_CASES)
 def test_prefill_kernel_on_a_graph_layout(rows, padded_rows, flat):
-    from spillway.kernels.paged_attention_prefill import _launch
+    from spillway.kernels.paged_attention_prefill import launch
 
     query_lens, seq_lens = [5, 1, 17, 4], [9, 30, 17, 40]
     cache, tables = paged_kv(seq_lens, block_size=16, num_kv_heads=2, head_dim=32)
@@ -75,7 +75,7 @@ def test_prefill_kernel_on_a_graph_layout(rows, padded_rows, flat):
     expected = paged_prefill_attention_reference(q, cache, 1, starts, lens, padded, 32**-0.5)
     for num_splits in (1, 2):
         out = torch.empty_like(q)
-        _launch(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0], out, num_splits, rows=rows)
+        launch(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0], out, num_splits, rows=rows)
         assert relative_error(out[:num_rows], expected[:num_rows]) < 1e-5
     default = paged_prefill_attention(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0])
     assert relative_error(default[:num_rows], expected[:num_rows]) < 1e-5
@@ -83,7 +83,7 @@ def test_prefill_kernel_on_a_graph_layout(rows, padded_rows, flat):
 
 @pytest.mark.parametrize("rows,padded_rows,flat", [(16, 40, True), (64, 0, False), (64, 180, True)])
 def test_cascade_suffix_on_a_graph_layout(rows, padded_rows, flat):
-    from spillway.kernels.cascade_attention import _launch
+    from spillway.kernels.cascade_attention import launch
 
     prefix_len, own_lens, query_lens = 256, [0, 3, 17, 1], [4, 1, 6, 4]
     q, cache, starts, lens, tables = shared_batch(prefix_len, own_lens, query_lens, num_heads=8, num_kv_heads=2,
@@ -93,7 +93,7 @@ def test_cascade_suffix_on_a_graph_layout(rows, padded_rows, flat):
     expected = cascade_attention_reference(q, cache, 1, starts, lens, tables, 32**-0.5, prefix_len)
     starts, lens, padded = graph_layout(query_lens, lens.tolist(), tables)  # sequence 0 stays in slot 0
     out = torch.empty_like(q)
-    _launch(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0], staged(prefix_len, q.device), 2, out, rows=rows)
+    launch(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0], staged(prefix_len, q.device), 2, out, rows=rows)
     assert relative_error(out[:num_rows], expected[:num_rows]) < 1e-5
     default = cascade_attention(q, cache, 1, starts, lens, padded, 32**-0.5, q.shape[0], staged(prefix_len, q.device), 2)
     assert relative_error(default[:num_rows], expected[:num_rows]) < 1e-5

@@ -325,6 +325,12 @@ class Engine:
         `scheduler.defer_release`: the busy loop calls it once their deltas are sent)."""
         self.scheduler.release_finished()
 
+    def use_speculation(self, spec: SpecDecoder | None) -> None:
+        """Speculate with `spec` from the next step on (None: decode plainly), as a decoder the
+        constructor would build for this engine (`build_spec_decoder`): benchmarks compare runs
+        with and without speculation on one engine, its graphs and pool unchanged."""
+        self.spec = spec
+
     def reset_prefix_cache(self) -> bool:
         self.scheduler.release_finished()
         self.tier.settle_loads()  # loads of requests gone may still write the slots it frees

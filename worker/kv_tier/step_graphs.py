@@ -4,7 +4,7 @@ landed from the CPU tier waits for each segment's layers alone (worker/kv_tier/c
 land a group of layers at a time, first layers first).
 
 A forward inside one graph cannot wait for an event recorded outside it, and running the step
-eagerly instead took the H200's host 23-29 ms to launch for Qwen3-8B (tools/bench_overlap.py:
+eagerly instead took the H200's host 23-29 ms to launch for Qwen3-8B (tools/bench/tier/overlap.py:
 longer than a 10k-token prefix's ~27 ms load, docs/performance.md). So the prefill graphs and
 their cascade twins are captured as a graph per segment of layers (`segment_size`; the
 embedding goes with the first, the final norm and the logits with the last), and a step

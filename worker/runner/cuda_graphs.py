@@ -26,7 +26,7 @@ that no real row reads (every op but attention is row-wise).
 Past ~128 rows an 8B model's matrix products are compute-bound on an H200, so a step pays for
 its padding rows: the steps keep them under 1/8 of the bucket. A 200-token step (50 requests of
 4 new tokens on a shared prefix) runs at 208 rows, not 256: Qwen3-8B's products took 5.78 ms
-there against 6.43 ms (tools/bench_buckets.py, docs/performance.md). Below 128 the products
+there against 6.43 ms (tools/bench/kernels/buckets.py, docs/performance.md). Below 128 the products
 read the weights and padding is nearly free.
 
 Cascade graphs, the prefill graphs' twins: the same buckets, layout and step, with cascade

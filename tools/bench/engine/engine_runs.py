@@ -1,0 +1,50 @@
+"""One request at a time through an `Engine` on the GPU, dummy weights of a built-in config: the
+engine, its batch-1 decode rate, and the weight bytes a decode step reads (its floor).
+tools/bench/engine/engine.py's decode and prefill rows use them."""
+
+from __future__ import annotations
+
+import random
+import time
+
+
+def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
+    """An engine for one request at a time, its KV pool fixed (no profiling run)."""
+    from spillway.protocol.local.envs import worker_config_from_env
+    from spillway.worker.driver.engine import Engine
+
+    return Engine(worker_config_from_env(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
+                                         max_model_len=max_model_len, max_num_seqs=1,
+                                         num_gpu_blocks_override=num_blocks, enforce_eager=enforce_eager))
+
+
+def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:
+    """Wall ms per decoded token of one greedy request, driving Engine.step() (the prefill
+    step and its first token excluded; with async scheduling a step's token comes back from
+    the next call, so tokens are counted, not calls)."""
+    import torch
+
+    from spillway.protocol.messages import Generate, SamplingParams
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(256, engine.vocab_size) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(Generate(request_id=request_id, prompt_token_ids=prompt, block_hashes=[], params=params))
+    first = 0
+    while not first:  # the prefill and the first token (a call later when the prefill ran ahead)
+        first = sum(len(d.new_token_ids) for d in engine.step())
+    assert first == 1, first
+    torch.cuda.synchronize()
+    started, tokens = time.perf_counter(), 0
+    while engine.has_work:
+        tokens += sum(len(d.new_token_ids) for d in engine.step())
+    assert tokens == new_tokens - 1, tokens
+    return (time.perf_counter() - started) / tokens * 1e3
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: all but the embedding table (unless it is lm_head)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embedding
+    return total if tied else total - embedding.numel() * embedding.element_size()
