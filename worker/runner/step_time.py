@@ -1,7 +1,7 @@
 """The model's batch-1 decode step, timed at start-up: the unit the engine's deadlines and
 budgets scale with (worker/driver/timing.py).
 
-Where the decode graphs are captured this is their replay alone, as tools/bench_engine.py
+Where the decode graphs are captured this is their replay alone, as tools/bench/engine/engine.py
 reports it beside the decode rate (4.505 ms for Qwen3-8B on the H200); elsewhere an eager step,
 whose host time is part of every step there.
 """
