@@ -84,7 +84,13 @@ def test_a_late_member_is_planned_behind_the_early_step_still_in_flight(model_di
     and only then reads the first member's token. Both answers are a full pool's."""
     from spillway.worker.kv_tier import paced_loads
     from spillway.worker.driver.pipeline import LaunchedStep
+    from spillway.worker.driver.timing import REFERENCE_DECODE_STEP_S
+    from spillway.worker.runner import executor_start
 
+    # The scenario's times (loads landing in 10 ms) are on the scale of the reference model's
+    # step, whose deadlines plan before a landing 10 ms away; this tiny model's own step would
+    # scale them down to a fraction of a millisecond.
+    monkeypatch.setattr(executor_start, "time_decode_step", lambda runner: REFERENCE_DECODE_STEP_S)
     monkeypatch.setattr(paced_loads, "MIN_SLICE_BYTES", 1)  # loads by layer, as a large model's go
     monkeypatch.setattr(paced_loads, "segment_size", lambda num_layers: 1)
     one = SamplingParams(max_tokens=1, temperature=0.0)
