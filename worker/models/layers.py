@@ -39,6 +39,36 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture-of-experts layer's experts, summed: `sum_k w_k * expert_{id_k}(hidden)`.
+
+    hidden `[tokens, H]`; w13 `[E, 2I, H]` (each expert's `[gate | up]` rows, Hugging Face's
+    `gate_up_proj`); w2 `[E, H, I]` (`down_proj`); topk_weights `[tokens, K]` (float32 or
+    hidden's dtype) and topk_ids `[tokens, K]` (any integer dtype). Returns `[tokens, H]` in
+    hidden's dtype. Each expert runs once on the rows routed to it, in Hugging Face's order of
+    operations (expert output times weight, accumulated in hidden's dtype), so float32 logits
+    match transformers' to rounding. Only the experts chosen are read.
+    """
+    out = torch.zeros_like(hidden)
+    num_experts = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1).long()
+    if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
+    for expert in torch.unique(flat_ids).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        gate, up = F.linear(hidden[token_idx], w13[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        expert_out = expert_out * topk_weights[token_idx, slot, None]
+        out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
+
+
 def rope_angles(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """A step's rotary inputs for `rotate_q_k`: `(cos, sin)`, once per step, not per layer."""
     return rotary.cos_sin(positions, dtype)
@@ -68,6 +98,9 @@ class DecoderOps:
 
     q_norm/k_norm are the layer's `RMSNorm`s, or None. The plain-torch path leaves it None,
     so it stays step for step the Hugging Face computation.
+
+    `fused_experts(hidden, w13, w2, topk_weights, topk_ids)` is a mixture-of-experts layer's
+    experts (see `fused_experts` below for the shapes).
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -76,6 +109,7 @@ class DecoderOps:
     rotate_q_k: Callable[[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     prepare_qkv: Callable[..., torch.Tensor] | None = None
+    fused_experts: Callable[..., torch.Tensor] = fused_experts
 
 
 class RMSNorm(nn.Module):
