@@ -65,8 +65,11 @@ def save_gguf_tokenizer(gguf_path: Path, dest: Path) -> None:
 
 
 def _run_converter(what: str, gguf_path: Path, dest: Path) -> None:
-    command = [sys.executable, "-m", "spillway.worker.models.gguf_convert", what, str(gguf_path), str(dest)]
-    result = subprocess.run(command, stdin=subprocess.DEVNULL)
+    # Run in `dest`: `-m` puts the working directory on the child's sys.path, and run from a
+    # checkout's root its kernels/ folder would pass for the `kernels` package transformers seeks.
+    command = [sys.executable, "-m", "spillway.worker.models.gguf_convert", what,
+               str(gguf_path.absolute()), str(dest.absolute())]
+    result = subprocess.run(command, stdin=subprocess.DEVNULL, cwd=dest)
     if result.returncode != 0:
         raise ValueError(f"converting {gguf_path} failed (exit code {result.returncode}; its error is above)")
 

@@ -29,11 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: tools.*
 
-from tools.loadgen.corpus import ESTIMATED_TOKENS_PER_WORD, RANDOM_TOKEN_IDS  # noqa: E402
-from tools.soak.memory import MB, parse_vm_rss  # noqa: E402
-from tools.soak.traffic import ABORT_AFTER_EVENTS, MIX, OUTPUT_TOKENS, PROMPT_WORDS  # noqa: E402
+from spillway.tools.loadgen.corpus import ESTIMATED_TOKENS_PER_WORD, RANDOM_TOKEN_IDS  # noqa: E402
+from spillway.tools.soak.memory import MB, parse_vm_rss  # noqa: E402
+from spillway.tools.soak.traffic import ABORT_AFTER_EVENTS, MIX, OUTPUT_TOKENS, PROMPT_WORDS  # noqa: E402
 
 GENERATION_KINDS = ("chat_stream", "completion_stream", "chat", "completion", "abort", "stop")
 CHAT_PREFIX_TOKENS = 30  # about the default model's chat template before the message

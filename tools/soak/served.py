@@ -24,13 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: tools.*
 
-from tools.loadgen.corpus import stdlib_words  # noqa: E402
-from tools.bench.serve.server_process import Server, descendants, machine  # noqa: E402
-from tools.bench.serve.stream_client import send_request  # noqa: E402
-from tools.soak.memory import Growth, Sample, draw, growth, rss_bytes, rss_table, verdict, write_samples  # noqa: E402
-from tools.soak.traffic import Tally, drive, traffic  # noqa: E402
+from spillway.tools.loadgen.corpus import stdlib_words  # noqa: E402
+from spillway.tools.bench.serve.server_process import Server, descendants, machine  # noqa: E402
+from spillway.tools.bench.serve.stream_client import send_request  # noqa: E402
+from spillway.tools.soak.memory import Growth, Sample, draw, growth, rss_bytes, rss_table, verdict, write_samples  # noqa: E402
+from spillway.tools.soak.traffic import Tally, drive, traffic  # noqa: E402
 
 PROCESSES = ("gateway", "worker")
 PROGRESS_EVERY_S = 60.0

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tools.bench.serve.stream_client import Exchange, send_request, split_events
+from spillway.tools.bench.serve.stream_client import Exchange, send_request, split_events
 
 MIX = (("chat_stream", 4), ("completion_stream", 4), ("chat", 2), ("completion", 2), ("abort", 2), ("stop", 2),
        ("invalid", 1), ("models", 1), ("metrics", 1), ("tokenize", 1), ("detokenize", 1))

@@ -19,7 +19,7 @@ from spillway.gateway.http import shared_accept
 from spillway.gateway.http.shared_accept import Acceptor, OpenConnections
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tools.bench.serve.accept import ask, serve  # noqa: E402  (servers answering with their pid)
+from spillway.tools.bench.serve.accept import ask, serve  # noqa: E402  (servers answering with their pid)
 
 
 def listening_socket() -> socket.socket:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from test_loadgen_fake import FakeServer, run_loadgen
 
-from tools.loadgen.cli import main
+from spillway.tools.loadgen.cli import main
 
 DATASET = Path(__file__).parent / "data" / "sharegpt_small.json"
 

@@ -17,8 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root holds `tools`
 
-from tools.loadgen.cli import main  # noqa: E402
-from tools.loadgen.report import percentile  # noqa: E402
+from spillway.tools.loadgen.cli import main  # noqa: E402
+from spillway.tools.loadgen.report import percentile  # noqa: E402
 
 
 class FakeServer:

@@ -12,10 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root holds `tools`
 
-from tools.loadgen.cli import build_parser, parse_percentiles  # noqa: E402
-from tools.loadgen.client import RequestRecord  # noqa: E402
-from tools.loadgen.report import summarize  # noqa: E402
-from tools.loadgen.table import format_summary  # noqa: E402
+from spillway.tools.loadgen.cli import build_parser, parse_percentiles  # noqa: E402
+from spillway.tools.loadgen.client import RequestRecord  # noqa: E402
+from spillway.tools.loadgen.report import summarize  # noqa: E402
+from spillway.tools.loadgen.table import format_summary  # noqa: E402
 
 
 def records(count: int) -> list[RequestRecord]:

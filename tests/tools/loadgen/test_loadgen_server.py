@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))  # the repository root holds `tools`
 
 from ports import reserve_ports  # noqa: E402
-from tools.loadgen.cli import main  # noqa: E402
+from spillway.tools.loadgen.cli import main  # noqa: E402
 
 STARTUP_TIMEOUT_S = 600
 COMMON = ["--no-progress", "--concurrency", "2", "--metrics-interval", "0.05", "--output-len", "4"]

@@ -8,9 +8,9 @@ from collections import defaultdict
 
 from test_loadgen_fake import FakeServer, run_loadgen
 
-from tools.loadgen.cli import main
-from tools.loadgen.runner import arrival_gaps
-from tools.loadgen.workloads import DOCUMENT_LEAD, QUESTION_LEAD
+from spillway.tools.loadgen.cli import main
+from spillway.tools.loadgen.runner import arrival_gaps
+from spillway.tools.loadgen.workloads import DOCUMENT_LEAD, QUESTION_LEAD
 
 
 def test_multi_turn_sends_each_turn_after_the_last_with_the_servers_replies_in_the_history(capsys, tmp_path):

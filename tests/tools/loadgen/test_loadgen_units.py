@@ -13,13 +13,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root holds `tools`
 
-from tools.loadgen.cli import parse_slo  # noqa: E402
-from tools.loadgen.client import RequestRecord  # noqa: E402
-from tools.loadgen.corpus import LENGTH_SLACK, MAX_PROBES, TextPrompts, stdlib_words  # noqa: E402
-from tools.loadgen.report import percentile, summarize  # noqa: E402
-from tools.loadgen.runner import LoadShape, arrival_gaps  # noqa: E402
-from tools.loadgen.server_metrics import parse_prometheus  # noqa: E402
-from tools.loadgen.workloads import Lengths, Planner, WorkloadSpec  # noqa: E402
+from spillway.tools.loadgen.cli import parse_slo  # noqa: E402
+from spillway.tools.loadgen.client import RequestRecord  # noqa: E402
+from spillway.tools.loadgen.corpus import LENGTH_SLACK, MAX_PROBES, TextPrompts, stdlib_words  # noqa: E402
+from spillway.tools.loadgen.report import percentile, summarize  # noqa: E402
+from spillway.tools.loadgen.runner import LoadShape, arrival_gaps  # noqa: E402
+from spillway.tools.loadgen.server_metrics import parse_prometheus  # noqa: E402
+from spillway.tools.loadgen.workloads import Lengths, Planner, WorkloadSpec  # noqa: E402
 
 
 def record(index: int, ttft_s: float = 0.1, e2e_s: float = 1.0, output_tokens: int = 10, ok: bool = True,
@@ -61,7 +61,7 @@ def test_prometheus_text_is_summed_over_label_sets_and_comments_skipped():
 
 
 def test_the_cpu_tiers_counters_are_read_by_direction_and_source():
-    from tools.loadgen.server_metrics import COUNTERS
+    from spillway.tools.loadgen.server_metrics import COUNTERS
 
     text = ('# TYPE vllm:kv_offload_total_bytes counter\n'
             'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 4096.0\n'

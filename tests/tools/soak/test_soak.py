@@ -21,9 +21,9 @@ from server_helpers import MODEL, server_in_thread  # noqa: E402
 from spillway.gateway.http.app import ServerSettings, build_app  # noqa: E402
 from spillway.protocol.local import model_files
 from spillway.protocol.config import WorkerConfig  # noqa: E402
-from tools.soak import served  # noqa: E402
-from tools.soak.memory import Sample, growth, parse_vm_rss, rss_bytes, rss_table, verdict  # noqa: E402
-from tools.soak.traffic import (  # noqa: E402
+from spillway.tools.soak import served  # noqa: E402
+from spillway.tools.soak.memory import Sample, growth, parse_vm_rss, rss_bytes, rss_table, verdict  # noqa: E402
+from spillway.tools.soak.traffic import (  # noqa: E402
     MIX, OUTPUT_TOKENS, PROMPT_WORDS, Call, Failure, check_answer, check_generation, traffic,
 )
 

@@ -12,11 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tools.loadgen.corpus import RANDOM_TOKEN_IDS  # noqa: E402
-from tools.soak.engine import (  # noqa: E402
+from spillway.tools.loadgen.corpus import RANDOM_TOKEN_IDS  # noqa: E402
+from spillway.tools.soak.engine import (  # noqa: E402
     CHAT_PREFIX_TOKENS, heap_resident_bytes, malloc_bytes, parse_args, prompt_ids, specs,
 )
-from tools.soak.traffic import ABORT_AFTER_EVENTS, OUTPUT_TOKENS  # noqa: E402
+from spillway.tools.soak.traffic import ABORT_AFTER_EVENTS, OUTPUT_TOKENS  # noqa: E402
 
 SMAPS = """\
 55d0c0a00000-55d0c0a21000 r--p 00000000 08:01 1234    /usr/bin/python3.12

@@ -32,18 +32,15 @@ import random
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from spillway.protocol.config import KV_CACHE_DTYPES  # noqa: E402
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.ceilings import bench_ms, copy_bandwidth, machine, matmul_rate, read_bandwidth  # noqa: E402
-from tools.bench.engine.hf_baselines import hf_generate_batch, hf_static_compile_ms_per_token  # noqa: E402
-from tools.bench.engine.step_profile import kernel_profile, run_step_profile  # noqa: E402
-from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
-from tools.bench.engine.engine_runs import decode_ms_per_token, make_engine, weight_bytes_per_token  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.ceilings import bench_ms, copy_bandwidth, machine, matmul_rate, read_bandwidth  # noqa: E402
+from spillway.tools.bench.engine.hf_baselines import hf_generate_batch, hf_static_compile_ms_per_token  # noqa: E402
+from spillway.tools.bench.engine.step_profile import kernel_profile, run_step_profile  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+from spillway.tools.bench.engine.engine_runs import decode_ms_per_token, make_engine, weight_bytes_per_token  # noqa: E402
 
 DEFAULT_DECODE_MODELS = "qwen3-8b,smollm2-135m"
 TARGETS = {

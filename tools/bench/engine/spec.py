@@ -42,28 +42,26 @@ import gc
 import json
 import os
 import shutil
-import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from spillway.protocol.config import SpeculativeConfig  # noqa: E402
 from spillway.protocol.local.model_files import builtin_config_names, load_config, resolve_model  # noqa: E402
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, print_table, row  # noqa: E402
 
 if TYPE_CHECKING:  # spec_runs imports the engine and torch: where it runs, not for --help
-    from tools.bench.engine.spec_runs import CountedSpec, Run
+    from spillway.tools.bench.engine.spec_runs import CountedSpec, Run
 
 THROUGHPUT_TARGET = 0.97  # speculation on / off: where it does not pay, the switch turns it off
 
 
 def spec_counts(spec: CountedSpec, run: Run, baseline: Run) -> dict[str, int]:
     """What a run with speculation did, beside the plain run's steps and tokens."""
-    from tools.bench.engine.spec_runs import matching_tokens
+    from spillway.tools.bench.engine.spec_runs import matching_tokens
 
     metrics = spec.metrics
     return dict(draft_tokens=metrics.num_draft_tokens, accepted_tokens=metrics.num_accepted_tokens,
@@ -93,7 +91,7 @@ class DecodeBench:
     """Batch 1 on one engine: the plain baseline first, then runs with speculation."""
 
     def __init__(self, args) -> None:
-        from tools.bench.engine.spec_runs import (blocks_for, damp_layers_after, decode_one_at_a_time, make_engine,
+        from spillway.tools.bench.engine.spec_runs import (blocks_for, damp_layers_after, decode_one_at_a_time, make_engine,
                                                   quote_back_prompts, random_prompts, write_replay)
 
         self.args = args
@@ -122,7 +120,7 @@ class DecodeBench:
     def measure(self, rows: Rows, label: str, config: SpeculativeConfig, always_on: bool = False) -> None:
         """One timed run with `config`, after a warm-up (the verification's first steps compile
         kernels for their shapes; the switch starts from what the warm-up measured)."""
-        from tools.bench.engine.spec_runs import attach_spec, decode_one_at_a_time, recount
+        from spillway.tools.bench.engine.spec_runs import attach_spec, decode_one_at_a_time, recount
 
         attach_spec(self.engine, config, always_on=always_on)
         decode_one_at_a_time(self.engine, self.warm_prompt, self.warm_tokens, "warm")
@@ -148,7 +146,7 @@ def run_decode(bench: DecodeBench, rows: Rows) -> None:
 
 
 def run_draft(bench: DecodeBench, rows: Rows) -> None:
-    from tools.bench.engine.spec_runs import write_truncated_copy
+    from spillway.tools.bench.engine.spec_runs import write_truncated_copy
 
     args = bench.args
     num_layers = bench.engine.runner.model.spec.num_layers
@@ -164,7 +162,7 @@ def run_draft(bench: DecodeBench, rows: Rows) -> None:
 
 
 def run_throughput(args, rows: Rows) -> None:
-    from tools.bench.engine.spec_runs import (attach_spec, blocks_for, generate_all_at_once, make_engine,
+    from spillway.tools.bench.engine.spec_runs import (attach_spec, blocks_for, generate_all_at_once, make_engine,
                                               random_prompts, write_replay)
 
     max_model_len = args.input_len + args.output_len + args.throughput_k + 16
@@ -320,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools/bench/engine/spec.py needs a CUDA GPU (or --device cpu)")
     if args.device == "cuda":
-        from tools.bench.ceilings import machine
+        from spillway.tools.bench.ceilings import machine
 
         result_rows.MACHINE = machine()
     else:

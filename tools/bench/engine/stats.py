@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from datetime import date
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash  # noqa: E402
 from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402

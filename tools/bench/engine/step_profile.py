@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import time
 
-from tools.bench.ceilings import bench_ms
+from spillway.tools.bench.ceilings import bench_ms
 
 
 def kernel_profile(runner, steps: int) -> str:

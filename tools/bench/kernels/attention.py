@@ -27,12 +27,9 @@ launcher's default for the same shape and cache.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench.ceilings import bench_ms, machine, read_bandwidth  # noqa: E402
+from spillway.tools.bench.ceilings import bench_ms, machine, read_bandwidth  # noqa: E402
 
 DEFAULT_SHAPES = "64x4096,512x1000-2000,200x1040"
 BLOCK_SIZE = 16
@@ -85,7 +82,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/kernels/attention.py needs a CUDA GPU")
     if args.convoy:
-        from tools.bench.kernels.convoy import bench_convoy, tune_convoy
+        from spillway.tools.bench.kernels.convoy import bench_convoy, tune_convoy
 
         (tune_convoy if args.tune else bench_convoy)(*args.convoy)
         return

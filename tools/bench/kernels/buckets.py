@@ -21,12 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from tools.bench.ceilings import bench_ms, machine  # noqa: E402
+from spillway.tools.bench.ceilings import bench_ms, machine  # noqa: E402
 
 DEFAULT_TOKENS = (144, 176, 200, 232, 264, 300, 360, 420, 480)
 

@@ -110,7 +110,7 @@ def detection_us(convoy: Convoy, repeats: int = 1000) -> float:
 
 
 def bench_convoy(seqs: int, new: int, prefix_len: int) -> None:
-    from tools.bench.ceilings import bench_ms, machine
+    from spillway.tools.bench.ceilings import bench_ms, machine
 
     convoy = convoy_inputs(seqs, new, prefix_len)
     print(f"{machine()}; {seqs} sequences x {new} new tokens on a shared prefix of {prefix_len} tokens, "
@@ -132,7 +132,7 @@ def tune_convoy(seqs: int, new: int, prefix_len: int) -> None:
     key splits) on one convoy: the prefix pass alone and both passes, each against the launch's
     defaults (the first line) in the same run; outputs checked against the prefill kernel's."""
     from spillway.kernels.cascade_attention import PREFIX_N, PREFIX_ROWS, PREFIX_STAGES, PREFIX_WARPS, launch
-    from tools.bench.ceilings import bench_ms, machine
+    from spillway.tools.bench.ceilings import bench_ms, machine
 
     c = convoy_inputs(seqs, new, prefix_len)
     rows, num_heads, head_dim = c.q.shape

@@ -176,7 +176,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.suffix_rows)))
         return
-    from tools.bench.ceilings import machine
+    from spillway.tools.bench.ceilings import machine
 
     print(f"{machine()}; {LAYERS} launches a graph, us a layer (medians)")
     runs = {"this tree": [], "baseline": []}
@@ -198,5 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # run as a script: tools.*
     main()

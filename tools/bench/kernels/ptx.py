@@ -20,10 +20,8 @@ import collections
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile, do not interpret
 
 WATCHED = ("cp.async.cg", "cp.async.ca", "ld.shared.b8", "mma.sync", "ldmatrix", "cvt.rn.f16x2.e4m3x2")

@@ -37,10 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))  # run as a script: tools.*
 
-from tools.bench.serve.server_process import build_model_folder, cpu_seconds, default_tokenizer_dir, free_port  # noqa: E402
-from tools.bench.serve.stream_client import stream_all  # noqa: E402
+from spillway.tools.bench.serve.server_process import build_model_folder, cpu_seconds, default_tokenizer_dir, free_port  # noqa: E402
+from spillway.tools.bench.serve.stream_client import stream_all  # noqa: E402
 
 MODEL = "smollm2-135m"
 SERVED_NAME = "bench"

@@ -24,10 +24,9 @@ import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))  # run as a script: tools.*
 
-from tools.bench.serve.gateway_alone import tree_env  # noqa: E402
-from tools.bench.result_rows import print_tree_medians, runs_of_trees  # noqa: E402
+from spillway.tools.bench.serve.gateway_alone import tree_env  # noqa: E402
+from spillway.tools.bench.result_rows import print_tree_medians, runs_of_trees  # noqa: E402
 
 PIECES = ("decode", "job", "pack_and_hash", "encode", "total")
 

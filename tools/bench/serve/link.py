@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
 from spillway.protocol.local.link_auth import LinkKeys  # noqa: E402
 from spillway.protocol.messages import (  # noqa: E402

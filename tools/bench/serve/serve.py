@@ -38,16 +38,15 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
-from tools.loadgen.report import percentile  # noqa: E402
-from tools.bench.serve.server_process import (  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+from spillway.tools.loadgen.report import percentile  # noqa: E402
+from spillway.tools.bench.serve.server_process import (  # noqa: E402
     ENGINE_FLAGS, Server, default_tokenizer_dir, dummy_model_args, engine_settings, export_tokenizer,
     machine, raise_open_files_limit, serve_flags, temporary_model_folder,
 )
-from tools.bench.serve.stream_client import StreamTiming, stream_all, stream_each  # noqa: E402
+from spillway.tools.bench.serve.stream_client import StreamTiming, stream_all, stream_each  # noqa: E402
 
 ROWS = ("ttft", "prefix", "itl", "throughput", "small")
 SMALL_MODEL = "smollm2-135m"

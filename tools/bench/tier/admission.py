@@ -32,10 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench.result_rows import print_tree_medians, runs_of_trees  # noqa: E402
-from tools.bench.serve.server_process import build_model_folder, default_tokenizer_dir, tree_env  # noqa: E402
+from spillway.tools.bench.result_rows import print_tree_medians, runs_of_trees  # noqa: E402
+from spillway.tools.bench.serve.server_process import build_model_folder, default_tokenizer_dir, tree_env  # noqa: E402
 
 PIECES = ("intake", "admission", "compute", "total", "burst_ms", "alone_ms")
 BLOCK_SIZE = 16

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import statistics
 
-from tools.bench.result_rows import Rows, row
-from tools.loadgen.report import percentile
+from spillway.tools.bench.result_rows import Rows, row
+from spillway.tools.loadgen.report import percentile
 
 
 def report_convoy(results: dict, args, rows: Rows, tree: str = "") -> None:

@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 from datetime import date
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.ceilings import machine  # noqa: E402
-from tools.bench.tier.offload_model_rows import run_interference, run_reload  # noqa: E402
-from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.ceilings import machine  # noqa: E402
+from spillway.tools.bench.tier.offload_model_rows import run_interference, run_reload  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, print_table, row  # noqa: E402
 
 ROW_NAMES = ("copies", "both", "interference", "reload")
 TARGET_BOTH_WAYS_GB_S = 75.0

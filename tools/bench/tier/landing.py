@@ -112,7 +112,7 @@ def measure(model: str, seqs: int, new: int, prefix_len: int, steps: int, profil
 
 def run_tree(tree: Path | None, args) -> dict:
     """`measure` in a child process importing `tree` (None: the installed spillway)."""
-    from tools.bench.serve.server_process import tree_env
+    from spillway.tools.bench.serve.server_process import tree_env
 
     command = [sys.executable, __file__, "--child", "--model", args.model, "--convoy", f"{args.convoy[0]}x{args.convoy[1]}@{args.convoy[2]}",
                "--steps", str(args.steps)] + (["--profile"] if args.profile else [])
@@ -123,7 +123,7 @@ def run_tree(tree: Path | None, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tools.bench.kernels.attention import parse_convoy
+    from spillway.tools.bench.kernels.attention import parse_convoy
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--convoy", type=parse_convoy, default=parse_convoy("50x4@10000"), help="SEQSxNEW@PREFIX")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(measure(args.model, *args.convoy, args.steps, args.profile)))
         return
-    from tools.bench.ceilings import machine
+    from spillway.tools.bench.ceilings import machine
 
     seqs, new, prefix_len = args.convoy
     print(f"{machine()}; {seqs} x {new} new tokens on a {prefix_len:,}-token cached prefix against 1 x {new}, "
@@ -162,5 +162,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))  # run as a script: tools.*
     main()

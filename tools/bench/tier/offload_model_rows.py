@@ -8,7 +8,7 @@ import math
 import random
 import time
 
-from tools.bench.result_rows import Rows, row
+from spillway.tools.bench.result_rows import Rows, row
 
 TARGET_RELOAD_SPEEDUP = 10.0
 TARGET_INTERFERENCE = 1.03  # decode step time beside offload traffic, against alone

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench.tier.landing import BLOCK_SIZE, landing_chunks, landing_engine, synchronize  # noqa: E402
+from spillway.tools.bench.tier.landing import BLOCK_SIZE, landing_chunks, landing_engine, synchronize  # noqa: E402
 
 
 def build(model: str, seqs: int, new: int, prefix_len: int):
@@ -109,8 +106,8 @@ MODES = ("load", "whole blocks", "after landing", "by layer")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tools.bench.kernels.attention import parse_convoy
-    from tools.bench.ceilings import machine
+    from spillway.tools.bench.kernels.attention import parse_convoy
+    from spillway.tools.bench.ceilings import machine
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--convoy", type=parse_convoy, default=parse_convoy("50x4@10000"), help="SEQSxNEW@PREFIX")

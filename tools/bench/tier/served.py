@@ -59,18 +59,17 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.result_rows import Rows, print_table, row  # noqa: E402
-from tools.loadgen.report import percentile  # noqa: E402
-from tools.bench.serve.server_process import (  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, print_table, row  # noqa: E402
+from spillway.tools.loadgen.report import percentile  # noqa: E402
+from spillway.tools.bench.serve.server_process import (  # noqa: E402
     Server, default_tokenizer_dir, dummy_model_args, machine, raise_open_files_limit, temporary_model_folder,
     tree_env,
 )
-from tools.bench.serve.stream_client import StreamTiming, stream_all, stream_all_processes  # noqa: E402
-from tools.bench.tier.convoy_report import report_convoy  # noqa: E402
-from tools.bench.tier.served_traffic import (  # noqa: E402
+from spillway.tools.bench.serve.stream_client import StreamTiming, stream_all, stream_all_processes  # noqa: E402
+from spillway.tools.bench.tier.convoy_report import report_convoy  # noqa: E402
+from spillway.tools.bench.tier.served_traffic import (  # noqa: E402
     SERVED_NAME, cpu_cached_tokens, round_robin, run_bounded, server_gauges,
 )
 

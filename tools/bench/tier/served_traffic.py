@@ -7,8 +7,8 @@ import asyncio
 
 import httpx
 
-from tools.loadgen.server_metrics import parse_prometheus
-from tools.bench.serve.stream_client import StreamTiming, stream_completion
+from spillway.tools.loadgen.server_metrics import parse_prometheus
+from spillway.tools.bench.serve.stream_client import StreamTiming, stream_completion
 
 SERVED_NAME = "bench"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench import result_rows  # noqa: E402
-from tools.bench.result_rows import Rows, row  # noqa: E402
+from spillway.tools.bench import result_rows  # noqa: E402
+from spillway.tools.bench.result_rows import Rows, row  # noqa: E402
 
 
 def run_tool(*args: str) -> subprocess.CompletedProcess:
@@ -45,7 +45,7 @@ def test_a_benchmark_without_cuda_stops_with_a_message():
 
 
 def test_the_throughput_rows_count_the_matrix_products_of_the_built_in_configs():
-    from tools.bench.engine.engine import matmul_params
+    from spillway.tools.bench.engine.engine import matmul_params
 
     # Qwen3-8B: 8.19B parameters, of which the embedding (151,936 x 4,096) is a lookup.
     layers, head = matmul_params("qwen3-8b")
@@ -64,7 +64,7 @@ def test_decode_timing_waits_for_a_first_token_that_comes_a_call_late(tmp_path, 
     from spillway.protocol.config import WorkerConfig
     from spillway.worker.driver.engine import Engine
     from tests.worker.tiny_models import save_tiny_qwen3
-    from tools.bench.engine.engine_runs import decode_ms_per_token
+    from spillway.tools.bench.engine.engine_runs import decode_ms_per_token
 
     save_tiny_qwen3(tmp_path)
     engine = Engine(WorkerConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",

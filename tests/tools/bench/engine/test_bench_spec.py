@@ -21,7 +21,7 @@ from spillway.protocol.messages import Generate, SamplingParams  # noqa: E402
 from spillway.worker.runner.device_settings import WorkerConfig  # noqa: E402
 from spillway.worker.driver.engine import Engine  # noqa: E402
 from tests.worker.tiny_models import save_tiny_qwen3  # noqa: E402
-from tools.bench.engine.spec_runs import damp_layers_after, write_truncated_copy  # noqa: E402
+from spillway.tools.bench.engine.spec_runs import damp_layers_after, write_truncated_copy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +130,8 @@ def test_without_cuda_it_stops_with_a_message(tiny_model):
 
 
 def test_a_row_keeps_the_run_of_median_time():
-    from tools.bench.engine.spec import median_run
-    from tools.bench.engine.spec_runs import Run
+    from spillway.tools.bench.engine.spec import median_run
+    from spillway.tools.bench.engine.spec_runs import Run
 
     runs = [(Run(seconds=seconds), tag) for seconds, tag in ((3.0, "c"), (1.0, "a"), (2.0, "b"))]
     assert median_run(runs)[1] == "b"

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.engine.stats import build_state  # noqa: E402
+from spillway.tools.bench.engine.stats import build_state  # noqa: E402
 
 
 def test_the_state_holds_running_requests_and_cached_blocks():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.kernels.attention import parse_shape
+from spillway.tools.bench.kernels.attention import parse_shape
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -35,7 +35,7 @@ def test_a_bad_shape_is_a_usage_error_and_no_gpu_is_said_plainly():
 
 
 def test_convoys_parse_and_bad_ones_are_refused():
-    from tools.bench.kernels.attention import parse_convoy
+    from spillway.tools.bench.kernels.attention import parse_convoy
 
     assert parse_convoy("50x4@10000") == (50, 4, 10000)
     for bad in ("50x4", "1x4@1024", "50x0@1024", "50x4@1000", "ax4@1024"):
@@ -52,7 +52,7 @@ def test_convoy_paths_agree_on_the_cpu():
     prefix is found where it was built, and cascade attention equals the prefill kernel."""
     import torch
 
-    from tools.bench.kernels.convoy import convoy_inputs, convoy_launches, detection_us, kv_bytes
+    from spillway.tools.bench.kernels.convoy import convoy_inputs, convoy_launches, detection_us, kv_bytes
 
     convoy = convoy_inputs(3, 2, 1024, heads=(4, 2, 32), dtype=torch.float32, device="cpu")
     detection_us(convoy, repeats=1)  # asserts the prefix found is the one built

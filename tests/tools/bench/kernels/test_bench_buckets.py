@@ -12,7 +12,7 @@ from spillway.worker.runner.cuda_graphs import PREFILL_TOKEN_BUCKETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from tools.bench.kernels import buckets  # noqa: E402
+from spillway.tools.bench.kernels import buckets  # noqa: E402
 
 
 def test_one_qwen3_8b_layer_has_its_four_products():

@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.kernels.graph_attention import check, graph_batch, launcher, tree_pythonpath  # noqa: E402
+from spillway.tools.bench.kernels.graph_attention import check, graph_batch, launcher, tree_pythonpath  # noqa: E402
 
 SMALL = dict(layers=2, heads=(4, 2, 32), dtype=torch.float32, device="cpu")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from tools.bench.serve import accept  # noqa: E402
+from spillway.tools.bench.serve import accept  # noqa: E402
 
 
 def test_every_row_is_printed_for_both_kinds_of_servers(capsys):

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.serve.intake import PIECES, finished, time_pieces  # noqa: E402
+from spillway.tools.bench.serve.intake import PIECES, finished, time_pieces  # noqa: E402
 
 
 def test_finished_gives_a_coroutines_value_and_refuses_one_that_waits():

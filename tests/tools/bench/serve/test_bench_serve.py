@@ -18,9 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.serve import serve  # noqa: E402
-from tools.bench.serve.server_process import TOKENIZER_FILES, build_model_folder, cpu_seconds, descendants, wait_gone  # noqa: E402
-from tools.bench.serve.stream_client import StreamError, StreamTiming, completion_body, split_events, stream_completion  # noqa: E402
+from spillway.tools.bench.serve import serve  # noqa: E402
+from spillway.tools.bench.serve.server_process import TOKENIZER_FILES, build_model_folder, cpu_seconds, descendants, wait_gone  # noqa: E402
+from spillway.tools.bench.serve.stream_client import StreamError, StreamTiming, completion_body, split_events, stream_completion  # noqa: E402
 
 
 def chunk(text: str, completion: int | None, prompt: int = 7, cached: int = 0, finish: str | None = None) -> str:
@@ -139,7 +139,7 @@ def test_the_client_reads_events_split_anywhere_across_chunks():
 
 @pytest.mark.parametrize("preconnect", [False, True])
 def test_a_preconnected_burst_opens_every_connection_before_its_first_clock_starts(monkeypatch, preconnect):
-    from tools.bench.serve import stream_client
+    from spillway.tools.bench.serve import stream_client
 
     raw = "".join(f"data: {e}\n\n" for e in [chunk("a", 1), "[DONE]"]).encode()
     received: list[bytes] = []
@@ -288,7 +288,7 @@ def test_a_burst_is_encoded_before_any_request_is_sent(monkeypatch):
     the first requests' clocks run: a burst's TTFTs would count the client's JSON work."""
     import asyncio
 
-    from tools.bench.serve import stream_client
+    from spillway.tools.bench.serve import stream_client
 
     events = []
     encode = stream_client.encode_body

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from tools.bench.serve.stream_client import StreamError, stream_all_processes  # noqa: E402
+from spillway.tools.bench.serve.stream_client import StreamError, stream_all_processes  # noqa: E402
 
 
 def usage_chunk(prompt_tokens: int) -> bytes:

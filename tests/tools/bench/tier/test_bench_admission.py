@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.tier.admission import PIECES, time_burst  # noqa: E402
+from spillway.tools.bench.tier.admission import PIECES, time_burst  # noqa: E402
 
 
 def test_a_burst_on_a_cpu_held_prefix_is_timed_per_request():

@@ -12,8 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.tier import kv_offload  # noqa: E402
-from tools.bench.tier.kv_offload import parse_args  # noqa: E402
+from spillway.tools.bench.tier import kv_offload  # noqa: E402
+from spillway.tools.bench.tier.kv_offload import parse_args  # noqa: E402
 
 
 def test_every_row_runs_by_default_with_the_defaults_of_the_h200_figures():

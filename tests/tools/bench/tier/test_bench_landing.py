@@ -10,8 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.tier import landing  # noqa: E402
-from tools.bench.tier.landing import landing_chunks  # noqa: E402
+from spillway.tools.bench.tier import landing  # noqa: E402
+from spillway.tools.bench.tier.landing import landing_chunks  # noqa: E402
 
 
 def test_a_bad_shape_is_a_usage_error(capsys):

@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench.tier import overlap  # noqa: E402
+from spillway.tools.bench.tier import overlap  # noqa: E402
 
 
 def test_a_run_reports_the_load_and_both_steps_of_each_case(capsys):

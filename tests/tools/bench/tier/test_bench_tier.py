@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from tools.bench.tier import served  # noqa: E402
-from tools.bench.tier import served_traffic  # noqa: E402
+from spillway.tools.bench.tier import served  # noqa: E402
+from spillway.tools.bench.tier import served_traffic  # noqa: E402
 
 
 def test_each_turn_extends_the_one_before_by_a_reply_and_a_user_message():
@@ -77,7 +77,7 @@ def test_each_row_starts_its_server_with_the_model_folder_and_the_tier(monkeypat
     the start is stopped at once)."""
     import inspect
 
-    from tools.bench.serve.server_process import Server
+    from spillway.tools.bench.serve.server_process import Server
 
     started = []
 
@@ -99,8 +99,8 @@ def test_each_row_starts_its_server_with_the_model_folder_and_the_tier(monkeypat
 def test_repeated_multiturn_runs_report_their_medians():
     """Two runs of each server: the row is the median of each side's TTFT p50 (and of the
     P99 gaps), every run's TTFT p50 is in the note."""
-    from tools.bench.result_rows import Rows
-    from tools.bench.serve.stream_client import StreamTiming
+    from spillway.tools.bench.result_rows import Rows
+    from spillway.tools.bench.serve.stream_client import StreamTiming
 
     def run(first_token_ms: float, gap_ms: float) -> list:
         turn = StreamTiming(start=0.0, first_token_at=first_token_ms / 1e3, gaps=[gap_ms / 1e3],
@@ -122,8 +122,8 @@ def test_repeated_multiturn_runs_report_their_medians():
 def test_convoy_rounds_report_the_medians_of_the_lone_request_and_of_the_convoy():
     """Three rounds: the row is the median lone TTFT against the median convoy p50, every
     round's pair is in the note."""
-    from tools.bench.result_rows import Rows
-    from tools.bench.serve.stream_client import StreamTiming
+    from spillway.tools.bench.result_rows import Rows
+    from spillway.tools.bench.serve.stream_client import StreamTiming
 
     def timing(ms: float) -> StreamTiming:
         return StreamTiming(start=0.0, first_token_at=ms / 1e3)
@@ -165,7 +165,7 @@ def test_a_baseline_tree_is_served_from_its_own_source(monkeypatch, tmp_path):
     and a folder that is no source tree is refused before any server starts."""
     import subprocess
 
-    from tools.bench.serve import server_process
+    from spillway.tools.bench.serve import server_process
 
     tree = tmp_path / "tree"
     (tree / "worker" / "driver").mkdir(parents=True)

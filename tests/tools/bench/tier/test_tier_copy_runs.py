@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
-from tools.bench.tier.copy_runs import forward_runs  # noqa: E402
+from spillway.tools.bench.tier.copy_runs import forward_runs  # noqa: E402
 
 
 def test_a_copier_before_block_runs_merges_only_runs_going_up():
