@@ -43,8 +43,15 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: all but the embedding table (unless it is lm_head)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a batch-1 decode step reads: all but the embedding table (unless it is
+    lm_head), and of each mixture-of-experts layer only the experts one token is routed to."""
+    moe = getattr(model.spec, "moe", None)
+    total = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if moe is not None and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            size = size * moe.top_k // param.shape[0]
+        total += size
     embedding = model.model.embed_tokens.weight
     tied = model.lm_head.weight is embedding
     return total if tied else total - embedding.numel() * embedding.element_size()
