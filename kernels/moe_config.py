@@ -116,8 +116,8 @@ def tuned_buckets(num_experts: int, intermediate: int, device_name: str, dtype: 
 
 def nearest_bucket(buckets, num_tokens: int) -> int:
     """The bucket nearest `num_tokens` by ratio; ties go to the smaller."""
-    target = math.log(max(num_tokens, 1))
-    return min(sorted(buckets), key=lambda bucket: abs(math.log(bucket) - target))
+    target = math.log2(max(num_tokens, 1))
+    return min(sorted(buckets), key=lambda bucket: abs(math.log2(bucket) - target))
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype) -> MoeConfig:
@@ -135,9 +135,9 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.d
 
 
 def config_for(num_experts: int, intermediate: int, top_k: int, device_name: str, dtype: torch.dtype,
-               num_tokens: int) -> MoeConfig:
+               num_tokens: int, directory: Path = CONFIG_DIR) -> MoeConfig:
     """The tuned config of the bucket nearest `num_tokens`, else `default_config`."""
-    buckets = tuned_buckets(num_experts, intermediate, device_name, dtype)
+    buckets = tuned_buckets(num_experts, intermediate, device_name, dtype, directory)
     if buckets is None:
         return _default_config(num_tokens, num_experts, top_k, dtype)
     return buckets[nearest_bucket(buckets, num_tokens)]
