@@ -126,7 +126,8 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.d
     blocks sized to the pairs an expert gets beyond that."""
     pairs_per_expert = num_tokens * top_k / num_experts
     if pairs_per_expert <= 1:
-        return MoeConfig("pairs", block_size_n=32, block_size_k=256, num_warps=4, num_stages=2)
+        # Long rows (16 x 512 a tile, 8 warps): a token's down program is one of only H / 16.
+        return MoeConfig("pairs", block_size_n=16, block_size_k=512, num_warps=8, num_stages=2)
     wide = dtype != torch.float32  # float32 tiles take twice the shared memory a stage
     block_m = min(128 if wide else 64, max(16, 1 << math.ceil(math.log2(pairs_per_expert))))
     block_n = 128 if block_m >= 64 and wide else 64

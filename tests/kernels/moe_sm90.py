@@ -20,8 +20,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compile, 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from spillway.kernels import moe_align, moe_grouped, moe_pairs  # noqa: E402
@@ -43,17 +42,32 @@ class Recorder:
         return lambda *args, **kwargs: Recorder.launches.append((self.kernel, grid, args, kwargs))
 
 
+POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64"}
+
+
+def specialised(value) -> tuple[str, bool]:
+    """(signature type, 16-divisible) of an argument as Triton's JIT sees it; integers equal to 1
+    become constants."""
+    if isinstance(value, torch.Tensor):
+        return "*" + POINTEE[value.dtype], value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"unexpected kernel argument {value!r}")
+    if value == 1:
+        return "constexpr", False
+    return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+
+
 def compile_launch(kernel, args, kwargs):
     options = dict(num_warps=kwargs.pop("num_warps", 4), num_stages=kwargs.pop("num_stages", 3))
     values = {**dict(zip(kernel.arg_names, args)), **kwargs, "PDL": True}
     signature, constants, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        kind, key = ("constexpr", None) if param.is_constexpr else \
-            native_specialize_impl(BaseBackend, values[name], False, True, True)
+        kind, divisible = ("constexpr", False) if param.is_constexpr else specialised(values[name])
         signature[name] = kind
         if kind == "constexpr":
             constants[name] = values[name]
-        elif key == "D":
+        elif divisible:
             attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -65,8 +65,10 @@ def round_one(num_tokens: int, shape: MoeShape, element_size: int) -> list:
     pairs_per_expert = num_tokens * shape.top_k / shape.num_experts
     found = []
     if pairs_per_expert <= 4:
-        found += [MoeConfig("pairs", block_size_n=block_n, block_size_k=block_k, num_warps=4, num_stages=2)
-                  for block_n in (16, 32, 64) for block_k in (128, 256, 512)]
+        # Tiles past 16K elements a program spill registers (sm_90, 8 warps).
+        found += [MoeConfig("pairs", block_size_n=block_n, block_size_k=block_k,
+                            num_warps=4 if block_n * block_k <= 8192 else 8, num_stages=2)
+                  for block_n in (16, 32, 64) for block_k in (128, 256, 512, 1024) if block_n * block_k <= 16384]
     high = min(128, max(16, 1 << (max(1, round(pairs_per_expert)) - 1).bit_length()))
     for block_m in (m for m in (16, 32, 64, 128) if max(16, high // 4) <= m <= high):
         for block_n in (32, 64, 128, 256):
