@@ -209,14 +209,16 @@ def align_pairs(
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     num_slots = max_slots(num_pairs, num_experts, block_size_m)
+    if num_pairs == 0:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return PairAlignment(empty, empty, torch.zeros(1, dtype=torch.int32, device=device), block_size_m)
+    # Every entry is written by the kernels: no fill launched before them.
     alignment = PairAlignment(
         sorted_pairs=torch.empty(num_slots, dtype=torch.int32, device=device),
         block_experts=torch.empty(num_slots // block_size_m, dtype=torch.int32, device=device),
-        num_padded=torch.zeros(1, dtype=torch.int32, device=device),
+        num_padded=torch.empty(1, dtype=torch.int32, device=device),
         block_size_m=block_size_m,
     )
-    if num_pairs == 0:
-        return alignment
     e_block = next_power_of_2(num_experts)
     shape = dict(NUM_EXPERTS=num_experts, E_BLOCK=e_block,
                  SUB=max(1, min(256, ONE_HOT_ELEMENTS // e_block)))
@@ -227,11 +229,11 @@ def align_pairs(
             *id_args, num_slots, BLOCK_SIZE_M=block_size_m, **shape, num_warps=4,
         )
         return alignment
-    _align_in_chunks(topk_ids, alignment, num_experts, id_args, pairs_per_program, shape)
+    _align_in_chunks(topk_ids, alignment, id_args, pairs_per_program, shape)
     return alignment
 
 
-def _align_in_chunks(topk_ids, alignment: PairAlignment, num_experts, id_args, pairs_per_chunk, shape) -> None:
+def _align_in_chunks(topk_ids, alignment: PairAlignment, id_args, pairs_per_chunk, shape) -> None:
     device = topk_ids.device
     num_chunks = triton.cdiv(id_args[0], pairs_per_chunk)
     num_slots = alignment.sorted_pairs.shape[0]

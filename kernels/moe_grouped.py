@@ -137,7 +137,8 @@ def _sum_choices_kernel(
     cols_ok = cols < hidden_size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for choice in range(top_k):
-        acc += tl.load(pair_out_ptr + (token * top_k + choice) * stride_p + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        row = tl.load(pair_out_ptr + (token * top_k + choice) * stride_p + cols, mask=cols_ok, other=0.0)
+        acc += row.to(tl.float32)
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cols_ok)
 
 

@@ -141,6 +141,12 @@ def test_alignment_of_the_docstring_example():
     assert alignment.num_padded.tolist() == [12]
 
 
+def test_alignment_of_no_pairs_is_empty():
+    alignment = align_pairs(torch.zeros(0, 2, dtype=torch.int64), num_experts=4, block_size_m=16)
+    assert alignment.sorted_pairs.numel() == alignment.block_experts.numel() == 0
+    assert alignment.num_padded.tolist() == [0]
+
+
 def _assert_same_alignment(got: PairAlignment, expected: PairAlignment) -> None:
     assert got.sorted_pairs.tolist() == expected.sorted_pairs.tolist()
     assert got.block_experts.tolist() == expected.block_experts.tolist()

@@ -64,7 +64,8 @@ def test_configs_round_trip_through_json_and_bad_entries_are_refused():
 
 def write_table(directory, buckets: dict[int, MoeConfig], name=None) -> None:
     name = name or config_file_name(128, 768, "NVIDIA H200", torch.bfloat16)
-    table = {"shape": {"experts": 128}, "buckets": {str(tokens): config.to_json() for tokens, config in buckets.items()}}
+    table = {"shape": {"experts": 128},
+             "buckets": {str(tokens): config.to_json() for tokens, config in buckets.items()}}
     (directory / name).write_text(json.dumps(table))
 
 

@@ -109,7 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-    shape = DRY_RUN_SHAPE if args.dry_run else MoeShape("tuned", args.experts, args.hidden, args.intermediate, args.topk)
+    shape = DRY_RUN_SHAPE if args.dry_run else \
+        MoeShape("tuned", args.experts, args.hidden, args.intermediate, args.topk)
     if min(shape.num_experts, shape.hidden, shape.intermediate, shape.top_k) < 1:
         parser.error("--experts, --hidden, --intermediate and --topk must be positive")
     batches = args.batches or parse_batches(DRY_RUN_BATCHES if args.dry_run else DEFAULT_BATCHES)

@@ -20,8 +20,9 @@ from tools.bench.kernels.moe_cases import SHAPES  # noqa: E402
 
 def test_the_dry_run_writes_a_table_the_reader_takes(tmp_path):
     out = tmp_path / "table.json"
-    done = subprocess.run([sys.executable, str(ROOT / "tools/bench/kernels/tune_moe.py"), "--dry-run", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    tool = str(ROOT / "tools/bench/kernels/tune_moe.py")
+    done = subprocess.run([sys.executable, tool, "--dry-run", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     table = json.loads(out.read_text())
     assert table["shape"] == dict(experts=4, hidden=48, intermediate=40, topk=2, dtype="fp32", device="cpu")
