@@ -72,6 +72,19 @@ def test_one_expert_takes_every_token_and_others_none(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_unchosen_experts_are_never_read(path):
+    w13, w2 = expert_weights(7, 40, 24)
+    hidden, topk_weights, _ = routed(6, 7, 2, 40)
+    topk_ids = torch.tensor([[5, 1], [1, 5], [3, 5], [5, 3], [1, 3], [3, 1]])
+    expected = layers.fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+    for unchosen in (0, 2, 4, 6):  # NaN anywhere a kernel reads them would reach the output
+        w13[unchosen] = float("nan")
+        w2[unchosen] = float("nan")
+    out = fused_experts(hidden, w13, w2, topk_weights, topk_ids, config=PATHS[path])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_repeated_ids_across_and_within_tokens(path):
     w13, w2 = expert_weights(4, 40, 24)
     hidden, topk_weights, _ = routed(5, 4, 3, 40)
