@@ -45,7 +45,8 @@ def help_runs() -> dict[str, subprocess.CompletedProcess]:
 
 def test_the_scripts_are_found():
     assert {"tools/bench/engine/engine.py", "tools/bench/serve/serve.py", "tools/bench/tier/served.py",
-            "tools/bench/kernels/attention.py", "tools/soak/served.py", "tools/loadgen"} <= set(SCRIPTS)
+            "tools/bench/kernels/attention.py", "tools/bench/kernels/moe.py", "tools/bench/kernels/tune_moe.py",
+            "tools/soak/served.py", "tools/loadgen"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

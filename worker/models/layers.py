@@ -204,8 +204,9 @@ TORCH_OPS = DecoderOps(rms_norm, add_rms_norm, rope_angles, rotate_q_k, silu_and
 
 def kernel_ops() -> DecoderOps:
     """The Triton kernels: residual add fused into the norm (in place); q/k norm, rotary from
-    tabulated cos/sin (`RotaryEmbedding.reserve_positions` first) and the KV store fused."""
-    from spillway.kernels import activation, qkv_prepare, rmsnorm, rotary
+    tabulated cos/sin (`RotaryEmbedding.reserve_positions` first) and the KV store fused; the
+    experts of a mixture-of-experts layer in one fused kernel (kernels/fused_moe.py)."""
+    from spillway.kernels import activation, fused_moe, qkv_prepare, rmsnorm, rotary
 
     def add_rms_norm_in_place(x, residual, weight, eps):
         return rmsnorm.fused_add_rms_norm(x, residual, weight, eps, inplace=True)
@@ -222,7 +223,7 @@ def kernel_ops() -> DecoderOps:
                                        **norms)
 
     return DecoderOps(rmsnorm.rms_norm, add_rms_norm_in_place, rope_positions, rotate_in_place,
-                      activation.silu_and_mul, prepare_qkv)
+                      activation.silu_and_mul, prepare_qkv, fused_experts=fused_moe.fused_experts)
 
 
 def ops_for(device: torch.device) -> DecoderOps:
