@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench.kernels.moe_cases import SHAPES, MoeShape  # noqa: E402
+from spillway.tools.bench.kernels.moe_cases import SHAPES, MoeShape  # noqa: E402
 
 DEFAULT_TOKENS = "1,8,64,256,1024,4096"
 
@@ -54,7 +52,7 @@ def parse_shapes(text: str) -> list[MoeShape]:
 def roofline_row(shape: MoeShape, num_tokens: int, kernel_us: float, baseline_us: float, distinct: float,
                  element_size: int, bandwidth: float, matmul_rate: float) -> dict:
     """One row's figures from its measurements and the machine's ceilings (bytes/s, FLOP/s)."""
-    from tools.bench.kernels.moe_cases import flops, traffic_bytes
+    from spillway.tools.bench.kernels.moe_cases import flops, traffic_bytes
 
     moved = traffic_bytes(shape, num_tokens, distinct, element_size)
     work = flops(shape, num_tokens)
@@ -77,7 +75,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/kernels/moe.py needs a CUDA GPU")
-    from tools.bench.ceilings import machine, matmul_rate, read_bandwidth
+    from spillway.tools.bench.ceilings import machine, matmul_rate, read_bandwidth
 
     bandwidth, rate = read_bandwidth(), matmul_rate()
     print(f"{machine()}; read bandwidth {bandwidth / 1e9:,.0f} GB/s, bf16 matmul {rate / 1e12:,.0f} TFLOP/s")
@@ -99,8 +97,8 @@ def shape_rows(shape: MoeShape, token_counts: list[int], bandwidth: float, rate:
 
     from spillway.kernels.fused_moe import fused_experts
     from spillway.worker.models import layers as model_layers
-    from tools.bench.ceilings import bench_ms
-    from tools.bench.kernels import moe_cases
+    from spillway.tools.bench.ceilings import bench_ms
+    from spillway.tools.bench.kernels import moe_cases
 
     dtype, device = torch.bfloat16, torch.device("cuda")
     free, _ = torch.cuda.mem_get_info()

@@ -118,7 +118,7 @@ def graph_us(calls: list, device) -> float:
         for call in calls:
             call()
         return 1e6 * (time.perf_counter() - start) / len(calls)
-    from tools.bench.ceilings import bench_ms
+    from spillway.tools.bench.ceilings import bench_ms
 
     for call in calls:  # compiled and warm before the capture
         call()

@@ -31,9 +31,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: tools.*
 
-from tools.bench.kernels.moe_cases import MoeShape  # noqa: E402
+from spillway.tools.bench.kernels.moe_cases import MoeShape  # noqa: E402
 
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
 DTYPES = ("bf16", "fp16", "fp32")
@@ -128,7 +127,7 @@ class Tuner:
     def __init__(self, shape: MoeShape, dtype_name: str, device, dry_run: bool) -> None:
         import torch
 
-        from tools.bench.kernels import moe_cases
+        from spillway.tools.bench.kernels import moe_cases
 
         self.shape, self.dtype_name, self.device, self.dry_run = shape, dtype_name, device, dry_run
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
@@ -150,7 +149,7 @@ class Tuner:
 
     def run(self, batches: list[int], out: str | None) -> None:
         from spillway.kernels.moe_config import CONFIG_DIR, config_file_name, device_name
-        from tools.bench.ceilings import machine
+        from spillway.tools.bench.ceilings import machine
 
         started = time.perf_counter()
         print(f"{machine()}; E {self.shape.num_experts}, H {self.shape.hidden}, I {self.shape.intermediate}, "
@@ -178,7 +177,7 @@ class Tuner:
     def tune(self, num_tokens: int):
         """The fastest correct config for `num_tokens`, after both rounds."""
         from spillway.kernels.moe_config import default_config
-        from tools.bench.kernels.moe_cases import layers_for
+        from spillway.tools.bench.kernels.moe_cases import layers_for
 
         layers = layers_for(self.shape, self.weights, num_tokens, self.dtype, self.device)
         reference = self.reference(layers[0])
@@ -207,7 +206,7 @@ class Tuner:
         """The config's microseconds a call, recorded in `timed`; None (and a line saying why)
         when it fails to run or its output is off the reference."""
         from spillway.kernels.fused_moe import fused_experts
-        from tools.bench.kernels.moe_cases import graph_us
+        from spillway.tools.bench.kernels.moe_cases import graph_us
 
         try:
             out = fused_experts(*layers[0].args(), config=config)

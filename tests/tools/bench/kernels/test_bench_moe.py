@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT))
 
-from tools.bench.kernels import moe, moe_cases  # noqa: E402
+from spillway.tools.bench.kernels import moe, moe_cases  # noqa: E402
 
 QWEN3 = moe_cases.SHAPES["qwen3-30b-a3b"]
 

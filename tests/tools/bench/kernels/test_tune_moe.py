@@ -12,10 +12,9 @@ from pathlib import Path
 from spillway.kernels.moe_config import MoeConfig, nearest_bucket, read_buckets
 
 ROOT = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(ROOT))
 
-from tools.bench.kernels import tune_moe  # noqa: E402
-from tools.bench.kernels.moe_cases import SHAPES  # noqa: E402
+from spillway.tools.bench.kernels import tune_moe  # noqa: E402
+from spillway.tools.bench.kernels.moe_cases import SHAPES  # noqa: E402
 
 
 def test_the_dry_run_writes_a_table_the_reader_takes(tmp_path):
