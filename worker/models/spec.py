@@ -64,7 +64,9 @@ class MoeSpec:
     (the others have the dense MLP) and how tokens are routed to them.
 
     `weights_in_logits_dtype`: Qwen3-MoE rounds the routing weights to the model's dtype.
-    `grouped_topk` holds the grouped router's parameters (`router` GROUPED_TOPK only).
+    `grouped_topk` holds the grouped router's parameters (`router` GROUPED_TOPK only);
+    `correction_bias`: the router has DeepSeek V3's `e_score_correction_bias`, which it adds to
+    the scores to choose the experts.
     `shared_expert_intermediate_size`: the width of a dense MLP every token also goes
     through, summed with the experts' output (DeepSeek's shared experts), None without one.
     """
@@ -77,10 +79,12 @@ class MoeSpec:
     router: RouterKind = RouterKind.SOFTMAX_TOPK
     weights_in_logits_dtype: bool = False
     grouped_topk: GroupedTopK | None = None
+    correction_bias: bool = False
     shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         assert (self.router is RouterKind.GROUPED_TOPK) == (self.grouped_topk is not None), self.router
+        assert self.grouped_topk is not None or not self.correction_bias, "only the grouped router takes a bias"
         assert 0 < self.top_k <= self.num_experts, (self.top_k, self.num_experts)
 
     def is_sparse(self, layer_idx: int) -> bool:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spillway.worker.models.llama import Attention, LlamaForCausalLM, MLP
+from spillway.worker.models.llama import Attention, LlamaForCausalLM
+from spillway.worker.models.mlp import MLP
 from spillway.worker.models.spec import DecoderSpec
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.4 has only the old name.
