@@ -2,7 +2,8 @@
 the model cache (protocol/local/model_cache.py runs it as a child, so its caller never imports torch).
 
     model:     DEST gets config.json, generation_config.json, the tokenizer and model.safetensors
-               (float32; transformers undoes llama.cpp's Q/K order while dequantising)
+               (float32; transformers undoes llama.cpp's Q/K order while dequantising; a
+               mixture of experts keeps transformers' stacked expert tensors)
     tokenizer: DEST gets the tokenizer files and chat template only
 """
 
@@ -19,7 +20,8 @@ def convert_model(gguf_path: Path, dest: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True
+        gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True,
+        **_config_transformers_misses(gguf_path),
     )
     config = model.config
     del config.quantization_config  # the saved weights are plain float32
@@ -28,6 +30,17 @@ def convert_model(gguf_path: Path, dest: Path) -> None:
     model.generation_config.save_pretrained(dest)
     save_tokenizer(gguf_path, dest)
     save_file(_unshared(model.state_dict()), dest / "model.safetensors", metadata={"format": "pt"})
+
+
+def _config_transformers_misses(gguf_path: Path) -> dict[str, int]:
+    """Config values in the GGUF header that transformers (5.25) does not read: Qwen3-MoE's
+    expert width, which it would leave at Qwen3MoeConfig's default (768, Qwen3-30B-A3B's) and
+    then refuse every other model's expert tensors."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    width = fields.get("qwen3moe.expert_feed_forward_length")
+    return {} if width is None else {"moe_intermediate_size": int(width.contents())}
 
 
 def save_tokenizer(gguf_path: Path, dest: Path) -> None:
