@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_gguf import write_qwen3_moe_gguf
+from tiny_gguf import write_mixtral_gguf, write_qwen3_moe_gguf
 from tiny_models import tiny_mixtral, tiny_qwen3_moe
 
 from spillway.gateway import LLM, SamplingParams
@@ -217,3 +217,17 @@ def test_a_qwen3_moe_gguf_converts_through_transformers(tmp_path, monkeypatch):
     runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32)
     logits = runner.execute([ChunkInput(prompt, 0, list(range(6)))])
     assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
+
+
+def test_a_mixtral_gguf_is_refused_rather_than_converted_without_its_experts(tmp_path, monkeypatch, capfd):
+    """transformers reads llama.cpp's Mixtral (architecture "llama" with experts) as a dense
+    Llama whose MLPs it leaves random: the conversion stops there, naming what happened."""
+    monkeypatch.setenv("SPILLWAY_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_mixtral_gguf(tiny_mixtral(), tmp_path / "tiny-mixtral.gguf")
+
+    with pytest.raises(ValueError, match="converting .*tiny-mixtral.gguf failed"):
+        model_files.resolve_model(str(gguf_path))
+    converter_error = capfd.readouterr().err  # the converter runs in a child interpreter
+    assert "holds a mixture of 4 experts (GGUF architecture 'llama')" in converter_error
+    assert "to a dense LlamaForCausalLM without them" in converter_error
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == ["index.json"]  # nothing converted
