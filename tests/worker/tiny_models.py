@@ -59,6 +59,28 @@ def tiny_mixtral(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int
     return _randomized(MixtralForCausalLM(config), seed)
 
 
+def save_tiny_qwen3_moe(path, *, stacked: bool = False) -> str:
+    """`tiny_qwen3_moe()` saved in `path` over several safetensors files (each expert's tensors
+    apart, as `save_pretrained` writes them), or in one file under transformers' in-memory
+    names (`stacked`: each layer's experts in two tensors, as a converted GGUF holds them)."""
+    model = tiny_qwen3_moe()
+    if not stacked:
+        model.save_pretrained(path, max_shard_size="100KB")
+        return str(path)
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              f"{path}/model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def save_tiny_mixtral(path) -> str:
+    """`tiny_mixtral()` saved in `path`."""
+    tiny_mixtral().save_pretrained(path)
+    return str(path)
+
+
 def _randomized(model, seed: int):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

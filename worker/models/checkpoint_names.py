@@ -72,8 +72,9 @@ def checkpoint_names(model: nn.Module, qkv_rows: list[int], experts: ExpertNames
     `qkv_proj` (a tensor-parallel shard's own)."""
     names = CheckpointNames()
     for name, param in model.named_parameters(remove_duplicate=False):
-        # A tensor-parallel shard wraps some layers (tensor_parallel.py) around their `linear`.
-        name = name.replace(".linear.", ".")
+        # A tensor-parallel shard wraps some layers (tensor_parallel.py) around their `linear`,
+        # and its mixture-of-experts blocks around their `moe`.
+        name = name.replace(".linear.", ".").replace(".moe.", ".")
         module_path, projection, kind = ([""] * 3 + name.rsplit(".", 2))[-3:]
         if projection == "experts":
             _add_experts(names, module_path, kind, param, experts)

@@ -230,6 +230,13 @@ class LlamaForCausalLM(nn.Module):
         for name, target in self._checkpoint_names().targets.items():
             yield name, target.view()
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor a checkpoint may hold, by name: `checkpoint_weights`'
+        and those of transformers' stacked expert tensors."""
+        names = self._checkpoint_names()
+        targets = {name: tuple(target.view().shape) for name, target in names.targets.items()}
+        return targets | {name: tuple(target.view().shape) for name, (target, _) in names.aliases.items()}
+
     def _checkpoint_names(self) -> CheckpointNames:
         qkv_rows = [self.spec.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
         return checkpoint_names(self, qkv_rows, self.expert_names)
