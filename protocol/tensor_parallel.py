@@ -1,8 +1,9 @@
 """What a tensor-parallel size needs of the model and of the other settings, checked by the
 gateway (before a worker starts, with the flag's name) and by the worker (before its ranks
 start). The worker's sharding (worker/models/tensor_parallel.py) splits query heads, KV heads
-(replicating them when fewer than the ranks and dividing their number) and the MLP's
-intermediate size evenly. Imports only the standard library."""
+(replicating them when fewer than the ranks and dividing their number), the MLP's intermediate
+size and a mixture of experts' expert width (Qwen3-MoE's `moe_intermediate_size`; Mixtral's
+is its `intermediate_size`) evenly. Imports only the standard library."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def layout_problems(size: int, config: Mapping) -> list[str]:
                         f"are split across the ranks, or replicated when fewer)")
     if intermediate % size:
         problems.append(f"{size} does not divide the model's intermediate size {intermediate}")
+    expert_width = config.get("moe_intermediate_size")
+    if expert_width and expert_width % size:
+        problems.append(f"{size} does not divide the model's experts' intermediate size {expert_width}")
     return problems
 
 

@@ -1,2 +1,2 @@
-"""The worker's tests: shared builders (tiny_models, tier_harness, spec_helpers) live in this
+"""The worker's tests: shared builders (tiny_models, tiny_gguf, tier_harness, spec_helpers) live in this
 folder, which pytest puts on the import path for every test below it."""

@@ -34,6 +34,64 @@ def save_tiny_llama_with_biases(path, *, vocab_size: int = 301, seed: int = 0) -
     return _save_random(LlamaForCausalLM(config), path, max_shard_size="100KB")
 
 
+def tiny_qwen3_moe(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 3,
+                   mlp_only_layers: tuple[int, ...] = (1,), norm_topk_prob: bool = True, **overrides):
+    """A small random Qwen3-MoE in float32 (6 experts of width 32, top 2; layer 1 a dense MLP
+    of width 96 by default; q/k norms; EOS 1): every weight random, norm scales around 1."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, mlp_only_layers=list(mlp_only_layers),
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1), **overrides})
+    return _randomized(Qwen3MoeForCausalLM(config), seed)
+
+
+def tiny_mixtral(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 2, **overrides):
+    """A small random Mixtral in float32 (4 experts of width 48, top 2; EOS 1)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=1), **overrides})
+    return _randomized(MixtralForCausalLM(config), seed)
+
+
+def save_tiny_qwen3_moe(path, *, stacked: bool = False) -> str:
+    """`tiny_qwen3_moe()` saved in `path` over several safetensors files (each expert's tensors
+    apart, as `save_pretrained` writes them), or in one file under transformers' in-memory
+    names (`stacked`: each layer's experts in two tensors, as a converted GGUF holds them)."""
+    model = tiny_qwen3_moe()
+    if not stacked:
+        model.save_pretrained(path, max_shard_size="100KB")
+        return str(path)
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+              f"{path}/model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def save_tiny_mixtral(path) -> str:
+    """`tiny_mixtral()` saved in `path`."""
+    tiny_mixtral().save_pretrained(path)
+    return str(path)
+
+
+def _randomized(model, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model.eval()
+
+
 def _save_random(model, path, **save_options) -> str:
     with torch.no_grad():
         for param in model.parameters():

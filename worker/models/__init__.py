@@ -17,6 +17,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
 }
 
 

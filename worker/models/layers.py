@@ -61,7 +61,8 @@ def fused_experts(
     if flat_ids.numel() and (int(flat_ids.min()) < 0 or int(flat_ids.max()) >= num_experts):
         raise ValueError(f"expert ids must lie in [0, {num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
     for expert in torch.unique(flat_ids).tolist():
-        token_idx, slot = torch.where(topk_ids == expert)
+        # Rows slot-major, as transformers gathers them: the products then match bit for bit.
+        slot, token_idx = torch.where(topk_ids.t() == expert)
         gate, up = F.linear(hidden[token_idx], w13[expert]).chunk(2, dim=-1)
         expert_out = F.linear(F.silu(gate) * up, w2[expert])
         expert_out = expert_out * topk_weights[token_idx, slot, None]

@@ -1,15 +1,22 @@
-"""The Llama-shaped decoders: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
+"""The Llama-shaped decoders: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
+mixtures of experts Qwen3-MoE and Mixtral.
 
 One implementation; the families differ only in flags read from the config:
 
-    family   q/k/v bias   q/k RMSNorm   notes
-    llama    attention_bias  -          Llama 3.1 "llama3" rope scaling
-    mistral  -            -             sliding window: the runner refuses longer contexts
-    qwen2    always       -
-    qwen3    attention_bias  per head   head_dim from the config
+    family     q/k/v bias      q/k RMSNorm  feed-forward     notes
+    llama      attention_bias  -            MLP              Llama 3.1 "llama3" rope scaling
+    mistral    -               -            MLP              sliding window: the runner refuses
+                                                               longer contexts
+    qwen2      always          -            MLP
+    qwen3      attention_bias  per head     MLP              head_dim from the config
+    qwen3_moe  attention_bias  per head     experts, or MLP  softmax top-k, renormalised if
+                                              in mlp_only_layers  norm_topk_prob
+    mixtral    -               -            experts          softmax top-k, renormalised;
+                                                               sliding window as mistral
 
 Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
-(`qkv_proj`, `gate_up_proj`); `load_weights` maps the checkpoint's names onto them.
+(`qkv_proj`, `gate_up_proj`) and the experts stacked (sparse_moe.py); `load_weights` maps the
+checkpoint's names onto them (checkpoint_names.py).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 
 from spillway.worker.attention.torch_paged import AttentionBackend, AttentionMetadata
+from spillway.worker.models.checkpoint_names import EXPERT_NAMES, QWEN_EXPERTS, CheckpointNames, checkpoint_names
 from spillway.worker.models.layers import (
     TORCH_OPS,
     DecoderOps,
@@ -27,7 +35,9 @@ from spillway.worker.models.layers import (
     RotaryEmbedding,
     ops_for,
 )
-from spillway.worker.models.spec import DecoderSpec
+from spillway.worker.models.mlp import MLP
+from spillway.worker.models.sparse_moe import SparseMoeBlock
+from spillway.worker.models.spec import DecoderSpec, model_type_of
 
 
 class Attention(nn.Module):
@@ -62,17 +72,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, ops: DecoderOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
-
-
 class DecoderLayer(nn.Module):
     """One block over the residual stream, which travels beside the hidden states so that
     the residual add and the next norm are one operation (one kernel on CUDA)."""
@@ -80,7 +79,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int, ops: DecoderOps) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx, ops)
-        self.mlp = MLP(spec, ops)
+        if spec.moe is not None and spec.moe.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, ops)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, ops)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -103,13 +105,6 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
 
-# Our fused projection → the checkpoint's projections, stacked along the output rows in order.
-_FUSED_SHARDS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
 class LlamaForCausalLM(nn.Module):
     """A Llama-shaped decoder over the paged KV cache; see the module docstring for families."""
 
@@ -117,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec = DecoderSpec.from_config(config)
         self.ops = ops
+        self.expert_names = EXPERT_NAMES.get(model_type_of(config), QWEN_EXPERTS)
         self.model = DecoderModel(spec, ops)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
@@ -199,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError naming every missing and unexpected weight, or a shape mismatch.
         """
-        targets = self._checkpoint_targets()
+        names = self._checkpoint_names()
         optional = {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
         loaded: set[str] = set()
         unexpected: list[str] = []
@@ -207,48 +203,43 @@ class LlamaForCausalLM(nn.Module):
             for name, tensor in weights:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                if name not in targets:
+                if name in names.targets:
+                    target, covered = names.targets[name], (name,)
+                elif name in names.aliases:
+                    target, covered = names.aliases[name]
+                else:
                     unexpected.append(name)
                     continue
-                param, offset, rows = targets[name]
-                destination = param.narrow(0, offset, rows)
+                destination = target.view()
                 if destination.shape != tensor.shape:
                     raise ValueError(
                         f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
                     )
                 destination.copy_(tensor)
-                loaded.add(name)
-        missing = sorted(set(targets) - loaded - optional)
+                loaded.update(covered)
+        missing = sorted(set(names.targets) - loaded - optional)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the model: missing {missing}, unexpected {sorted(unexpected)}"
             )
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`(Hugging Face name, view of our parameter)` for every checkpoint weight: the
-        inverse of `load_weights`, for handing the same weights to a reference model."""
-        for name, (param, offset, rows) in self._checkpoint_targets().items():
-            yield name, param.detach().narrow(0, offset, rows)
+        """`(Hugging Face name, view of our parameter)` for every checkpoint weight, each expert's
+        apart as checkpoints hold them: the inverse of `load_weights`, for handing the same
+        weights to a reference model or writing them out."""
+        for name, target in self._checkpoint_names().targets.items():
+            yield name, target.view()
 
-    def _checkpoint_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
-        """Checkpoint name → (parameter, first row, number of rows) it fills."""
-        shard_rows = {
-            "qkv_proj": [self.spec.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2,
-            "gate_up_proj": [self.spec.intermediate_size] * 2,
-        }
-        targets = {}
-        for name, param in self.named_parameters(remove_duplicate=False):
-            # A tensor-parallel shard wraps some layers (tensor_parallel.py) around their `linear`.
-            name = name.replace(".linear.", ".")
-            module_path, projection, kind = ([""] * 3 + name.rsplit(".", 2))[-3:]
-            if projection not in _FUSED_SHARDS:
-                targets[name] = (param, 0, param.shape[0])
-                continue
-            offset = 0
-            for shard_name, rows in zip(_FUSED_SHARDS[projection], shard_rows[projection]):
-                targets[f"{module_path}.{shard_name}.{kind}"] = (param, offset, rows)
-                offset += rows
-        return targets
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every tensor a checkpoint may hold, by name: `checkpoint_weights`'
+        and those of transformers' stacked expert tensors."""
+        names = self._checkpoint_names()
+        targets = {name: tuple(target.view().shape) for name, target in names.targets.items()}
+        return targets | {name: tuple(target.view().shape) for name, (target, _) in names.aliases.items()}
+
+    def _checkpoint_names(self) -> CheckpointNames:
+        qkv_rows = [self.spec.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        return checkpoint_names(self, qkv_rows, self.expert_names)
 
 
 def _give_storage(model: nn.Module, device: torch.device) -> None:

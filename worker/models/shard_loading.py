@@ -7,10 +7,15 @@ checkpoint tensor is read as this rank's part only (safetensors' lazy slices), t
     checkpoint tensor            rank r reads
     q_proj, k_proj, v_proj       the rows of its query heads / of its KV heads (a replicated
                                    head's rows on every rank whose query heads read it)
-    gate_proj, up_proj           its rows of the intermediate size
+    gate_proj, up_proj           its rows of the intermediate size (an expert's: of the
+                                   expert's; the shared experts': of theirs)
     o_proj, down_proj            the matching input columns; the bias on rank 0 only
     embed_tokens, lm_head        its vocabulary rows, zero rows past the vocabulary
-    norms                        all of it
+    norms, routers               all of it
+
+Mixtral's experts (w1, w3, w2) are read as gate_proj, up_proj, down_proj. transformers' stacked
+expert tensors (a converted GGUF's): down_proj `[E, H, I]` as its columns; gate_up_proj
+`[E, 2I, H]` as the rows from the rank's first gate row to its last up row, then cut to those two.
 
 The result equals loading the whole model and then `shard_model`, bit for bit. Random
 weights (load_format "dummy") are still generated whole, then cut (executor.load_model): they
@@ -29,6 +34,8 @@ from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 _ALL = (slice(None),)
+# Mixtral's names of an expert's projections.
+_EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _VOCAB_TABLES = ("embed_tokens", "lm_head")
 
 
@@ -42,19 +49,19 @@ def load_shard(hf_config, files: loader.ModelFiles, rank: int, world_size: int, 
     model_class = model_class_for(hf_config)
     with torch.device("meta"):
         whole = model_class(hf_config)  # no storage: only its checkpoint shapes are read
-    parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim,
-                       {name: tuple(tensor.shape) for name, tensor in whole.checkpoint_weights()})
+    parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim, whole.checkpoint_shapes())
     model = model_class.build(hf_config, device=device, dtype=dtype,
                               reshape=partial(shard_model, rank=rank, world_size=world_size))
     weights = loader.iter_weights(files, parts.index)
-    model.load_weights((name, parts.pad_vocab(name, tensor)) for name, tensor in weights)
+    model.load_weights((name, parts.complete(name, tensor)) for name, tensor in weights)
     return model
 
 
 @dataclass(frozen=True, slots=True)
 class ShardParts:
     """Which part of each checkpoint tensor a rank reads; `shapes`: the whole model's
-    checkpoint tensors, which the checkpoint's must match before anything is cut."""
+    checkpoint tensors (and transformers' stacked expert tensors), which the checkpoint's must
+    match before anything is cut."""
 
     layout: ShardLayout
     head_dim: int
@@ -66,10 +73,11 @@ class ShardParts:
         expected = self.shapes.get(name)
         if expected is not None and tuple(shape) != expected:
             raise ValueError(f"weight {name} has shape {tuple(shape)}, expected {expected}")
-        layout, size = self.layout, self.layout.intermediate_size
+        layout = self.layout
         heads = _rows(layout.first_head * self.head_dim, layout.num_heads * self.head_dim)
         projection, kind = _projection_and_kind(name)
-        match projection:
+        size = self._width(name)
+        match _EXPERT_PROJECTIONS.get(projection, projection):
             case "q_proj":
                 return (heads,)
             case "k_proj" | "v_proj":
@@ -82,11 +90,32 @@ class ShardParts:
                 return (slice(None), heads)
             case "down_proj":
                 return (slice(None), _rows(layout.rank * size, size))
+            case "experts" if kind == "down_proj":
+                return (slice(None), slice(None), _rows(layout.rank * size, size))
+            case "experts" if kind == "gate_up_proj":  # from its first gate row to its last up row
+                full_size = shape[1] // 2
+                return (slice(None), slice(layout.rank * size, full_size + (layout.rank + 1) * size))
             case "embed_tokens" | "lm_head":
                 start = min(layout.first_vocab_row, shape[0])  # the last ranks may hold only padding
                 return (slice(start, min(start + layout.vocab_rows, shape[0])),)
             case _:
                 return _ALL
+
+    def complete(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part as its parameter holds it, from what `index` read: vocabulary slices
+        padded, a stacked gate_up_proj's span cut to the rank's gate and up rows."""
+        if name.endswith(".experts.gate_up_proj"):
+            size = self.layout.expert_intermediate_size
+            return torch.cat([tensor[:, :size], tensor[:, -size:]], dim=1)
+        return self.pad_vocab(name, tensor)
+
+    def _width(self, name: str) -> int:
+        """The rank's slice of the intermediate size that tensor `name` is cut along."""
+        if ".experts." in name:
+            return self.layout.expert_intermediate_size
+        if ".shared_experts." in name:
+            return self.layout.shared_expert_intermediate_size
+        return self.layout.intermediate_size
 
     def pad_vocab(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A vocabulary slice padded with zero rows to the shard's `vocab_rows` (on the CPU,

@@ -1,18 +1,22 @@
 """What a Llama-shaped decoder is, read from its Hugging Face config: the family (by
 `model_type` or architecture), rotary parameters, and every size and flag the model is built
-from (`DecoderSpec`)."""
+from (`DecoderSpec`), with its experts where it is a mixture of experts (`MoeSpec`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from spillway.worker.models.layers import Llama3RopeScaling
+from spillway.worker.models.routers import GroupedTopK
 
 ARCHITECTURE_MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 MODEL_TYPES = tuple(ARCHITECTURE_MODEL_TYPES.values())
 
@@ -47,6 +51,72 @@ def rope_from_config(config) -> tuple[float, Llama3RopeScaling | None]:
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
 
 
+class RouterKind(StrEnum):
+    """Which router chooses a sparse layer's experts (worker/models/routers.py)."""
+
+    SOFTMAX_TOPK = "softmax_topk"
+    GROUPED_TOPK = "grouped_topk"
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts decoder's experts: how many, how wide, which layers have them
+    (the others have the dense MLP) and how tokens are routed to them.
+
+    `weights_in_logits_dtype`: Qwen3-MoE rounds the routing weights to the model's dtype.
+    `grouped_topk` holds the grouped router's parameters (`router` GROUPED_TOPK only);
+    `correction_bias`: the router has DeepSeek V3's `e_score_correction_bias`, which it adds to
+    the scores to choose the experts.
+    `shared_expert_intermediate_size`: the width of a dense MLP every token also goes
+    through, summed with the experts' output (DeepSeek's shared experts), None without one.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    router: RouterKind = RouterKind.SOFTMAX_TOPK
+    weights_in_logits_dtype: bool = False
+    grouped_topk: GroupedTopK | None = None
+    correction_bias: bool = False
+    shared_expert_intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.router is RouterKind.GROUPED_TOPK) == (self.grouped_topk is not None), self.router
+        assert self.grouped_topk is not None or not self.correction_bias, "only the grouped router takes a bias"
+        assert 0 < self.top_k <= self.num_experts, (self.top_k, self.num_experts)
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx in self.sparse_layers
+
+    @classmethod
+    def from_config(cls, config, model_type: str) -> MoeSpec | None:
+        """The experts of a `qwen3_moe` or `mixtral` config; None for the dense families (and a
+        `qwen3_moe` config without a sparse layer)."""
+        if model_type == "mixtral":
+            return cls(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
+                       expert_intermediate_size=config.intermediate_size, norm_topk_prob=True,
+                       sparse_layers=tuple(range(config.num_hidden_layers)))
+        sparse_layers = _qwen3_moe_sparse_layers(config) if model_type == "qwen3_moe" else ()
+        if sparse_layers:
+            return cls(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                       expert_intermediate_size=config.moe_intermediate_size,
+                       norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+                       sparse_layers=sparse_layers, weights_in_logits_dtype=True)
+        return None
+
+
+def _qwen3_moe_sparse_layers(config) -> tuple[int, ...]:
+    """As transformers decides: every `decoder_sparse_step`-th layer (counting from 1) that is
+    not in `mlp_only_layers`, where the model has experts at all."""
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    if not config.num_experts:
+        return ()
+    return tuple(i for i in range(config.num_hidden_layers) if i not in mlp_only and (i + 1) % step == 0)
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderSpec:
     """The config values the decoder is built from."""
@@ -67,6 +137,7 @@ class DecoderSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     sliding_window: int | None
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_config(cls, config) -> DecoderSpec:
@@ -90,13 +161,14 @@ class DecoderSpec:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_active_sliding_window(config, model_type),
+            moe=MoeSpec.from_config(config, model_type),
         )
 
 
 def _active_sliding_window(config, model_type: str) -> int | None:
-    if model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None) if model_type != "llama" else None

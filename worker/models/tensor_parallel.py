@@ -11,6 +11,12 @@ all-reduces put the slices back together; the logits are gathered once:
                      the others; all_reduce
     lm_head        vocab-parallel: rank r scores its slice; all_gather into the full logits
 
+A mixture-of-experts layer (sparse_moe.py) keeps every expert on every rank, each cut as the
+MLP is: rank r holds its slice of each expert's width (gate_up_proj its gate rows and its up
+rows, down_proj the matching columns), and so of the shared experts' width. The router is
+replicated; the block's output, the experts' partial sums plus the shared experts', is summed
+over the ranks once (`RowParallelMoe`).
+
 Query heads split evenly. KV heads split evenly where N divides them; where they are fewer and
 divide N, each is replicated to the N / num_kv_heads ranks whose query heads read it. The
 vocabulary is padded with zero rows up to a multiple of N, and the padding cut from the logits.
@@ -33,8 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from spillway.worker.models.llama import Attention, LlamaForCausalLM, MLP
-from spillway.worker.models.spec import DecoderSpec
+from spillway.worker.models.llama import Attention, LlamaForCausalLM
+from spillway.worker.models.mlp import MLP
+from spillway.worker.models.sparse_moe import SparseMoeBlock
+from spillway.worker.models.spec import DecoderSpec, MoeSpec
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.4 has only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,7 +51,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 @dataclass(frozen=True, slots=True)
 class ShardLayout:
     """What rank `rank` of `world_size` holds: its query heads, KV heads (replicas included),
-    intermediate slice and vocabulary rows (padded), each a contiguous range."""
+    intermediate slice, slices of each expert's and of the shared experts' width (0 for a
+    dense model, or one without shared experts) and vocabulary rows (padded), each a
+    contiguous range."""
 
     rank: int
     world_size: int
@@ -52,6 +62,8 @@ class ShardLayout:
     first_kv_head: int
     intermediate_size: int
     vocab_rows: int
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def plan(cls, spec: DecoderSpec, rank: int, world_size: int) -> ShardLayout:
@@ -68,6 +80,11 @@ class ShardLayout:
         if spec.intermediate_size % world_size:
             raise ValueError(f"tensor parallel size {world_size} does not divide the model's intermediate size "
                              f"{spec.intermediate_size}")
+        expert_size, shared_size = _expert_widths(spec.moe)
+        for what, size in (("experts' intermediate size", expert_size), ("shared experts' intermediate size",
+                                                                         shared_size)):
+            if size % world_size:
+                raise ValueError(f"tensor parallel size {world_size} does not divide the model's {what} {size}")
         return cls(
             rank=rank,
             world_size=world_size,
@@ -77,6 +94,8 @@ class ShardLayout:
             first_kv_head=rank * kv_heads // world_size,
             intermediate_size=spec.intermediate_size // world_size,
             vocab_rows=-(-spec.vocab_size // world_size),
+            expert_intermediate_size=expert_size // world_size,
+            shared_expert_intermediate_size=shared_size // world_size,
         )
 
     @property
@@ -101,7 +120,10 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int,
     with torch.no_grad():
         for layer in model.model.layers:
             _shard_attention(layer.self_attn, layout, group)
-            _shard_mlp(layer.mlp, layout, group)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp = _shard_moe(layer.mlp, layout, group)
+            else:
+                _shard_mlp(layer.mlp, layout, group)
         embedding = VocabParallelEmbedding(model.model.embed_tokens.weight, layout, group)
         lm_head = model.lm_head
         if model.spec.tie_word_embeddings:
@@ -111,8 +133,12 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int,
         lm_head.out_features = layout.vocab_rows
         model.model.embed_tokens = embedding
         model.lm_head = ParallelLMHead(lm_head, model.spec.vocab_size, layout, group)
+    moe = model.spec.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, expert_intermediate_size=layout.expert_intermediate_size,
+                                  shared_expert_intermediate_size=layout.shared_expert_intermediate_size or None)
     model.spec = dataclasses.replace(model.spec, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
-                                     intermediate_size=layout.intermediate_size)
+                                     intermediate_size=layout.intermediate_size, moe=moe)
     return layout
 
 
@@ -127,6 +153,21 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class RowParallelMoe(nn.Module):
+    """A mixture-of-experts block (`moe`) holding this rank's slice of every expert's width, and
+    the sum of every rank's partial output."""
+
+    def __init__(self, moe: SparseMoeBlock, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.moe(hidden)
         dist.all_reduce(out, group=self.group)
         return out
 
@@ -187,6 +228,31 @@ def _shard_mlp(mlp: MLP, layout: ShardLayout, group: dist.ProcessGroup | None) -
     full_size = mlp.gate_up_proj.out_features // 2
     _keep_output_rows(mlp.gate_up_proj, [rows, _shift(rows, full_size)])  # stays [gate | up]
     mlp.down_proj = _row_parallel(mlp.down_proj, rows, layout, group)
+
+
+def _shard_moe(block: SparseMoeBlock, layout: ShardLayout, group: dist.ProcessGroup | None) -> RowParallelMoe:
+    experts, size = block.experts, layout.expert_intermediate_size
+    rows = _range(layout.rank * size, size)
+    full_size = experts.down_proj.shape[2]
+    kept_rows = torch.cat([experts.gate_up_proj[:, rows.start : rows.stop],  # stays [gate | up] per expert
+                           experts.gate_up_proj[:, full_size + rows.start : full_size + rows.stop]], dim=1)
+    experts.gate_up_proj = nn.Parameter(kept_rows, requires_grad=False)
+    experts.down_proj = nn.Parameter(experts.down_proj[:, :, rows.start : rows.stop].contiguous(), requires_grad=False)
+    if block.shared_experts is not None:
+        shared = block.shared_experts
+        shared_rows = _range(layout.rank * layout.shared_expert_intermediate_size, layout.shared_expert_intermediate_size)
+        _keep_output_rows(shared.gate_up_proj, [shared_rows, _shift(shared_rows, shared.gate_up_proj.out_features // 2)])
+        shared.down_proj.weight = nn.Parameter(shared.down_proj.weight[:, shared_rows.start : shared_rows.stop]
+                                               .contiguous(), requires_grad=False)
+        shared.down_proj.in_features = len(shared_rows)  # summed with the experts', in RowParallelMoe
+    return RowParallelMoe(block, group)
+
+
+def _expert_widths(moe: MoeSpec | None) -> tuple[int, int]:
+    """(each expert's intermediate size, the shared experts'), 0 where there are none."""
+    if moe is None:
+        return 0, 0
+    return moe.expert_intermediate_size, moe.shared_expert_intermediate_size or 0
 
 
 def _row_parallel(linear: nn.Linear, columns: range, layout: ShardLayout,

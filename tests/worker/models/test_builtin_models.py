@@ -8,6 +8,7 @@ import torch
 from spillway.protocol.local import model_files
 from spillway.protocol.local.model_files import TokenizerNotFoundError, load_config, load_tokenizer, resolve_model
 from spillway.worker.models.loader import init_dummy_weights, iter_weights
+from spillway.worker.models.spec import DecoderSpec, MoeSpec
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +25,7 @@ def own_cache_dir(tmp_path, monkeypatch):
         ("qwen3-8b", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936),
         ("qwen3-32b", "qwen3", 5120, 64, 64, 8, 128, 25600, 151936),
         ("qwen3-0.6b", "qwen3", 1024, 28, 16, 8, 128, 3072, 151936),
+        ("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936),
         ("llama-3-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256),
         pytest.param(
             "smollm2-135m", "llama", 576, 30, 9, 3, 64, 1536, 49152, marks=pytest.mark.slow
@@ -45,12 +47,20 @@ def test_builtin_configs_give_real_dummy_configs(
         next(iter_weights(files))
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "qwen3-0.6b", "llama-3-8b"])
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "qwen3-0.6b", "qwen3-30b-a3b", "llama-3-8b"])
 def test_builtin_configs_without_tokenizer_say_so(name):
     files = resolve_model(name, load_format="dummy")
     assert [p.name for p in files.path.iterdir()] == ["config.json"]
     with pytest.raises(TokenizerNotFoundError, match="token ids only"):
         load_tokenizer(files)
+
+
+def test_builtin_qwen3_30b_a3b_is_a_mixture_of_experts_in_every_layer():
+    spec = DecoderSpec.from_config(load_config(resolve_model("qwen3-30b-a3b", load_format="dummy")))
+    assert spec.moe == MoeSpec(num_experts=128, top_k=8, expert_intermediate_size=768, norm_topk_prob=True,
+                               sparse_layers=tuple(range(48)), weights_in_logits_dtype=True)
+    assert (spec.qk_norm, spec.sliding_window, spec.tie_word_embeddings, spec.rope_theta, spec.rms_norm_eps) == (
+        True, None, False, 1e6, 1e-6)
 
 
 def test_builtin_folder_follows_a_changed_config(own_cache_dir, tmp_path, monkeypatch):

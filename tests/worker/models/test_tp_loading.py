@@ -18,8 +18,9 @@ from spillway.worker.runner.executor import load_model
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.llama import LlamaForCausalLM
 from spillway.worker.models.shard_loading import load_shard
+from spillway.worker.models.spec import DecoderSpec
 from spillway.worker.models.tensor_parallel import shard_model
-from tiny_models import save_tiny_llama_with_biases, save_tiny_qwen3
+from tiny_models import save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3, save_tiny_qwen3_moe
 
 CPU = torch.device("cpu")
 WORLD_SIZE = 2
@@ -28,12 +29,18 @@ CHECKPOINTS = {
     "qwen3-replicated-kv-head": lambda path: save_tiny_qwen3(path, num_kv_heads=1),
     # Every bias, one KV head, tied lm_head, vocabulary 301 (rank 1's slice has a padding row).
     "llama-biases-tied-odd-vocab": save_tiny_llama_with_biases,
+    # A sparse and a dense layer; each expert's tensors apart, over several files.
+    "qwen3-moe": save_tiny_qwen3_moe,
+    "mixtral": save_tiny_mixtral,
 }
+# Each layer's experts in two tensors (transformers' names, a converted GGUF's): a rank reads
+# more than its part of gate_up_proj (from its first gate row to its last up row).
+STACKED = {"qwen3-moe-stacked-experts": lambda path: save_tiny_qwen3_moe(path, stacked=True)}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
-    return {name: save(tmp_path_factory.mktemp(name)) for name, save in CHECKPOINTS.items()}
+    return {name: save(tmp_path_factory.mktemp(name)) for name, save in {**CHECKPOINTS, **STACKED}.items()}
 
 
 def resolve(folder: str):
@@ -49,7 +56,7 @@ def whole_then_shard(files, hf_config, rank: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("checkpoint", {**CHECKPOINTS, **STACKED})
 def test_each_rank_loads_exactly_the_parameters_of_whole_then_shard(checkpoints, checkpoint, dtype):
     files, hf_config = resolve(checkpoints[checkpoint])
     for rank in range(WORLD_SIZE):
@@ -66,24 +73,31 @@ def test_each_rank_loads_exactly_the_parameters_of_whole_then_shard(checkpoints,
 
 
 def shard_elements(hf_config, rank: int) -> int:
-    """What rank `rank` of 2 holds, from the config: a half of every split weight, all of the
-    norms and of a replicated KV head, the row-parallel biases on rank 0, half the vocabulary."""
+    """What rank `rank` of 2 holds, from the config: a half of every split weight (each
+    expert's too), all of the norms, of the routers and of a replicated KV head, the
+    row-parallel biases on rank 0, half the vocabulary."""
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q_rows = hf_config.num_attention_heads // WORLD_SIZE * head_dim
     kv_rows = max(hf_config.num_key_value_heads // WORLD_SIZE, 1) * head_dim
     intermediate = hf_config.intermediate_size // WORLD_SIZE
-    layer = (hidden * (q_rows + 2 * kv_rows) + q_rows * hidden  # q/k/v, o_proj
-             + 3 * hidden * intermediate + 2 * hidden)  # gate/up, down_proj, the two norms
-    if hf_config.model_type == "qwen3":
+    layer = hidden * (q_rows + 2 * kv_rows) + q_rows * hidden + 2 * hidden  # q/k/v, o_proj, the two norms
+    if hf_config.model_type in ("qwen3", "qwen3_moe"):
         layer += 2 * head_dim  # q_norm, k_norm
     if getattr(hf_config, "attention_bias", False):
         layer += q_rows + 2 * kv_rows + (hidden if rank == 0 else 0)
     if getattr(hf_config, "mlp_bias", False):
         layer += 2 * intermediate + (hidden if rank == 0 else 0)
+    moe = DecoderSpec.from_config(hf_config).moe
+    feed_forward = 0
+    for index in range(hf_config.num_hidden_layers):
+        if moe is not None and moe.is_sparse(index):  # the router, then gate/up and down of each expert
+            feed_forward += moe.num_experts * hidden * (1 + 3 * moe.expert_intermediate_size // WORLD_SIZE)
+        else:
+            feed_forward += 3 * hidden * intermediate  # gate/up, down_proj
     vocab_tables = 1 if hf_config.tie_word_embeddings else 2
     vocab_rows = -(-hf_config.vocab_size // WORLD_SIZE)
-    return hf_config.num_hidden_layers * layer + hidden + vocab_tables * vocab_rows * hidden
+    return hf_config.num_hidden_layers * layer + feed_forward + hidden + vocab_tables * vocab_rows * hidden
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
@@ -128,4 +142,20 @@ def test_a_checkpoint_that_does_not_match_the_config_is_refused_before_it_is_cut
     files, hf_config = resolve(str(folder))
 
     with pytest.raises(ValueError, match=r"weight model\.layers\.\d\.mlp\.\w+_proj\.weight has shape"):
+        load_shard(hf_config, files, 1, WORLD_SIZE, device=CPU, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("checkpoint", "refused"), [
+    ("qwen3-moe", r"model\.layers\.\d\.mlp\.experts\.\d\.\w+_proj\.weight"),
+    ("qwen3-moe-stacked-experts", r"model\.layers\.\d\.mlp\.experts\.\w+_proj"),
+])
+def test_experts_that_do_not_match_the_config_are_refused_before_they_are_cut(checkpoints, tmp_path, checkpoint,
+                                                                                refused):
+    folder = shutil.copytree(checkpoints[checkpoint], tmp_path / "wrong-config")
+    config = json.loads((folder / "config.json").read_text())
+    config["moe_intermediate_size"] //= 2
+    (folder / "config.json").write_text(json.dumps(config))
+    files, hf_config = resolve(str(folder))
+
+    with pytest.raises(ValueError, match=rf"weight {refused} has shape"):
         load_shard(hf_config, files, 1, WORLD_SIZE, device=CPU, dtype=torch.float32)

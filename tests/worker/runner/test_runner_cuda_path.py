@@ -122,6 +122,12 @@ TINY_CONFIGS = {
         vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
         num_key_value_heads=1, max_position_embeddings=256, rms_norm_eps=1e-5,
     ),
+    # Qwen3-MoE: layer 0 sparse (4 experts, top 2, through ops.fused_experts), layer 1 dense.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -164,7 +170,7 @@ def runner_pair(family: str, seed: int = 0, num_blocks: int = 24, max_model_len:
     return runners[0], runners[1], fused_calls
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_fused_qkv_path_matches_the_torch_path(family):
     torch_runner, kernel_runner, fused_calls = runner_pair(family)
     num_layers = kernel_runner.model.num_layers

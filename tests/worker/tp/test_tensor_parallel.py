@@ -8,6 +8,8 @@ test asserts on every rank's report.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,9 @@ from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 from spillway.worker.models.cpu_linear import onednn_linear_works, pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
+from spillway.worker.models.layers import TORCH_OPS
+from spillway.worker.models.sparse_moe import SparseMoeBlock
+from spillway.worker.models.spec import MoeSpec
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 TOLERANCE = 1e-4
@@ -33,6 +38,15 @@ QWEN3 = dict(model_type="qwen3", vocab_size=301, num_attention_heads=4, num_key_
 # One KV head for 2 ranks (replicated), every bias (o_proj's and down_proj's added once), tied.
 LLAMA_ONE_KV_HEAD = dict(model_type="llama", vocab_size=300, num_attention_heads=4, num_key_value_heads=1,
                          attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+
+
+# Mixtures of experts: Qwen3-MoE with layer 1 dense (a sparse and a dense layer), 4 experts of
+# width 32 (16 a rank); Mixtral, 4 experts of width 96.
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=301, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 mlp_only_layers=[1], decoder_sparse_step=1)
+MIXTRAL = dict(model_type="mixtral", vocab_size=300, num_attention_heads=4, num_key_value_heads=2,
+               num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
 
 
 def tiny_config(**overrides) -> SimpleNamespace:
@@ -132,6 +146,27 @@ def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_valu
         assert report["relaid"] == relaid
 
 
+@pytest.mark.parametrize(("config_values", "weights", "dense_layers"), [
+    pytest.param(QWEN3_MOE, "packed", 1, id="qwen3-moe-packed"),
+    pytest.param(MIXTRAL, "input-major", 0, id="mixtral-input-major"),
+])
+def test_two_ranks_compute_the_unsharded_logits_and_tokens_of_a_mixture_of_experts(tmp_path, config_values, weights,
+                                                                                     dense_layers):
+    reports = run_ranks(tmp_path, config_values, weights)
+    # Re-laid after sharding: qkv and o per layer, gate_up and down per dense layer (the routers
+    # and experts are no nn.Linear), and for oneDNN lm_head too.
+    relaid = 2 * 2 + 2 * dense_layers
+    if weights == "packed":
+        relaid = relaid + 1 if onednn_linear_works(torch.float32) else 0
+
+    for rank, report in enumerate(reports):
+        assert report["max_diff"] < TOLERANCE, f"rank {rank}"
+        assert report["tokens"] == report["reference_tokens"]
+        assert len(set(report["tokens"][0])) > 1
+        assert report["layout"].expert_intermediate_size == (16 if config_values is QWEN3_MOE else 48)
+        assert report["relaid"] == relaid
+
+
 @pytest.mark.parametrize(("kv_heads", "world_size", "first_kv_heads"), [
     (8, 4, [0, 2, 4, 6]),  # split: two heads a rank
     (2, 4, [0, 0, 1, 1]),  # replicated: each head on the two ranks whose query heads read it
@@ -169,3 +204,47 @@ def test_query_heads_or_intermediate_size_that_do_not_split_raise():
         shard_model(odd_heads, rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"tensor parallel size 4 does not divide the model's intermediate size 90"):
         shard_model(odd_intermediate, rank=1, world_size=4)
+
+
+def test_an_expert_width_that_does_not_split_raises():
+    model = random_model(tiny_config(**{**QWEN3_MOE, "moe_intermediate_size": 30}))
+
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 does not divide the model's experts' intermediate "
+                                         r"size 30"):
+        shard_model(model, rank=0, world_size=4)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 60, 64)
+
+
+def test_each_rank_holds_a_slice_of_every_expert_and_of_the_shared_experts_and_their_sum_is_the_block():
+    """One process, a group of one: each rank's block computes its partial sum (the all-reduce
+    adds nothing), and the two ranks' partial sums add up to the whole block's output. The
+    block has DeepSeek's shared experts, which no family here has yet."""
+    spec = MoeSpec(num_experts=4, top_k=2, expert_intermediate_size=32, norm_topk_prob=True, sparse_layers=(0,),
+                   shared_expert_intermediate_size=48)
+    generator = torch.Generator().manual_seed(3)
+    whole = SparseMoeBlock(64, spec, TORCH_OPS)
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    hidden = torch.randn(9, 64, generator=generator)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        partial_sums = []
+        for rank in range(WORLD_SIZE):
+            model = random_model(tiny_config(**{**QWEN3_MOE, "num_hidden_layers": 1, "mlp_only_layers": []}))
+            model.model.layers[0].mlp = copy.deepcopy(whole)
+            model.spec = dataclasses.replace(model.spec, moe=spec)
+            layout = shard_model(model, rank, WORLD_SIZE)
+            shard = model.model.layers[0].mlp
+            assert (layout.expert_intermediate_size, layout.shared_expert_intermediate_size) == (16, 24)
+            assert model.spec.moe.shared_expert_intermediate_size == 24
+            assert shard.moe.experts.gate_up_proj.shape == (4, 32, 64)
+            assert shard.moe.shared_experts.down_proj.weight.shape == (64, 24)
+            with torch.no_grad():
+                partial_sums.append(shard(hidden))
+    finally:
+        dist.destroy_process_group()
+    with torch.no_grad():
+        expected = whole(hidden)
+    assert (partial_sums[0] + partial_sums[1] - expected).abs().max() < 1e-5
+    assert (partial_sums[0] - expected).abs().max() > 0.1  # each rank holds a part only

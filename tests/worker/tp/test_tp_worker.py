@@ -22,7 +22,7 @@ from spillway.worker.models import build_model
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.tp.group import StepChannel
-from tiny_models import save_tiny_llama_with_biases, save_tiny_qwen3
+from tiny_models import save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3, save_tiny_qwen3_moe
 
 CPU = torch.device("cpu")
 # Prompts of several lengths, one past the step budget (so later steps mix its prefill chunk
@@ -53,9 +53,20 @@ def tiny_llama_with_biases(tmp_path_factory) -> str:
     return save_tiny_llama_with_biases(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory) -> str:
+    return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"))
+
+
 # Each rank loads its slices of the checkpoint (worker/models/shard_loading.py): KV heads split
-# (Qwen3), or one replicated with every bias, a tied lm_head and a padded vocabulary (Llama).
-@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama_with_biases"])
+# (Qwen3), or one replicated with every bias, a tied lm_head and a padded vocabulary (Llama);
+# each expert's slice of its width (Qwen3-MoE, with a dense layer; Mixtral).
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama_with_biases", "tiny_qwen3_moe", "tiny_mixtral"])
 def test_two_ranks_generate_what_one_process_does(request, checkpoint):
     model = request.getfixturevalue(checkpoint)
     alone = generate(model, 1)
