@@ -14,7 +14,7 @@ chosen scores), so routing ties break as there and the weights are equal to roun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 import torch
 
@@ -39,14 +39,14 @@ def softmax_topk(
     return topk_weights, topk_ids
 
 
-class Scoring(StrEnum):
+class Scoring(str, Enum):
     """How logits become expert scores: DeepSeek V3's sigmoid, V2's softmax."""
 
     SIGMOID = "sigmoid"
     SOFTMAX = "softmax"
 
 
-class GroupScore(StrEnum):
+class GroupScore(str, Enum):
     """What ranks a group of experts: the sum of its top 2 scores (V3's "noaux_tc"), or its
     best score (V2's "group_limited_greedy")."""
 

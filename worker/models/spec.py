@@ -5,7 +5,7 @@ from (`DecoderSpec`), with its experts where it is a mixture of experts (`MoeSpe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 from spillway.worker.models.layers import Llama3RopeScaling
 from spillway.worker.models.routers import GroupedTopK
@@ -51,7 +51,7 @@ def rope_from_config(config) -> tuple[float, Llama3RopeScaling | None]:
     raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
 
 
-class RouterKind(StrEnum):
+class RouterKind(str, Enum):
     """Which router chooses a sparse layer's experts (worker/models/routers.py)."""
 
     SOFTMAX_TOPK = "softmax_topk"
