@@ -81,6 +81,21 @@ def save_tiny_mixtral(path) -> str:
     return str(path)
 
 
+def save_tiny_thinker(path, tokenizer, build_model) -> tuple[str, int, int]:
+    """A random model over `tokenizer` with <think> and </think> added to it as single tokens:
+    `build_model(vocab_size)` saved in `path` beside the tokenizer. Its lm_head row of
+    </think> is zeroed: logit 0, below the largest of thousands of random logits, so greedy
+    decoding never closes thinking by itself. Returns (folder, <think> id, </think> id)."""
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    model = build_model(len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[end_think].zero_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), think, end_think
+
+
 def _randomized(model, seed: int):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
