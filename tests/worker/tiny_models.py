@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 TINY_VOCAB = 384
+
+
+class TinyCheckpoints:
+    """Tiny checkpoints saved in folders under `folder` on first use, one per name
+    (`savers[name](path)` returns the folder), so tests parametrized over models save each once."""
+
+    def __init__(self, folder: Path, savers: dict[str, Callable[[Path], str]]) -> None:
+        self.folder = folder
+        self.savers = savers
+        self.saved: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self.saved:
+            self.saved[name] = str(self.savers[name](self.folder / name))
+        return self.saved[name]
 
 
 def save_tiny_qwen3(path, *, vocab_size: int = TINY_VOCAB, seed: int = 0, hidden_size: int = 64,

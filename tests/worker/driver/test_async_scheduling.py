@@ -19,17 +19,21 @@ from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason, Generate, SamplingParams
 from spillway.worker.runner.device_settings import WorkerConfig
 from spillway.worker.driver.engine import Engine
-from tiny_models import TINY_VOCAB, save_tiny_qwen3, save_tiny_qwen3_moe
+from tiny_models import TINY_VOCAB, TinyCheckpoints, save_tiny_qwen3, save_tiny_qwen3_moe
 
 VOCAB = TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
-def tiny_model(request, tmp_path_factory):
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-async"),
+                           {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def tiny_model(request, checkpoints) -> str:
     """A tiny random Qwen3; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
-    if getattr(request, "param", "qwen3") == "qwen3_moe":
-        return save_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe-async"))
-    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-async"))
+    return checkpoints[getattr(request, "param", "qwen3")]
 
 
 DENSE_AND_MOE = pytest.mark.parametrize("tiny_model", ["qwen3", "qwen3_moe"], indirect=True)

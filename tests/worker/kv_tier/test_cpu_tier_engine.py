@@ -14,25 +14,32 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.driver.timing import REFERENCE_COPY_BYTES_PER_S, LinkTiming
 from spillway.worker.kv_tier.paced_loads import PacedLoads
-from tiny_models import save_tiny_qwen3_moe
+from tiny_models import TinyCheckpoints, save_tiny_qwen3_moe
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
 
 
-@pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory):
-    """A tiny random Llama; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
-    if getattr(request, "param", "llama") == "qwen3_moe":
-        return save_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"))
+def save_tiny_llama(path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     LlamaForCausalLM(config).save_pretrained(path)  # head_dim 32, as the CUDA kernels want
-    return path
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-tier"),
+                           {"llama": save_tiny_llama, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def model_dir(request, checkpoints) -> str:
+    """A tiny random Llama; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
+    return checkpoints[getattr(request, "param", "llama")]
 
 
 def engine_for(model_dir, num_cpu_blocks: int) -> Engine:

@@ -18,18 +18,22 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import Job, RandomProposer, run, tokens_and_reasons
-from tiny_models import TINY_VOCAB, save_tiny_qwen3, save_tiny_qwen3_moe
+from tiny_models import TINY_VOCAB, TinyCheckpoints, save_tiny_qwen3, save_tiny_qwen3_moe
 
 VOCAB = TINY_VOCAB
 K = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_model(request, tmp_path_factory):
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-spec"),
+                           {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def tiny_model(request, checkpoints) -> str:
     """A tiny random Qwen3; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
-    if getattr(request, "param", "qwen3") == "qwen3_moe":
-        return save_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe-spec"))
-    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-spec"))
+    return checkpoints[getattr(request, "param", "qwen3")]
 
 
 def make_engine(path: str, **overrides) -> Engine:
