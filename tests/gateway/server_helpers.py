@@ -177,6 +177,17 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+def metrics_when(server: ServerProcess, ready, timeout_s: float = 20.0) -> dict[str, float]:
+    """/metrics once `ready(metrics)` holds (the worker reports when it goes idle), or as it
+    stands after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape(server.url)
+        if ready(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.2)
+
+
 def sse_events(raw: bytes) -> list[str]:
     """Split an SSE body into event payloads, checking the framing as a strict client would."""
     text = raw.decode("utf-8")

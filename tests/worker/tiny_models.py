@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
 TINY_VOCAB = 384
+
+
+class TinyCheckpoints:
+    """Tiny checkpoints saved in folders under `folder` on first use, one per name
+    (`savers[name](path)` returns the folder), so tests parametrized over models save each once."""
+
+    def __init__(self, folder: Path, savers: dict[str, Callable[[Path], str]]) -> None:
+        self.folder = folder
+        self.savers = savers
+        self.saved: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self.saved:
+            self.saved[name] = str(self.savers[name](self.folder / name))
+        return self.saved[name]
 
 
 def save_tiny_qwen3(path, *, vocab_size: int = TINY_VOCAB, seed: int = 0, hidden_size: int = 64,
@@ -79,6 +97,21 @@ def save_tiny_mixtral(path) -> str:
     """`tiny_mixtral()` saved in `path`."""
     tiny_mixtral().save_pretrained(path)
     return str(path)
+
+
+def save_tiny_thinker(path, tokenizer, build_model) -> tuple[str, int, int]:
+    """A random model over `tokenizer` with <think> and </think> added to it as single tokens:
+    `build_model(vocab_size)` saved in `path` beside the tokenizer. Its lm_head row of
+    </think> is zeroed: logit 0, below the largest of thousands of random logits, so greedy
+    decoding never closes thinking by itself. Returns (folder, <think> id, </think> id)."""
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    model = build_model(len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[end_think].zero_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), think, end_think
 
 
 def _randomized(model, seed: int):

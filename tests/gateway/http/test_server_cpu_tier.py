@@ -5,11 +5,10 @@ served usage and in /metrics."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
-from server_helpers import MODEL, real_server, scrape
+from server_helpers import MODEL, metrics_when, real_server
 
 TURN = [(37 * i) % 30000 + 100 for i in range(300)]  # 18 full blocks of 16
 FILLER = [(53 * i) % 30000 + 200 for i in range(500)]  # 32 blocks: the whole GPU pool
@@ -30,16 +29,6 @@ def complete(server, prompt: list[int], max_tokens: int) -> dict:
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def metrics_when(server, ready, timeout_s: float = 20.0) -> dict[str, float]:
-    """/metrics once `ready(metrics)` holds (the worker reports when it goes idle)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = scrape(server.url)
-        if ready(metrics) or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.2)
 
 
 def test_a_prompt_evicted_from_the_gpu_comes_back_from_the_cpu_tier(server):

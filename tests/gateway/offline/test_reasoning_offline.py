@@ -4,12 +4,18 @@ tokenizer has <think> and </think> as single tokens."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from spillway.gateway import LLM, SamplingParams
 from spillway.gateway.text.reasoning import resolve_markers
 from spillway.protocol.local import model_files
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "worker"))
+from tiny_models import save_tiny_thinker, tiny_qwen3_moe  # noqa: E402
 
 BUDGETS = [0, 1, 7, 64]
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
@@ -93,30 +99,30 @@ def test_budget_without_a_reasoning_parser_is_refused(tiny_thinker):
         assert len(plain.generate([[5, 6, think]], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5
 
 
-@pytest.fixture(scope="module")
-def tiny_thinker(tmp_path_factory):
-    """A random-weight Llama whose tokenizer (SmolLM2's plus two added tokens) has <think> and
-    </think> as single tokens."""
+def tiny_llama(vocab_size: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = model_files.load_tokenizer(model_files.resolve_model(None))
-    tok.add_tokens(["<think>", "</think>"], special_tokens=False)
-    think, end_think = tok.convert_tokens_to_ids(["<think>", "</think>"])
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          eos_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        # A zero row gives </think> logit 0, below the largest of 49k random logits: greedy
-        # never closes thinking on its own.
-        model.lm_head.weight[end_think].zero_()
-    path = tmp_path_factory.mktemp("tiny-thinker")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path, think, end_think
+    return LlamaForCausalLM(config)
 
 
+THINKERS = {"llama": tiny_llama, "qwen3_moe": lambda vocab_size: tiny_qwen3_moe(vocab_size=vocab_size, eos_token_id=2)}
+
+
+@pytest.fixture(scope="module")
+def tiny_thinker(request, tmp_path_factory):
+    """A random-weight Llama (a Qwen3-MoE where a test asks for "qwen3_moe", indirect) whose
+    tokenizer (SmolLM2's plus two added tokens) has <think> and </think> as single tokens,
+    and which never closes thinking by itself."""
+    family = getattr(request, "param", "llama")
+    tok = model_files.load_tokenizer(model_files.resolve_model(None))
+    return save_tiny_thinker(tmp_path_factory.mktemp(f"tiny-thinker-{family}"), tok, THINKERS[family])
+
+
+@pytest.mark.parametrize("tiny_thinker", THINKERS, indirect=True)
 def test_tiny_model_with_think_tokens(tiny_thinker):
     path, think, end_think = tiny_thinker
     with LLM(str(path), device="cpu", dtype="float32", enable_reasoning=True, reasoning_parser="qwen3") as llm:

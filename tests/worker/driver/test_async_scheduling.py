@@ -19,14 +19,24 @@ from spillway.protocol.hashing import block_hashes
 from spillway.protocol.messages import FinishReason, Generate, SamplingParams
 from spillway.worker.runner.device_settings import WorkerConfig
 from spillway.worker.driver.engine import Engine
-from tiny_models import TINY_VOCAB, save_tiny_qwen3
+from tiny_models import TINY_VOCAB, TinyCheckpoints, save_tiny_qwen3, save_tiny_qwen3_moe
 
 VOCAB = TINY_VOCAB
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-async"))
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-async"),
+                           {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def tiny_model(request, checkpoints) -> str:
+    """A tiny random Qwen3; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
+    return checkpoints[getattr(request, "param", "qwen3")]
+
+
+DENSE_AND_MOE = pytest.mark.parametrize("tiny_model", ["qwen3", "qwen3_moe"], indirect=True)
 
 
 def make_engine(path: str, async_scheduling: bool, **overrides) -> Engine:
@@ -76,6 +86,7 @@ def both(path, arrivals, aborts=None, **overrides):
     return expected, got, ahead
 
 
+@DENSE_AND_MOE
 def test_greedy_outputs_and_finish_reasons_equal_synchronous_stepping(tiny_model):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     batch = prompts(10, seed=1)
@@ -118,6 +129,7 @@ def test_seeded_sampling_equals_synchronous_stepping(tiny_model):
     assert got == expected
 
 
+@DENSE_AND_MOE
 def test_prompts_chunked_into_running_decodes_run_ahead_with_the_same_outputs(tiny_model):
     """Steps of 24 tokens: long prompts arriving mid-run are computed in chunks beside the
     running decodes; those mixed steps run ahead too (their decodes fed on the device)."""

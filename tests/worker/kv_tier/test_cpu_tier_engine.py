@@ -14,26 +14,39 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.driver.timing import REFERENCE_COPY_BYTES_PER_S, LinkTiming
 from spillway.worker.kv_tier.paced_loads import PacedLoads
+from tiny_models import TinyCheckpoints, save_tiny_qwen3_moe
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def save_tiny_llama(path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     LlamaForCausalLM(config).save_pretrained(path)  # head_dim 32, as the CUDA kernels want
-    return path
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-tier"),
+                           {"llama": save_tiny_llama, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def model_dir(request, checkpoints) -> str:
+    """A tiny random Llama; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
+    return checkpoints[getattr(request, "param", "llama")]
 
 
 def engine_for(model_dir, num_cpu_blocks: int) -> Engine:
+    """A pool of 4 blocks of 16 tokens: one request of the Llama's whole length (64) at most."""
     engine = Engine(WorkerConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=4,
-                                 num_gpu_blocks_override=4, num_cpu_blocks_override=num_cpu_blocks))
+                                 max_model_len=64, num_gpu_blocks_override=4,
+                                 num_cpu_blocks_override=num_cpu_blocks))
     engine.debug_invariants = True  # the block manager's invariants after every step
     return engine
 
@@ -75,6 +88,7 @@ def test_packed_prompts_give_the_outputs_of_list_prompts_through_the_tier(model_
     assert conversation(engine_for(model_dir, num_cpu_blocks=8), params, pack=True) == as_lists
 
 
+@pytest.mark.parametrize("model_dir", ["llama", "qwen3_moe"], indirect=True)
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_conversation_reloads_its_history_from_the_tier_with_the_same_outputs(model_dir, params):
     with_tier = engine_for(model_dir, num_cpu_blocks=8)

@@ -18,15 +18,22 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import Job, RandomProposer, run, tokens_and_reasons
-from tiny_models import TINY_VOCAB, save_tiny_qwen3
+from tiny_models import TINY_VOCAB, TinyCheckpoints, save_tiny_qwen3, save_tiny_qwen3_moe
 
 VOCAB = TINY_VOCAB
 K = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3-spec"))
+def checkpoints(tmp_path_factory) -> TinyCheckpoints:
+    return TinyCheckpoints(tmp_path_factory.mktemp("tiny-spec"),
+                           {"qwen3": save_tiny_qwen3, "qwen3_moe": save_tiny_qwen3_moe})
+
+
+@pytest.fixture
+def tiny_model(request, checkpoints) -> str:
+    """A tiny random Qwen3; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
+    return checkpoints[getattr(request, "param", "qwen3")]
 
 
 def make_engine(path: str, **overrides) -> Engine:
@@ -58,7 +65,8 @@ def mixed_jobs() -> list[Job]:
     ]
 
 
-@pytest.mark.parametrize("proposer_kind", ["ngram", "random", "replay"])
+@pytest.mark.parametrize("proposer_kind, tiny_model", [("ngram", "qwen3"), ("random", "qwen3"), ("replay", "qwen3"),
+                                                      ("ngram", "qwen3_moe")], indirect=["tiny_model"])
 def test_greedy_outputs_equal_plain_decoding_whatever_the_drafts(tiny_model, proposer_kind):
     jobs = mixed_jobs()
     expected = run(make_engine(tiny_model), jobs, None)
@@ -140,7 +148,8 @@ def draft_engine(target: str, draft: str) -> Engine:
                                                              num_speculative_tokens=K))
 
 
-@pytest.mark.parametrize("draft_kind", ["the-target", "another-model"])
+@pytest.mark.parametrize("draft_kind, tiny_model", [("the-target", "qwen3"), ("another-model", "qwen3"),
+                                                   ("the-target", "qwen3_moe")], indirect=["tiny_model"])
 def test_a_draft_model_gives_plain_greedy_outputs(tiny_model, tmp_path, draft_kind):
     draft = tiny_model if draft_kind == "the-target" else save_tiny_model(tmp_path / "draft", VOCAB, seed=3)
     jobs = mixed_jobs()
