@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.worker.kv_tier.test_cpu_tier_engine import DEVICES, engine_for, model_dir  # noqa: F401 (a fixture)
+from tests.worker.kv_tier.test_cpu_tier_engine import DEVICES, checkpoints, engine_for, model_dir  # noqa: F401 (fixtures)
 
 from spillway.protocol.config import WorkerConfig
 from spillway.worker.driver.engine import Engine

@@ -10,7 +10,7 @@ import torch
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.messages import Generate, SamplingParams
 from spillway.worker.driver.engine import Engine
-from tests.worker.kv_tier.test_cpu_tier_engine import GREEDY, SEEDED, model_dir, run  # noqa: F401 (model_dir: a fixture)
+from tests.worker.kv_tier.test_cpu_tier_engine import GREEDY, SEEDED, checkpoints, model_dir, run  # noqa: F401 (fixtures)
 
 
 def cuda_engine(model_dir, num_gpu_blocks: int, num_cpu_blocks: int) -> Engine:

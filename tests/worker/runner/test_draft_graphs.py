@@ -19,7 +19,7 @@ from spillway.worker.sample.sampler import Sampler
 from spillway.worker.speculative.draft_model import DraftModelProposer
 from spillway.worker.speculative.setup import build_spec_decoder
 from tests.worker.runner.test_runner_cuda_path import TINY_CONFIGS, VOCAB, EagerGraphs, runner_pair
-from tests.worker.speculative.test_spec_engine import tiny_model  # noqa: F401 (a fixture)
+from tests.worker.speculative.test_spec_engine import checkpoints, tiny_model  # noqa: F401 (fixtures)
 
 CPU = torch.device("cpu")
 

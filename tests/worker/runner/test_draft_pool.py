@@ -11,7 +11,7 @@ from spillway.protocol.config import SpeculativeConfig
 from spillway.worker.runner.device_settings import WorkerConfig
 from spillway.worker.driver.engine import Engine
 
-from tests.worker.speculative.test_spec_engine import K, VOCAB, save_tiny_model, tiny_model  # noqa: F401 (a fixture)
+from tests.worker.speculative.test_spec_engine import K, VOCAB, checkpoints, save_tiny_model, tiny_model  # noqa: F401 (fixtures)
 
 # The target's block (8 tokens, 2 layers, 2 KV heads of 16, fp32): 4,096 bytes; the draft's
 # (1 layer, 1 KV head): 1,024.

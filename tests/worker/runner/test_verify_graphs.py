@@ -20,7 +20,7 @@ from spillway.worker.runner.model_runner import ChunkInput, TokenFeed
 from spillway.worker.attention.step_inputs import StepInputs
 from tests.worker.runner.test_draft_graphs import small_qwen3  # noqa: F401 (a fixture)
 from tests.worker.runner.test_runner_cuda_path import VOCAB, EagerGraphs, runner_pair
-from tests.worker.speculative.test_spec_engine import make_engine, tiny_model  # noqa: F401 (a fixture)
+from tests.worker.speculative.test_spec_engine import checkpoints, make_engine, tiny_model  # noqa: F401 (fixtures)
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from spillway.worker.speculative.proposer import NgramProposer, ReplayProposer
 
 from tests.worker.spec_helpers import run, tokens_and_reasons
 from tests.worker.runner.test_draft_graphs import requests
-from tests.worker.speculative.test_spec_engine import K, VOCAB, make_engine, mixed_jobs, tiny_model  # noqa: F401 (a fixture)
+from tests.worker.speculative.test_spec_engine import K, VOCAB, checkpoints, make_engine, mixed_jobs, tiny_model  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
