@@ -149,8 +149,10 @@ _default_config = functools.lru_cache(maxsize=4096)(default_config)
 
 
 @functools.cache
+@functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
-    """The name configs are filed under: the CUDA device's (e.g. "NVIDIA H200"), else the device type."""
+    """The name configs are filed under: the CUDA device's (e.g. "NVIDIA H200"), else the device
+    type. Asked once per device: an eager step calls it in every MoE layer."""
     if device.type != "cuda":
         return device.type
     return torch.cuda.get_device_name(device)
