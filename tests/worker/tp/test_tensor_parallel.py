@@ -111,6 +111,9 @@ def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, 
             relaid=relaid,
         )
         torch.save(report, f"{results_dir}/rank{rank}.pt")
+        # Both ranks past their last collective before either tears gloo down: a rank that
+        # exits while its peer's gloo threads still run aborts the peer.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
