@@ -242,13 +242,19 @@ def spillway_generate(args, prompts: list[list[int]]) -> tuple[float, str, float
 
 def matmul_params(name: str) -> tuple[int, int]:
     """Parameters of a built-in config's matrix products: those of its layers (every token
-    runs them) and of its head (only the tokens whose logits are taken)."""
+    runs them; of a mixture of experts, the experts it is routed to) and of its head (only the
+    tokens whose logits are taken)."""
     from spillway.protocol.local.model_files import load_config, resolve_model
 
     config = load_config(resolve_model(name, "dummy"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = config.hidden_size * head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    mlp = 3 * config.hidden_size * config.intermediate_size
+    experts = getattr(config, "num_experts", None)
+    if experts:  # a mixture of experts: each token runs its top-k experts and the router
+        mlp = 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts_per_tok \
+            + config.hidden_size * experts
+    else:
+        mlp = 3 * config.hidden_size * config.intermediate_size
     return config.num_hidden_layers * (attention + mlp), config.vocab_size * config.hidden_size
 
 

@@ -5,7 +5,8 @@
     python tools/bench/kernels/tune_moe.py --dry-run --out /tmp/tiny.json    # any machine: Triton's interpreter
 
 The table goes to kernels/moe_configs/ under the name kernels/moe_config.py reads for this
-GPU (or to --out), one entry per batch size T. For each T, with softmax top-k routing of
+GPU (or to --out), one entry per batch size T, written after each T (a run cut short keeps
+the sizes it finished; a table already there for the same shape keeps the sizes not tuned again). For each T, with softmax top-k routing of
 random logits (seeded): every candidate is checked once against worker/models/layers.py's
 `fused_experts` (plain torch) and then timed as CUDA graph replays of calls over several
 copies of the weights, as a model's layers read them (tools/bench/kernels/moe_cases.py).
@@ -121,6 +122,22 @@ def main() -> None:
     Tuner(shape, dtype, torch.device("cpu" if args.dry_run else "cuda"), args.dry_run).run(batches, args.out)
 
 
+def earlier_buckets(path: Path | None, shape: dict) -> dict:
+    """The buckets a table at `path` already holds for the same shape and device: a run over
+    some batch sizes adds to them (and replaces those it tunes again) instead of dropping them."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{path} exists but is not a table: {error}") from None
+    if table.get("shape") != shape:
+        print(f"{path} holds another shape ({table.get('shape')}): replacing it", flush=True)
+        return {}
+    print(f"{path}: keeping its {len(table['buckets'])} batch sizes not tuned again", flush=True)
+    return dict(table["buckets"])
+
+
 class Tuner:
     """One shape's search over every batch size, on weights allocated once."""
 
@@ -155,24 +172,27 @@ class Tuner:
         print(f"{machine()}; E {self.shape.num_experts}, H {self.shape.hidden}, I {self.shape.intermediate}, "
               f"top {self.shape.top_k}, {self.dtype_name}, {len(self.weights)} weight copies", flush=True)
         print(f"{'T':>6} {'best us':>9} {'default us':>10} {'speedup':>8} {'tried':>6}  best config", flush=True)
-        buckets = {str(num_tokens): self.tune(num_tokens).to_json() for num_tokens in batches}
-        print(f"tuned {len(batches)} batch sizes in {time.perf_counter() - started:.0f} s", flush=True)
-        table = {
-            "shape": dict(experts=self.shape.num_experts, hidden=self.shape.hidden,
-                          intermediate=self.shape.intermediate, topk=self.shape.top_k, dtype=self.dtype_name,
-                          device=device_name(self.device)),
-            "tuned_with": dict(command=" ".join(sys.argv), machine=machine(), date=date.today().isoformat()),
-            "buckets": buckets,
-        }
-        text = json.dumps(table, indent=2) + "\n"
-        if out is None and self.dry_run:
-            print(text)
-            return
-        path = Path(out) if out else CONFIG_DIR / config_file_name(
+        shape = dict(experts=self.shape.num_experts, hidden=self.shape.hidden,
+                     intermediate=self.shape.intermediate, topk=self.shape.top_k, dtype=self.dtype_name,
+                     device=device_name(self.device))
+        path = None if out is None and self.dry_run else Path(out) if out else CONFIG_DIR / config_file_name(
             self.shape.num_experts, self.shape.intermediate, device_name(self.device), self.dtype)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+        buckets = earlier_buckets(path, shape)
+        for num_tokens in batches:
+            buckets[str(num_tokens)] = self.tune(num_tokens).to_json()
+            table = {
+                "shape": shape,
+                "tuned_with": dict(command=" ".join(sys.argv), machine=machine(), date=date.today().isoformat()),
+                "buckets": dict(sorted(buckets.items(), key=lambda item: int(item[0]))),
+            }
+            if path is not None:  # after every batch size: a run cut short keeps what it found
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(table, indent=2) + "\n")
+        print(f"tuned {len(batches)} batch sizes in {time.perf_counter() - started:.0f} s", flush=True)
+        if path is None:
+            print(json.dumps(table, indent=2))
+        else:
+            print(f"wrote {path} ({len(buckets)} batch sizes)")
 
     def tune(self, num_tokens: int):
         """The fastest correct config for `num_tokens`, after both rounds."""
