@@ -73,7 +73,10 @@ def run(args) -> dict:
     generated = sum(len(output.outputs[0].token_ids) for output in outputs)
     if generated != args.num_requests * args.output_len:
         raise SystemExit(f"{engine_version} generated {generated} tokens, not {args.num_requests} x {args.output_len}")
-    return dict(engine=engine_version, model=args.model, requests=args.num_requests, input_len=args.input_len,
+    extra = {}
+    if args.engine == "spillway":  # what explains a gap: how often it preempted, how much KV it held
+        extra = dict(preemptions=llm.stats().num_preemptions, kv_blocks=llm.ready.num_gpu_blocks)
+    return dict(**extra, engine=engine_version, model=args.model, requests=args.num_requests, input_len=args.input_len,
                 output_len=args.output_len, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 elapsed_s=round(elapsed, 3), output_tok_s=round(generated / elapsed, 1),
                 total_tok_s=round((generated + args.num_requests * args.input_len) / elapsed, 1))

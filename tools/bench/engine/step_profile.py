@@ -54,6 +54,19 @@ def step_kernels(engine) -> tuple[str, float, int]:
     return table, sum(e.device_time_total for e in events) / 1e3, sum(e.count for e in events)
 
 
+def active_expert_params(model) -> float:
+    """Parameters a token runs in the mixture-of-experts layers: its router's, and top_k of
+    num_experts of the stacked experts' (0 for a dense model)."""
+    from spillway.worker.models.sparse_moe import SparseMoeBlock
+
+    total = 0.0
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        moe = block.gate.moe
+        stacked = block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
+        total += block.gate.weight.numel() + stacked * moe.top_k / moe.num_experts
+    return total
+
+
 def prefill_phase(engine, num_requests: int) -> None:
     """Step until every request has its first token; print the rate of those mixed steps (the
     decodes of the requests already prefilled beside prefill chunks, up to
@@ -88,7 +101,8 @@ def prefill_phase(engine, num_requests: int) -> None:
     elapsed = time.perf_counter() - started - profiled_s
     model = engine.runner.model
     lm_head = model.lm_head.weight.numel()
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - lm_head
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - lm_head \
+        + active_expert_params(model)
     tokens = sum(plan.num_batched_tokens for plan in plans)
     decode = sum(is_decode(chunk) for plan in plans for chunk in plan.chunks)
     rows = sum(len(plan.chunks) for plan in plans)  # the runner's logits: each chunk's last token
@@ -123,7 +137,7 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
     from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
-    engine = Engine(worker_config_from_env(model="qwen3-8b", load_format="dummy", dtype="bfloat16", device="cuda",
+    engine = Engine(worker_config_from_env(model=args.throughput_model, load_format="dummy", dtype="bfloat16", device="cuda",
                                            kv_cache_dtype=args.kv_cache_dtype,
                                            max_model_len=args.input_len + args.output_len + 16,
                                            max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.9))
@@ -141,9 +155,10 @@ def run_step_profile(args, prompts: list[list[int]]) -> None:
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - started) / steps * 1e3
-    bucket = engine.runner.cuda_graphs.decode.bucket_for(len(batch))
+    running = len(engine.scheduler.running)  # below the batch where the KV cache holds fewer
+    bucket = engine.runner.cuda_graphs.decode.bucket_for(running)
     replay_ms = bench_ms(lambda: engine.runner.cuda_graphs.decode.replay(bucket), warmup=20, rep=200)
-    print(f"decode step at batch {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}, "
+    print(f"decode step at batch {running} of {len(batch)} (bucket {bucket}, context ~{args.input_len + 40}, "
           f"{args.kv_cache_dtype} KV cache): "
           f"Engine.step {step_ms:.2f} ms, graph replay alone {replay_ms:.2f} ms, "
           f"host work the GPU waits for {step_ms - replay_ms:.2f} ms")

@@ -57,3 +57,28 @@ def test_a_mixture_of_experts_reads_only_the_chosen_share_of_each_expert_tensor(
     experts_not_chosen = every_expert * (num_experts - top_k) // num_experts
 
     assert weight_bytes_per_token(model) == all_weight_bytes(model) - VOCAB * HIDDEN * BF16_BYTES - experts_not_chosen
+
+
+@pytest.mark.parametrize("family, num_experts, top_k, expert_width, sparse_layers", [
+    ("qwen3_moe", 6, 2, 32, 2),
+    ("mixtral", 4, 2, 48, 2),
+])
+def test_the_step_profile_counts_the_routers_and_the_chosen_share_of_the_experts(family, num_experts, top_k,
+                                                                                 expert_width, sparse_layers):
+    from spillway.tools.bench.engine.step_profile import active_expert_params
+
+    config = {"qwen3_moe": tiny_qwen3_moe, "mixtral": tiny_mixtral}[family]().config
+    routers = sparse_layers * num_experts * HIDDEN
+    chosen_experts = sparse_layers * top_k * 3 * HIDDEN * expert_width
+
+    assert active_expert_params(meta_model(config)) == routers + chosen_experts
+
+
+def test_the_step_profile_counts_no_experts_in_a_dense_model():
+    from transformers import Qwen3Config
+
+    from spillway.tools.bench.engine.step_profile import active_expert_params
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert active_expert_params(meta_model(config)) == 0
