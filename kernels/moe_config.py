@@ -148,7 +148,6 @@ def config_for(num_experts: int, intermediate: int, top_k: int, device_name: str
 _default_config = functools.lru_cache(maxsize=4096)(default_config)
 
 
-@functools.cache
 @functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     """The name configs are filed under: the CUDA device's (e.g. "NVIDIA H200"), else the device

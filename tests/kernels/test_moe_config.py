@@ -122,3 +122,19 @@ def test_the_default_takes_the_pairs_path_while_experts_get_one_pair_or_fewer():
 
 def test_the_cpu_files_its_configs_under_its_type():
     assert device_name(torch.device("cpu")) == "cpu"
+
+
+def test_every_shipped_table_reads_and_is_filed_under_its_own_shape():
+    import json
+
+    from spillway.kernels.moe_config import CONFIG_DIR, config_file_name, read_buckets
+
+    tables = sorted(CONFIG_DIR.glob("*.json"))
+    assert tables, f"no tuned tables in {CONFIG_DIR}"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for path in tables:
+        shape = json.loads(path.read_text())["shape"]
+        assert path.name == config_file_name(shape["experts"], shape["intermediate"], shape["device"],
+                                             dtypes[shape["dtype"]])
+        buckets = read_buckets(path)
+        assert 1 in buckets, f"{path.name}: no batch-1 entry, the decode step's"
