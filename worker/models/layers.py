@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spillway.worker.models import routers
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)` over the last dim, normalised in float32, scaled in x's dtype."""
@@ -101,7 +103,8 @@ class DecoderOps:
     so it stays step for step the Hugging Face computation.
 
     `fused_experts(hidden, w13, w2, topk_weights, topk_ids)` is a mixture-of-experts layer's
-    experts (see `fused_experts` below for the shapes).
+    experts (see `fused_experts` below for the shapes); `softmax_topk` its softmax router's
+    choice (worker/models/routers.py's contract).
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -111,6 +114,7 @@ class DecoderOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     prepare_qkv: Callable[..., torch.Tensor] | None = None
     fused_experts: Callable[..., torch.Tensor] = fused_experts
+    softmax_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] = routers.softmax_topk
 
 
 class RMSNorm(nn.Module):
@@ -206,8 +210,9 @@ TORCH_OPS = DecoderOps(rms_norm, add_rms_norm, rope_angles, rotate_q_k, silu_and
 def kernel_ops() -> DecoderOps:
     """The Triton kernels: residual add fused into the norm (in place); q/k norm, rotary from
     tabulated cos/sin (`RotaryEmbedding.reserve_positions` first) and the KV store fused; the
-    experts of a mixture-of-experts layer in one fused kernel (kernels/fused_moe.py)."""
-    from spillway.kernels import activation, fused_moe, qkv_prepare, rmsnorm, rotary
+    experts of a mixture-of-experts layer in one fused kernel (kernels/fused_moe.py), its
+    softmax router's top-k in another (kernels/moe_router.py)."""
+    from spillway.kernels import activation, fused_moe, moe_router, qkv_prepare, rmsnorm, rotary
 
     def add_rms_norm_in_place(x, residual, weight, eps):
         return rmsnorm.fused_add_rms_norm(x, residual, weight, eps, inplace=True)
@@ -224,7 +229,8 @@ def kernel_ops() -> DecoderOps:
                                        **norms)
 
     return DecoderOps(rmsnorm.rms_norm, add_rms_norm_in_place, rope_positions, rotate_in_place,
-                      activation.silu_and_mul, prepare_qkv, fused_experts=fused_moe.fused_experts)
+                      activation.silu_and_mul, prepare_qkv, fused_experts=fused_moe.fused_experts,
+                      softmax_topk=moe_router.softmax_topk)
 
 
 def ops_for(device: torch.device) -> DecoderOps:

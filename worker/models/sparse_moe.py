@@ -18,16 +18,18 @@ from torch import nn
 
 from spillway.worker.models.layers import DecoderOps
 from spillway.worker.models.mlp import MLP
-from spillway.worker.models.routers import grouped_topk, softmax_topk
+from spillway.worker.models.routers import grouped_topk
 from spillway.worker.models.spec import MoeSpec, RouterKind
 
 
 class Router(nn.Module):
-    """Chooses each token's `top_k` experts and their weights (float32 `[tokens, K]`)."""
+    """Chooses each token's `top_k` experts and their weights (float32 `[tokens, K]`): the softmax
+    router through `ops.softmax_topk` (one kernel on a GPU), DeepSeek's in plain torch."""
 
-    def __init__(self, hidden_size: int, moe: MoeSpec) -> None:
+    def __init__(self, hidden_size: int, moe: MoeSpec, ops: DecoderOps) -> None:
         super().__init__()
         self.moe = moe
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.correction_bias else None
 
@@ -38,8 +40,8 @@ class Router(nn.Module):
             logits = F.linear(hidden.float(), self.weight.float())
             return grouped_topk(logits, moe.top_k, moe.grouped_topk, self.e_score_correction_bias)
         logits = F.linear(hidden, self.weight)
-        return softmax_topk(logits, moe.top_k, renormalize=moe.norm_topk_prob,
-                            weights_in_logits_dtype=moe.weights_in_logits_dtype)
+        return self.ops.softmax_topk(logits, moe.top_k, renormalize=moe.norm_topk_prob,
+                                     weights_in_logits_dtype=moe.weights_in_logits_dtype)
 
 
 class Experts(nn.Module):
@@ -59,7 +61,7 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoeSpec, ops: DecoderOps) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, moe)
+        self.gate = Router(hidden_size, moe, ops)
         self.experts = Experts(hidden_size, moe, ops)
         shared_size = moe.shared_expert_intermediate_size
         self.shared_experts = None if shared_size is None else MLP(hidden_size, shared_size, bias=False, ops=ops)
