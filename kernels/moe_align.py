@@ -21,6 +21,10 @@ the slots), then each places its pairs after those of the chunks before it.
 
 Expert ids must lie in [0, E): checking them on the device would need a host sync, so that is
 the caller's duty; an id out of range is placed nowhere.
+
+The counts that follow the token count (pairs, slots, chunks, blocks) are not specialised on
+(`do_not_specialize`): a step of a new size reuses the compiled kernel instead of stalling on a
+compile for a count that happens to be 1 or a multiple of 16. kernels/moe_grouped.py does the same.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def _padded_ends(counts, BLOCK_SIZE_M: tl.constexpr):
     return tl.cumsum(tl.cdiv(counts, BLOCK_SIZE_M) * BLOCK_SIZE_M, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots"])
 def _align_kernel(
     ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
     num_pairs, top_k, stride_t, stride_k, num_slots,
@@ -147,7 +151,7 @@ def _align_kernel(
     tl.store(num_padded_ptr, tl.max(ends, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "pairs_per_chunk", "slots_per_chunk"])
 def _count_chunks_kernel(
     ids_ptr, sorted_ptr, chunk_counts_ptr,
     num_pairs, top_k, stride_t, stride_k, num_slots, pairs_per_chunk, slots_per_chunk,
@@ -164,7 +168,8 @@ def _count_chunks_kernel(
     _pad_slots(sorted_ptr, first_slot, tl.minimum(first_slot + slots_per_chunk, num_slots), num_pairs, 1024)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "pairs_per_chunk", "blocks_per_chunk",
+                                     "num_blocks"])
 def _place_chunks_kernel(
     ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, chunk_counts_ptr,
     num_pairs, top_k, stride_t, stride_k, num_chunks, pairs_per_chunk, blocks_per_chunk, num_blocks,

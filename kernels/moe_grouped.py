@@ -69,7 +69,7 @@ def _block_products(rows_ptr, rows_ok, weight_ptr, second_offset, stride_w_n, co
     return acc, second
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _grouped_gate_up_kernel(
     hidden_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, top_k, hidden_size, intermediate, num_blocks,
@@ -96,7 +96,7 @@ def _grouped_gate_up_kernel(
              out.to(inter_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _grouped_down_kernel(
     inter_ptr, w2_ptr, weights_ptr, pair_out_ptr, sorted_pairs_ptr, block_experts_ptr,
     num_pairs, top_k, hidden_size, intermediate, num_blocks,

@@ -1,7 +1,14 @@
 """Offline throughput of one workload through an `LLM` class: Spillway's, or vLLM's where it is installed.
 
-    python tools/bench/engine/peer_offline.py --engine spillway --model DIR --kv-cache-dtype fp8 --max-num-seqs 512
-    PYTHONPATH=/path/to/vllm python tools/bench/engine/peer_offline.py --engine vllm --model DIR ...
+    python tools/bench/engine/peer_offline.py --build qwen3-30b-a3b --tokenizer-dir tok --model /tmp/models
+    python tools/bench/engine/peer_offline.py --engine spillway --model /tmp/models/qwen3-30b-a3b
+    cd /tmp && PYTHONPATH=/path/to/vllm python PATH/peer_offline.py --engine vllm --model /tmp/models/qwen3-30b-a3b
+
+`--build NAME` writes the folder both engines load and exits: a built-in config (the real
+architecture, dummy weights) given the default model's tokenizer and vocabulary
+(tools/bench/serve/server_process.py's `build_model_folder`; `tok` from `serve.py
+--export-tokenizer`). Run vLLM from outside the checkout: its model inspection runs a child
+with the working directory on its path, where kernels/ would pass for another package.
 
 Spillway's offline API is vLLM's, so both engines run the same lines: `LLM(DIR,
 load_format=..., dtype="bfloat16", kv_cache_dtype=..., max_num_seqs=..., max_model_len=input +
@@ -82,6 +89,13 @@ def run(args) -> dict:
                 total_tok_s=round((generated + args.num_requests * args.input_len) / elapsed, 1))
 
 
+def build(args) -> None:
+    from spillway.tools.bench.serve.server_process import build_model_folder, default_tokenizer_dir
+
+    tokenizer_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else default_tokenizer_dir()
+    print(f"built {build_model_folder(args.build, tokenizer_dir, Path(args.model))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=ENGINES, default="spillway")
@@ -95,7 +109,12 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", help="append the JSON line here too")
+    parser.add_argument("--build", metavar="CONFIG", help="write --model/CONFIG from a built-in config, then exit")
+    parser.add_argument("--tokenizer-dir", help="with --build: the tokenizer's folder (default: the default model's)")
     args = parser.parse_args()
+    if args.build:
+        build(args)
+        return
     if min(args.num_requests, args.input_len, args.output_len, args.max_num_seqs) < 1:
         parser.error("--num-requests, --input-len, --output-len and --max-num-seqs must be positive")
     result = run(args)
