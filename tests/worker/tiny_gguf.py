@@ -15,14 +15,16 @@ def write_qwen3_moe_gguf(hf_model, path: Path) -> Path:
     return _write(hf_model, path, "qwen3moe", config.moe_intermediate_size, config.num_experts)
 
 
-def write_mixtral_gguf(hf_model, path: Path) -> Path:
+def write_mixtral_gguf(hf_model, path: Path, *, expert_by_expert: bool = False) -> Path:
     """A Mixtral GGUF as llama.cpp writes one: architecture "llama" with experts, the q and k
-    rows of each head interleaved (llama.cpp's rotary layout); returns the file."""
+    rows of each head interleaved (llama.cpp's rotary layout); `expert_by_expert`: one tensor an
+    expert (`blk.N.ffn_gate.E.weight`), as files written before llama.cpp stacked them; returns the file."""
     config = hf_model.config
-    return _write(hf_model, path, "llama", config.intermediate_size, config.num_local_experts)
+    return _write(hf_model, path, "llama", config.intermediate_size, config.num_local_experts, expert_by_expert)
 
 
-def _write(hf_model, path: Path, architecture: str, expert_width: int, num_experts: int) -> Path:
+def _write(hf_model, path: Path, architecture: str, expert_width: int, num_experts: int,
+           expert_by_expert: bool = False) -> Path:
     """With a byte-level BPE tokenizer over the model's vocabulary (the 256 byte symbols, one
     merge of the first two, fillers, then BOS and EOS last)."""
     import gguf
@@ -46,7 +48,8 @@ def _write(hf_model, path: Path, architecture: str, expert_width: int, num_exper
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(expert_width)
     _add_byte_level_tokenizer(writer, config.vocab_size)
-    for name, tensor in _gguf_tensors(hf_model.state_dict(), config, expert_width, architecture == "llama"):
+    tensors = _gguf_tensors(hf_model.state_dict(), config, expert_width, architecture == "llama")
+    for name, tensor in (_expert_by_expert(tensors) if expert_by_expert else tensors):
         writer.add_tensor(name, tensor.detach().float().contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -99,3 +102,14 @@ def _gguf_tensors(state: dict[str, torch.Tensor], config, expert_width: int, int
         yield theirs + "ffn_gate_exps.weight", gate_up[:, :expert_width]
         yield theirs + "ffn_up_exps.weight", gate_up[:, expert_width:]
         yield theirs + "ffn_down_exps.weight", state[ours + "mlp.experts.down_proj"]
+
+
+def _expert_by_expert(tensors):
+    """Stacked `blk.N.ffn_{gate,up,down}_exps` split into llama.cpp's older `blk.N.ffn_{part}.E`."""
+    for name, tensor in tensors:
+        if name.endswith("_exps.weight"):
+            block, part = name.split(".ffn_")[0], name.split(".ffn_")[1].removesuffix("_exps.weight")
+            for expert, one in enumerate(tensor):
+                yield f"{block}.ffn_{part}.{expert}.weight", one
+        else:
+            yield name, tensor

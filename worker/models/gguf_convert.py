@@ -3,7 +3,8 @@ the model cache (protocol/local/model_cache.py runs it as a child, so its caller
 
     model:     DEST gets config.json, generation_config.json, the tokenizer and model.safetensors
                (float32; transformers undoes llama.cpp's Q/K order while dequantising; a
-               mixture of experts keeps transformers' stacked expert tensors)
+               mixture of experts keeps transformers' stacked expert tensors; a Mixtral, which
+               transformers reads as a dense Llama, gets its experts from the file here)
     tokenizer: DEST gets the tokenizer files and chat template only
 """
 
@@ -26,9 +27,11 @@ def convert_model(gguf_path: Path, dest: Path) -> None:
         gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True,
         **_config_transformers_misses(header),
     )
-    _refuse_lost_experts(gguf_path, header, model)
+    if _lost_experts(header, model):
+        model = _mixtral_with_experts(gguf_path, header, model)
     config = model.config
-    del config.quantization_config  # the saved weights are plain float32
+    if hasattr(config, "quantization_config"):  # the saved weights are plain float32
+        del config.quantization_config
     config.architectures = [type(model).__name__]
     config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
@@ -50,19 +53,74 @@ def _config_transformers_misses(header) -> dict[str, int]:
     return {} if width is None else {"moe_intermediate_size": int(width)}
 
 
-def _refuse_lost_experts(gguf_path: Path, header, model) -> None:
-    """transformers (5.25) reads llama.cpp's Mixtral (architecture "llama" with experts) as a
-    dense Llama: it drops the experts and leaves the MLPs random, with a warning only."""
+def _lost_experts(header, model) -> bool:
+    """Whether the file holds experts that transformers' model lacks: (5.25) reads llama.cpp's
+    Mixtral (architecture "llama" with experts) as a dense Llama whose MLPs it leaves random,
+    with a warning only."""
     architecture = _value(header, "general.architecture")
     num_experts = _value(header, f"{architecture}.expert_count") or 0
-    if num_experts and not any(".experts." in name for name, _ in model.named_parameters()):
-        import transformers
+    return bool(num_experts) and not any(".experts." in name for name, _ in model.named_parameters())
 
-        raise ValueError(
-            f"{gguf_path} holds a mixture of {num_experts} experts (GGUF architecture {architecture!r}) that "
-            f"transformers {transformers.__version__} converts to a dense {type(model).__name__} without them; "
-            "give the model's Hugging Face folder instead"
-        )
+
+def _mixtral_with_experts(gguf_path: Path, header, dense):
+    """A MixtralForCausalLM of the dense model's attention, norms, embedding and head (their
+    Q/K order already undone) and the file's routers and experts, dequantised to float32:
+    llama.cpp's stacked `blk.N.ffn_{gate,up,down}_exps` or, in older files, one tensor an
+    expert (`blk.N.ffn_gate.E`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    architecture = _value(header, "general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{gguf_path}: transformers dropped the experts of GGUF architecture {architecture!r}, "
+                         "which only a Mixtral (\"llama\") file gets back here; give the model's Hugging Face folder")
+    num_experts = int(_value(header, "llama.expert_count"))
+    known = MixtralConfig().to_dict()
+    settings = {key: value for key, value in dense.config.to_dict().items() if key in known}
+    settings.pop("model_type", None)
+    settings.update(num_local_experts=num_experts, num_experts_per_tok=int(_value(header, "llama.expert_used_count")))
+    tensors = _gguf_tensor_reader(gguf_path)
+    state = {name: tensor for name, tensor in dense.state_dict().items() if ".mlp." not in name}
+    for layer in range(dense.config.num_hidden_layers):
+        ours = f"model.layers.{layer}.mlp."
+        gate, up, down = (_experts_tensor(tensors, layer, part, num_experts) for part in ("gate", "up", "down"))
+        state[ours + "gate.weight"] = tensors(f"blk.{layer}.ffn_gate_inp.weight")
+        state[ours + "experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        state[ours + "experts.down_proj"] = down
+    settings["intermediate_size"] = state["model.layers.0.mlp.experts.down_proj"].shape[2]
+    config = MixtralConfig(**settings)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.generation_config = dense.generation_config
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.float()
+
+
+def _gguf_tensor_reader(gguf_path: Path):
+    """name -> float32 torch tensor in torch's order (GGUF lists dimensions the other way)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    by_name = {tensor.name: tensor for tensor in GGUFReader(gguf_path).tensors}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in by_name:
+            raise ValueError(f"{gguf_path} has no tensor {name!r}")
+        tensor = by_name[name]
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        return torch.from_numpy(values.astype("float32", copy=True))
+
+    read.names = by_name
+    return read
+
+
+def _experts_tensor(read, layer: int, part: str, num_experts: int) -> torch.Tensor:
+    """`[E, rows, columns]` of one projection of every expert of a layer."""
+    stacked = f"blk.{layer}.ffn_{part}_exps.weight"
+    if stacked in read.names:
+        return read(stacked)
+    return torch.stack([read(f"blk.{layer}.ffn_{part}.{expert}.weight") for expert in range(num_experts)])
 
 
 def save_tokenizer(gguf_path: Path, dest: Path) -> None:

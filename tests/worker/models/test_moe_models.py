@@ -219,15 +219,45 @@ def test_a_qwen3_moe_gguf_converts_through_transformers(tmp_path, monkeypatch):
     assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
 
 
-def test_a_mixtral_gguf_is_refused_rather_than_converted_without_its_experts(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("expert_by_expert", [False, True])
+def test_a_mixtral_gguf_converts_with_its_experts(tmp_path, monkeypatch, expert_by_expert):
     """transformers reads llama.cpp's Mixtral (architecture "llama" with experts) as a dense
-    Llama whose MLPs it leaves random: the conversion stops there, naming what happened."""
+    Llama whose MLPs it leaves random: the conversion takes its attention (the q/k rows put back
+    in order) and reads the routers and experts from the file, stacked or one tensor an expert
+    as older files hold them. The result gives the logits of the model it was written from."""
     monkeypatch.setenv("SPILLWAY_CACHE_DIR", str(tmp_path / "cache"))
-    gguf_path = write_mixtral_gguf(tiny_mixtral(), tmp_path / "tiny-mixtral.gguf")
+    hf = tiny_mixtral(rms_norm_eps=0.0625)  # a float32-exact epsilon
+    gguf_path = write_mixtral_gguf(hf, tmp_path / "tiny-mixtral.gguf", expert_by_expert=expert_by_expert)
 
-    with pytest.raises(ValueError, match="converting .*tiny-mixtral.gguf failed"):
-        model_files.resolve_model(str(gguf_path))
-    converter_error = capfd.readouterr().err  # the converter runs in a child interpreter
-    assert "holds a mixture of 4 experts (GGUF architecture 'llama')" in converter_error
-    assert "to a dense LlamaForCausalLM without them" in converter_error
-    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == ["index.json"]  # nothing converted
+    files = model_files.resolve_model(str(gguf_path))
+    config = json.loads((files.path / "config.json").read_text())
+    model = load(files.path)
+
+    assert (config["model_type"], config["architectures"]) == ("mixtral", ["MixtralForCausalLM"])
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    assert config["intermediate_size"] == hf.config.intermediate_size
+    prompt = random_prompts((21,), hf.config.vocab_size, seed=2)[0]
+    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32)
+    logits = runner.execute([ChunkInput(prompt, 0, list(range(6)))])
+    assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
+
+
+def test_a_gguf_whose_experts_transformers_drops_and_no_mixtral_is_refused(tmp_path):
+    """Another architecture whose experts transformers loses is refused, naming what happened."""
+    from spillway.worker.models import gguf_convert
+
+    dense = type("Dense", (), {})()
+    header = {"general.architecture": _Field("gemmamoe"), "gemmamoe.expert_count": _Field(8)}
+    assert gguf_convert._lost_experts(header, torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="experts of GGUF architecture 'gemmamoe'"):
+        gguf_convert._mixtral_with_experts(tmp_path / "x.gguf", header, dense)
+
+
+class _Field:
+    """A GGUF header field as GGUFReader gives it: `contents()`."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def contents(self):
+        return self.value
