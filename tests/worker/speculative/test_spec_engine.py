@@ -149,7 +149,8 @@ def draft_engine(target: str, draft: str) -> Engine:
 
 
 @pytest.mark.parametrize("draft_kind, tiny_model", [("the-target", "qwen3"), ("another-model", "qwen3"),
-                                                   ("the-target", "qwen3_moe")], indirect=["tiny_model"])
+                                                   ("the-target", "qwen3_moe"), ("another-model", "qwen3_moe")],
+                         indirect=["tiny_model"])
 def test_a_draft_model_gives_plain_greedy_outputs(tiny_model, tmp_path, draft_kind):
     draft = tiny_model if draft_kind == "the-target" else save_tiny_model(tmp_path / "draft", VOCAB, seed=3)
     jobs = mixed_jobs()
