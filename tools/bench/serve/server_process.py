@@ -154,11 +154,13 @@ def tree_env(tree: Path | None) -> dict[str, str] | None:
 
 class Server:
     """`spillway serve` with the given arguments, on a free port. `program` is what runs
-    `serve ARGS` (default: this interpreter's `spillway.gateway.cli.main`); `env` its environment
-    (`tree_env`: another source tree's spillway)."""
+    `serve ARGS` (default: this interpreter's `spillway.gateway.cli.main`; another engine's CLI
+    with the same `serve` flags works too); `env` its environment (`tree_env`: another source
+    tree's spillway); `cwd` its working directory."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float, keep_log: Path | None = None,
-                 program: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 program: list[str] | None = None, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.keep_log = keep_log  # the server's output is appended there when it stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -167,7 +169,7 @@ class Server:
         command = [*program, "serve", "--port", str(self.port), "--uvicorn-log-level", "warning", *serve_args]
         # Own process group: stopping it reaches the worker even if the gateway hangs.
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=env)
+                                        env=env, cwd=cwd)
         try:
             self._wait_healthy(startup_timeout_s)
         except BaseException:
