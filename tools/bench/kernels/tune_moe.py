@@ -73,12 +73,21 @@ def round_one(num_tokens: int, shape: MoeShape, element_size: int) -> list:
     for block_m in (m for m in (16, 32, 64, 128) if max(16, high // 4) <= m <= high):
         for block_n in (32, 64, 128, 256):
             for block_k in (64, 128):
-                if block_m * block_n > 128 * 256 or shared_bytes(block_m, block_n, block_k, 3, element_size) > \
-                        SHARED_MEMORY_BUDGET:
+                stages = deepest_stages(block_m, block_n, block_k, element_size)
+                if block_m * block_n > 128 * 256 or stages is None:
                     continue
                 found.append(MoeConfig("grouped", block_m, block_n, block_k, group_size_m=8,
-                                       num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3))
+                                       num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=stages))
     return found
+
+
+def deepest_stages(block_m: int, block_n: int, block_k: int, element_size: int) -> int | None:
+    """3 stages where they fit in shared memory, else 2 (large prefill tiles, which a fixed 3
+    would leave out of the search), None where not even 2 do."""
+    for stages in (3, 2):
+        if shared_bytes(block_m, block_n, block_k, stages, element_size) <= SHARED_MEMORY_BUDGET:
+            return stages
+    return None
 
 
 def round_two(best, element_size: int) -> list:
