@@ -5,8 +5,9 @@ For each token t at position p and each head, with x = [x1 | x2] split at head_d
     x1' = x1 * cos[p] - x2 * sin[p]
     x2' = x2 * cos[p] + x1 * sin[p]
 
-`cos_cache` and `sin_cache` are float32 `[max_positions, head_dim // 2]`, built once by
-`build_cos_sin_cache` from the same inverse frequencies as worker/models/layers.py. The
+`cos_cache` and `sin_cache` are float32 `[max_positions, head_dim // 2]`, built once by the
+model's `RotaryEmbedding.reserve_positions` (worker/models/layers.py), which folds a scaling's
+attention factor (YaRN's) into them; `build_cos_sin_cache` builds unscaled ones. The
 rotation is computed in float32 and rounded once to q/k's dtype (layers.py rounds cos/sin
 and each product to the model dtype first, so bf16 results may differ by an ulp).
 

@@ -1,5 +1,6 @@
 """Decoder families, chosen from a Hugging Face config: one model file per family, its layers,
-and the loaders of their weights (safetensors, GGUF, dummy; shards for tensor parallelism).
+its rotary scaling and the loaders of their weights (safetensors, GGUF, dummy; shards for
+tensor parallelism).
 
 May import: worker/attention and the floors below it, kernels/, protocol/, torch.
 """

@@ -9,7 +9,6 @@ in one kernel), so no CUDA path runs, and triton is not imported, on the CPU.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spillway.worker.models import routers
+from spillway.worker.models.rope_scaling import RopeScaling, default_inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,46 +132,24 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-@dataclass(frozen=True, slots=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency-dependent stretch of the rotary wavelengths."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-def rotary_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
+def rotary_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` in float32, on the CPU."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    return default_inv_freq(head_dim, theta) if scaling is None else scaling.inv_freq(head_dim, theta)
 
 
 class RotaryEmbedding:
     """Neox-style rotary embedding (rotate halves), angles computed per step from positions.
 
     Not an `nn.Module`: the frequencies are derived from the config, never loaded, so they
-    survive building the model on the meta device.
+    survive building the model on the meta device. cos and sin carry the scaling's
+    `attention_factor` (YaRN's; 1 otherwise, which leaves them bit for bit unchanged), both
+    from `cos_sin` and in the tables the kernels read, as transformers multiplies them.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
         self.head_dim = head_dim
         self.inv_freq = rotary_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = 1.0 if scaling is None else scaling.attention_factor
         self.cos_cache: torch.Tensor | None = None  # float32 [positions, head_dim // 2], for the kernel
         self.sin_cache: torch.Tensor | None = None
 
@@ -186,14 +164,16 @@ class RotaryEmbedding:
             return
         positions = torch.arange(num_positions, device=self.inv_freq.device)
         angles = positions.float()[:, None] * self.inv_freq[None, :]
-        self.cos_cache, self.sin_cache = angles.cos(), angles.sin()
+        self.cos_cache = angles.cos() * self.attention_factor
+        self.sin_cache = angles.sin() * self.attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos, sin` of shape `[num_tokens, head_dim // 2]` for int positions `[num_tokens]`."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions.float()[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

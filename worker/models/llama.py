@@ -14,6 +14,8 @@ One implementation; the families differ only in flags read from the config:
     mixtral    -               -            experts          softmax top-k, renormalised;
                                                                sliding window as mistral
 
+Any family may scale its rotary wavelengths, "llama3" or "yarn" (rope_scaling.py).
+
 Parameters carry Hugging Face's names, except that q/k/v and gate/up are fused
 (`qkv_proj`, `gate_up_proj`) and the experts stacked (sparse_moe.py); `load_weights` maps the
 checkpoint's names onto them (checkpoint_names.py).

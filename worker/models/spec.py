@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from spillway.worker.models.layers import Llama3RopeScaling
+from spillway.worker.models.rope_scaling import ROPE_TYPES, Llama3RopeScaling, RopeScaling, YarnRopeScaling
 from spillway.worker.models.routers import GroupedTopK
 
 ARCHITECTURE_MODEL_TYPES = {
@@ -32,23 +32,44 @@ def model_type_of(config) -> str:
     return model_type
 
 
-def rope_from_config(config) -> tuple[float, Llama3RopeScaling | None]:
+def rope_from_config(config) -> tuple[float, RopeScaling | None]:
     """`(rope_theta, scaling)` from `rope_parameters` (transformers 5) or the older attributes."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = dict(getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     scaling = params if params.get("rope_type", params.get("type", "default")) != "default" else legacy
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     if rope_type == "default":
         return float(theta), None
-    if rope_type == "llama3":
-        return float(theta), Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+    # The families here rotate the whole head; transformers computes a partial rotary
+    # factor's shorter frequencies only for scaled types, then cannot apply them.
+    partial_rotary_factor = scaling.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    if partial_rotary_factor not in (None, 1.0):
+        raise ValueError(f"{rope_type} rope scaling with partial_rotary_factor={partial_rotary_factor} is not "
+                         f"supported: these families rotate the whole head")
+    max_positions = getattr(config, "max_position_embeddings", None)
+    original = _original_max_positions(config, scaling, max_positions)
+    if rope_type == "yarn":
+        return float(theta), YarnRopeScaling.from_params(scaling, original, max_positions)
+    return float(theta), Llama3RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=original,
+    )
+
+
+def _original_max_positions(config, scaling: dict, max_positions: int | None) -> int:
+    """The context a scaled rope was trained at: the config's own `original_max_position_embeddings`
+    where it has one (transformers gives it priority, for Phi-3's configs), else the scaling's,
+    else `max_position_embeddings`."""
+    original = (getattr(config, "original_max_position_embeddings", None)
+                or scaling.get("original_max_position_embeddings") or max_positions)
+    if original is None:
+        raise ValueError("rope scaling needs original_max_position_embeddings or max_position_embeddings")
+    return int(original)
 
 
 class RouterKind(str, Enum):
@@ -130,7 +151,7 @@ class DecoderSpec:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Llama3RopeScaling | None
+    rope_scaling: RopeScaling | None
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool

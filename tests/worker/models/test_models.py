@@ -17,8 +17,8 @@ from spillway.worker.attention.torch_paged import TorchAttentionBackend
 from spillway.worker.runner.kv_blocks import kv_block_bytes, num_blocks_for_memory
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model, model_class_for
-from spillway.worker.models.layers import Llama3RopeScaling
 from spillway.worker.models.llama import LlamaForCausalLM
+from spillway.worker.models.rope_scaling import Llama3RopeScaling
 from spillway.worker.models.spec import rope_from_config
 
 TOLERANCE = 1e-4
@@ -58,6 +58,13 @@ FAMILIES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(head_dim=16)),
     "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
+    # Trained on 16 positions, stretched 16 times (cos and sin scaled by 1.28): prompts run past 16.
+    "qwen3-yarn": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=16.0,
+                                               original_max_position_embeddings=16)),
+    ),
 }
 
 
@@ -128,7 +135,7 @@ def test_batched_prefill_of_mixed_lengths_matches_hf(family):
         assert max_diff(logits[row], hf_logits(hf, p)[-1]) < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["llama3-rope", "qwen3-qknorm"])
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen3-qknorm", "qwen3-yarn"])
 def test_chunked_prefill_gives_the_logits_of_one_pass(family):
     hf = hf_model(family)
     runner = make_runner(hf, block_size=4)
@@ -285,8 +292,8 @@ def test_rope_parameters_come_from_either_config_style():
     assert rope_from_config(new_style) == expected
     assert rope_from_config(old_style) == expected
     assert rope_from_config(SimpleNamespace(rope_theta=1e6, rope_scaling=None)) == (1e6, None)
-    with pytest.raises(ValueError, match="yarn"):
-        rope_from_config(SimpleNamespace(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))
+    with pytest.raises(ValueError, match="'dynamic'; supported: default, llama3, yarn"):
+        rope_from_config(SimpleNamespace(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4.0)))
 
 
 def test_contexts_past_a_sliding_window_are_refused():
