@@ -37,7 +37,10 @@ def trained_length(config: Mapping) -> TrainedLength:
         tokens, source = float(DEFAULT_MAX_MODEL_LEN), f"no position limit in the config, {DEFAULT_MAX_MODEL_LEN}"
     scaling = _rope_scaling(config)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if scaling and rope_type not in ("su", "longrope", "llama3"):
+    # A yarn config without a factor (or null) gets max_position_embeddings / original from
+    # transformers: its trained length is then max_position_embeddings, as read above.
+    derived = rope_type == "yarn" and scaling.get("factor") is None
+    if scaling and rope_type not in ("su", "longrope", "llama3") and not derived:
         factor = float(scaling.get("factor", 1.0))
         if rope_type == "yarn" and "original_max_position_embeddings" in scaling:
             original = scaling["original_max_position_embeddings"]

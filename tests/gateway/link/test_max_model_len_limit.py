@@ -67,6 +67,8 @@ def write_config(folder, **fields) -> str:
     ({"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, 8192),
     ({"max_position_embeddings": 131072,
       "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 131072),
+    ({"max_position_embeddings": 131072,  # a null factor: transformers derives it from the two lengths
+      "rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 32768}}, 131072),
     # llama3's max_position_embeddings is already the extended length.
     ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
     ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 8192),
