@@ -45,10 +45,24 @@ def rotate_mla(q_pe: torch.Tensor, k_pe: torch.Tensor, rope: tuple[torch.Tensor,
     return apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
 
 
+class LatentUpProjection(nn.Module):
+    """`kv_b_proj`: its weight `[heads * (nope + v), kv_lora_rank]` under the checkpoint's name,
+    never applied as a linear layer. W_UK and W_UV are views of it. Not an `nn.Linear`, so the
+    CPU's weight packing (worker/models/cpu_linear.py) leaves it readable."""
+
+    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.split = num_heads, (qk_nope_head_dim, v_head_dim)
+        self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
+
+    def halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(W_UK [heads, nope, kv_lora_rank], W_UV [heads, v, kv_lora_rank])`, views."""
+        return self.weight.view(self.num_heads, -1, self.weight.shape[1]).split(self.split, dim=1)
+
+
 class MlaAttention(nn.Module):
     """A DeepSeek attention layer; parameters under transformers' names, so checkpoints load
-    as they are. `kv_b_proj` stays one `[heads * (nope + v), kv_lora_rank]` weight: W_UK and
-    W_UV are views of it."""
+    as they are."""
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, ops: DecoderOps) -> None:
         super().__init__()
@@ -66,7 +80,7 @@ class MlaAttention(nn.Module):
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=spec.qkv_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.kv_b_proj = LatentUpProjection(mla.kv_lora_rank, heads, mla.qk_nope_head_dim, mla.v_head_dim)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=spec.o_bias)
 
     def forward(self, hidden: torch.Tensor, rope, kv_cache: torch.Tensor, backend: AttentionBackend,
@@ -79,8 +93,7 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q.view(-1, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         q_pe, k_pe = rotate_mla(q_pe, k_pe[:, None, :], rope, mla.rope_layout)
-        w_uk, w_uv = self.kv_b_proj.weight.view(heads, -1, mla.kv_lora_rank).split(
-            [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        w_uk, w_uv = self.kv_b_proj.halves()
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         rows = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_pe), dim=-1)  # [tokens, 1, latent_dim]
         out = backend.forward(self.layer_idx, torch.cat((q_latent, q_pe), dim=-1), rows, None, kv_cache, metadata)

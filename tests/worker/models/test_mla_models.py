@@ -10,6 +10,7 @@ import torch
 import transformers
 from tiny_models import tiny_deepseek_v2, tiny_deepseek_v3
 
+from spillway.gateway import LLM, SamplingParams
 from spillway.worker.models import build_model
 from spillway.worker.models.mla import MlaAttention
 from spillway.worker.models.sparse_moe import SparseMoeBlock
@@ -54,6 +55,17 @@ def test_chunked_batched_prefill_and_decode_match_hf(saved):
         for position, logits in logits_at.items():
             assert (logits - reference[position]).abs().max().item() < TOLERANCE, position
         assert sequence[len(prompt):] == hf_greedy(hf, prompt, new_tokens)
+
+
+def test_the_engine_generates_hf_greedy_tokens_with_chunked_prefill(saved):
+    """Through the worker (its CPU linears packed for oneDNN, `kv_b_proj` left as it is)."""
+    path, hf = saved
+    prompts = random_prompts((5, 23, 40, 9), hf.config.vocab_size, seed=1)
+    with LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=16, max_model_len=128,
+             enable_prefix_caching=False) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
 def test_the_cache_holds_each_token_s_normed_latent_and_rotated_key_in_one_row(saved):
