@@ -24,3 +24,12 @@ def test_a_dense_model_has_no_expert_width_to_split():
     config = json.loads((BUILTIN_CONFIGS_DIR / "qwen3-8b.json").read_text())
     assert layout_problems(2, config) == []
     assert "moe_intermediate_size" not in config
+
+
+def test_an_mla_model_is_not_split_yet():
+    """DeepSeek's latent attention keeps one KV row a token: its sharding is not built."""
+    config = {"model_type": "deepseek_v3", "num_attention_heads": 128, "num_key_value_heads": 128,
+              "intermediate_size": 18432, "moe_intermediate_size": 2048, "kv_lora_rank": 512}
+    assert layout_problems(2, config) == [
+        "MLA models (DeepSeek V2/V3, latent attention) are not split across 2 ranks yet; use 1"]
+    assert layout_problems(1, config) == []

@@ -77,6 +77,56 @@ def tiny_mixtral(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int
     return _randomized(MixtralForCausalLM(config), seed)
 
 
+def tiny_deepseek_v2(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 3, **overrides):
+    """A small random DeepSeek V2 in float32, shaped as V2-Lite: no query LoRA; layer 0 a dense
+    MLP of width 96, the others 8 experts of width 32 (top 2, softmax scores, 4 groups of which
+    2 are kept, scaled by 1.5) beside 2 shared experts; a latent row of 32 + 8 values, value
+    heads (24) wider than the keys' non-rotary part (16); EOS 1."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+        topk_method="group_limited_greedy", routed_scaling_factor=1.5, num_hidden_layers=num_layers,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1), **overrides})
+    return _randomized(DeepseekV2ForCausalLM(config), seed)
+
+
+def tiny_deepseek_v3(*, seed: int = 0, vocab_size: int = TINY_VOCAB, num_layers: int = 3, **overrides):
+    """A small random DeepSeek V3 in float32: a query LoRA of rank 24; layer 0 a dense MLP of
+    width 96, the others 8 experts of width 32 (top 2, sigmoid scores with a random correction
+    bias, groups ranked by their top-2 sum, 2 of 4 kept, renormalised and scaled by 2.5) beside a
+    shared expert; interleaved rotary pairs (`rope_interleave`); a latent row of 32 + 8 values;
+    EOS 1."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**{**dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_hidden_layers=num_layers, num_attention_heads=4,
+        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        rope_interleave=True, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1), **overrides})
+    model = _randomized(DeepseekV3ForCausalLM(config), seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # a buffer, so `_randomized` left it zero
+            buffer.copy_(torch.rand(buffer.shape, generator=generator) * 0.2)
+    return model
+
+
+def save_tiny_deepseek_v2(path) -> str:
+    """`tiny_deepseek_v2()` saved in `path`."""
+    tiny_deepseek_v2().save_pretrained(path)
+    return str(path)
+
+
+def save_tiny_deepseek_v3(path) -> str:
+    """`tiny_deepseek_v3()` saved in `path`."""
+    tiny_deepseek_v3().save_pretrained(path)
+    return str(path)
+
+
 def save_tiny_qwen3_moe(path, *, stacked: bool = False) -> str:
     """`tiny_qwen3_moe()` saved in `path` over several safetensors files (each expert's tensors
     apart, as `save_pretrained` writes them), or in one file under transformers' in-memory

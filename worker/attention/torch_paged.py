@@ -1,6 +1,8 @@
 """Paged attention: the backend interface and the plain-torch backend.
 
-The KV cache is one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`.
+The KV cache is one tensor `[num_blocks, num_layers, kv_sides, block_size, num_kv_heads, head_dim]`:
+two sides (keys, then values) for most models; one for an MLA model (worker/models/mla.py),
+whose one latent row a token serves as its key and, its first values, as its value.
 The token at position p of a sequence with block table T lives at block T[p // block_size],
 offset p % block_size; its slot is `T[p // block_size] * block_size + p % block_size`.
 
@@ -75,11 +77,12 @@ class AttentionBackend(ABC):
         layer_idx: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Store k/v `[rows, kv_heads, head_dim]`, return attention of q `[rows, heads, head_dim]`."""
+        """Store k/v `[rows, kv_heads, head_dim]`, return attention of q `[rows, heads, head_dim]`.
+        With a one-sided cache `v` is None: k's rows are stored once and read as values too."""
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -200,7 +203,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         # Per-layer views [num_blocks, block_size, kv_heads, head_dim]; a block's row is contiguous.
-        k_cache, v_cache = kv_cache[:, layer_idx, 0], kv_cache[:, layer_idx, 1]
+        if kv_cache.shape[2] == 1:
+            assert v is None, "a one-sided (latent) cache stores keys only"
+            k_cache = v_cache = kv_cache[:, layer_idx, 0]
+            v = k
+        else:
+            k_cache, v_cache = kv_cache[:, layer_idx, 0], kv_cache[:, layer_idx, 1]
         self._store(k_cache, v_cache, k, v, metadata)
         decodes = metadata.decodes
         if decodes is not None and decodes.rows is None and decodes.count == q.shape[0]:
@@ -220,7 +228,8 @@ class TorchAttentionBackend(AttentionBackend):
             k, v = k[metadata.write_rows], v[metadata.write_rows]
         index = (metadata.write_blocks, metadata.write_offsets)
         k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
+        if v_cache is not k_cache:
+            v_cache.index_put_(index, v)
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """The given blocks' tokens, `[len(block_ids) * block_size, kv_heads, head_dim]`."""
@@ -232,7 +241,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         keys = self._gather(k_cache, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
-        values = self._gather(v_cache, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim)
+        values = keys if v_cache is k_cache else self._gather(v_cache, plan.block_ids).view(keys.shape)
         # The query heads sharing a KV head take the place of the query-length dim.
         grouped_q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(
@@ -247,7 +256,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _extend(self, q, k, v, k_cache, v_cache, plan: _ExtendPlan) -> torch.Tensor:
         if plan.block_ids is not None:
             k = self._gather(k_cache, plan.block_ids)[: plan.context_len]
-            v = self._gather(v_cache, plan.block_ids)[: plan.context_len]
+            v = k if v_cache is k_cache else self._gather(v_cache, plan.block_ids)[: plan.context_len]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],

@@ -1,6 +1,7 @@
 """Copies of blocks between the GPU pool and the CPU tier: whole blocks, or a slice of their layers.
 
-A block is one contiguous span `[num_layers, 2, block_size, kv_heads, head_dim]`, so the slice
+A block is one contiguous span `[num_layers, kv_sides, block_size, kv_heads, head_dim]` (two
+sides for keys and values, one for an MLA model's latent rows), so the slice
 of layers `[first, first + count)` of a run of consecutive blocks is a pitched (2D) region:
 `length` rows of `count` layers' bytes, a block's bytes apart. Loading a long prefix in such
 slices, first layers first (worker/kv_tier/paced_loads.py), lets a forward start on the first layers

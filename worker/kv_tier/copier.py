@@ -1,7 +1,7 @@
 """The CPU tier's KV pool and the copies of blocks between it and the GPU pool.
 
-Both pools have the runner's layout, `[num_blocks, num_layers, 2, block_size, kv_heads,
-head_dim]`, so a block is one contiguous span and a copy of a run of consecutive slots is
+Both pools have the runner's layout, `[num_blocks, num_layers, kv_sides, block_size, kv_heads,
+head_dim]` (`ModelRunner.kv_cache_shape`), so a block is one contiguous span and a copy of a run of consecutive slots is
 one DMA transfer. On CUDA the CPU pool is pinned and a step's copies run on two copy streams
 of their own, stores on one and loads on the other, so that the two directions' copy engines
 work at once; events order them:

@@ -20,6 +20,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "mixtral": LlamaForCausalLM,
+    "deepseek_v2": LlamaForCausalLM,
+    "deepseek_v3": LlamaForCausalLM,
 }
 
 

@@ -1,5 +1,5 @@
-"""The Llama-shaped decoders: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and the
-mixtures of experts Qwen3-MoE and Mixtral.
+"""The Llama-shaped decoders: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, the
+mixtures of experts Qwen3-MoE and Mixtral, and DeepSeek V2/V3 (latent attention, experts).
 
 One implementation; the families differ only in flags read from the config:
 
@@ -13,6 +13,10 @@ One implementation; the families differ only in flags read from the config:
                                               in mlp_only_layers  norm_topk_prob
     mixtral    -               -            experts          softmax top-k, renormalised;
                                                                sliding window as mistral
+    deepseek_  MLA (mla.py):   -            MLP in the first grouped top-k with shared experts;
+    v2, v3     attention_bias               first_k_dense_     a latent KV cache (one side);
+                                            replace, then      the CPU only for now
+                                            experts
 
 Any family may scale its rotary wavelengths, "llama3" or "yarn" (rope_scaling.py).
 
@@ -37,9 +41,10 @@ from spillway.worker.models.layers import (
     RotaryEmbedding,
     ops_for,
 )
+from spillway.worker.models.mla import MlaAttention
 from spillway.worker.models.mlp import MLP
 from spillway.worker.models.sparse_moe import SparseMoeBlock
-from spillway.worker.models.spec import DecoderSpec, model_type_of
+from spillway.worker.models.spec import MLA_MODEL_TYPES, DecoderSpec, model_type_of
 
 
 class Attention(nn.Module):
@@ -80,7 +85,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: DecoderSpec, layer_idx: int, ops: DecoderOps) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx, ops)
+        self.self_attn = MlaAttention(spec, layer_idx, ops) if spec.mla is not None else Attention(spec, layer_idx, ops)
         if spec.moe is not None and spec.moe.is_sparse(layer_idx):
             self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe, ops)
         else:
@@ -117,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         self.expert_names = EXPERT_NAMES.get(model_type_of(config), QWEN_EXPERTS)
         self.model = DecoderModel(spec, ops)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.rotary = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling)
         self.tie_weights()
 
     @classmethod
@@ -131,8 +136,12 @@ class LlamaForCausalLM(nn.Module):
         `ops` defaults to the Triton kernels on CUDA and plain torch elsewhere. `reshape` runs
         on the meta model before it gets storage: tensor parallelism cuts it to one rank's shard
         there (worker/models/shard_loading.py), so the whole model never exists on the device.
+        An MLA model (DeepSeek) is refused on CUDA: its kernels are not built yet.
         """
         device = torch.device(device)
+        if device.type == "cuda" and model_type_of(config) in MLA_MODEL_TYPES:
+            raise ValueError(f"MLA runs on the CPU only for now: {model_type_of(config)} cannot be built on {device} "
+                             "(its GPU kernels are not built yet); serve it with device cpu")
         with torch.device("meta"):
             model = cls(config, ops or ops_for(device))
         if reshape is not None:
@@ -152,6 +161,17 @@ class LlamaForCausalLM(nn.Module):
     @property
     def head_dim(self) -> int:
         return self.spec.head_dim
+
+    @property
+    def kv_sides(self) -> int:
+        """Sides of the KV cache: keys and values (2), or one latent row (1, MLA)."""
+        return self.spec.kv_sides
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The softmax scale the attention backend must use; None: its default, head_dim ** -0.5
+        (an MLA model's is over its query-key head dim, not the latent row it attends over)."""
+        return self.spec.mla.softmax_scale if self.spec.mla is not None else None
 
     @property
     def sliding_window(self) -> int | None:
@@ -203,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         unexpected: list[str] = []
         with torch.no_grad():
             for name, tensor in weights:
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or self._is_unserved_layer(name):
                     continue
                 if name in names.targets:
                     target, covered = names.targets[name], (name,)
@@ -238,6 +258,14 @@ class LlamaForCausalLM(nn.Module):
         names = self._checkpoint_names()
         targets = {name: tuple(target.view().shape) for name, target in names.targets.items()}
         return targets | {name: tuple(target.view().shape) for name, (target, _) in names.aliases.items()}
+
+    def _is_unserved_layer(self, name: str) -> bool:
+        """DeepSeek V3 checkpoints hold their multi-token-prediction layer after the decoder's
+        (`model.layers.61`), which is not served, as transformers skips it."""
+        if self.spec.mla is None or not name.startswith("model.layers."):
+            return False
+        layer = name.split(".", 3)[2]
+        return layer.isdigit() and int(layer) >= self.spec.num_layers
 
     def _checkpoint_names(self) -> CheckpointNames:
         qkv_rows = [self.spec.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2

@@ -69,6 +69,9 @@ class ShardLayout:
     def plan(cls, spec: DecoderSpec, rank: int, world_size: int) -> ShardLayout:
         """The layout, or ValueError naming the sizes that do not split over `world_size` ranks."""
         assert 0 <= rank < world_size, f"rank {rank} outside a group of {world_size}"
+        if spec.mla is not None and world_size > 1:
+            raise ValueError(f"tensor parallel size {world_size}: MLA models (DeepSeek V2/V3) are not sharded yet; "
+                             "serve them with tensor_parallel_size 1")
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
         if heads % world_size:
             raise ValueError(f"tensor parallel size {world_size} does not divide the model's {heads} attention heads")

@@ -105,7 +105,8 @@ class Executor:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, num_blocks=None, block_size=block_size, device=device, dtype=dtype,
-                                  kv_cache_dtype=kv_cache_dtype, backend=default_backend(device, block_size, speculative),
+                                  kv_cache_dtype=kv_cache_dtype,
+                                  backend=default_backend(device, block_size, speculative, model.attention_scale),
                                   max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)

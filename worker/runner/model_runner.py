@@ -73,20 +73,24 @@ class TokenFeed:
 MAX_VERIFY_QUERY_LEN = 8
 
 
-def default_backend(device: torch.device, block_size: int, verifies: bool = False) -> AttentionBackend:
+def default_backend(device: torch.device, block_size: int, verifies: bool = False,
+                    scale: float | None = None) -> AttentionBackend:
     """The Triton kernels on CUDA, plain torch elsewhere. `verifies`: steps will verify drafts
-    (k + 1 queries a request), which the decode kernel serves up to MAX_VERIFY_QUERY_LEN."""
+    (k + 1 queries a request), which the decode kernel serves up to MAX_VERIFY_QUERY_LEN.
+    `scale`: the model's softmax scale (`attention_scale`), None for head_dim ** -0.5."""
     if device.type == "cuda":
         from spillway.worker.attention.triton_paged import TritonAttentionBackend
 
-        return TritonAttentionBackend(block_size, max_decode_query_len=MAX_VERIFY_QUERY_LEN if verifies else 1)
-    return TorchAttentionBackend(block_size)
+        return TritonAttentionBackend(block_size, scale=scale,
+                                      max_decode_query_len=MAX_VERIFY_QUERY_LEN if verifies else 1)
+    return TorchAttentionBackend(block_size, scale=scale)
 
 
 class ModelRunner:
     """Owns the KV cache and runs the model over a batch of chunks, one step at a time.
 
-    `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zeroed
+    `kv_cache` is `[num_blocks, num_layers, kv_sides, block_size, num_kv_heads, head_dim]`
+    (the model's sides: keys and values, or an MLA model's one latent row), zeroed
     so that masked-out slots never hold NaN. Without `num_blocks` it is allocated later by
     `allocate_kv_cache`, after the executor has measured what the model needs.
     Its dtype is `kv_cache_dtype`, by default the model's `dtype`; float8 e4m3 needs the
@@ -113,7 +117,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
-        self.backend = backend or default_backend(self.device, block_size)
+        self.backend = backend or default_backend(self.device, block_size, scale=model.attention_scale)
+        if self.backend.scale != model.attention_scale:
+            raise ValueError(f"the attention backend's softmax scale {self.backend.scale} is not the model's "
+                             f"{model.attention_scale} (default_backend's `scale`)")
         if self.kv_cache_dtype != dtype and isinstance(self.backend, TorchAttentionBackend):
             raise ValueError(f"an fp8 KV cache needs CUDA (the Triton kernels): the plain-torch attention "
                              f"stores the model's dtype, {dtype}")
@@ -141,7 +148,7 @@ class ModelRunner:
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
         model = self.model
-        return (model.num_layers, 2, self.block_size, model.num_kv_heads, model.head_dim)
+        return (model.num_layers, model.kv_sides, self.block_size, model.num_kv_heads, model.head_dim)
 
     @property
     def kv_block_bytes(self) -> int:

@@ -1,5 +1,5 @@
-"""Prefix caching on mixture-of-experts models (tiny random Qwen3-MoE and Mixtral, float32, on
-the CPU): a request that shares a long prefix with an earlier one computes only what follows
+"""Prefix caching on mixture-of-experts models (tiny random Qwen3-MoE, Mixtral, and DeepSeek V2
+and V3, whose latent attention keeps a one-sided KV cache; float32, on the CPU): a request that shares a long prefix with an earlier one computes only what follows
 the cached blocks, in chunks, and decodes what an engine without a cache decodes.
 
 The other engine features are shown on a Qwen3-MoE beside their dense tests: the CPU tier
@@ -18,9 +18,16 @@ from spillway.protocol.messages import SamplingParams
 from spillway.worker.driver.engine import Engine
 
 from tests.worker.spec_helpers import Job, run
-from tiny_models import TINY_VOCAB, save_tiny_mixtral, save_tiny_qwen3_moe
+from tiny_models import (
+    TINY_VOCAB,
+    save_tiny_deepseek_v2,
+    save_tiny_deepseek_v3,
+    save_tiny_mixtral,
+    save_tiny_qwen3_moe,
+)
 
-FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe, "mixtral": save_tiny_mixtral}
+FAMILIES = {"qwen3_moe": save_tiny_qwen3_moe, "mixtral": save_tiny_mixtral,
+            "deepseek_v2": save_tiny_deepseek_v2, "deepseek_v3": save_tiny_deepseek_v3}
 BLOCK_SIZE = 16
 
 

@@ -14,7 +14,7 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.driver.timing import REFERENCE_COPY_BYTES_PER_S, LinkTiming
 from spillway.worker.kv_tier.paced_loads import PacedLoads
-from tiny_models import TinyCheckpoints, save_tiny_qwen3_moe
+from tiny_models import TinyCheckpoints, save_tiny_deepseek_v3, save_tiny_qwen3_moe
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=4, temperature=1.0, seed=7)
@@ -33,12 +33,14 @@ def save_tiny_llama(path) -> str:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> TinyCheckpoints:
     return TinyCheckpoints(tmp_path_factory.mktemp("tiny-tier"),
-                           {"llama": save_tiny_llama, "qwen3_moe": save_tiny_qwen3_moe})
+                           {"llama": save_tiny_llama, "qwen3_moe": save_tiny_qwen3_moe,
+                            "deepseek_v3": save_tiny_deepseek_v3})
 
 
 @pytest.fixture
 def model_dir(request, checkpoints) -> str:
-    """A tiny random Llama; a tiny Qwen3-MoE where a test asks for "qwen3_moe" (indirect)."""
+    """A tiny random Llama; a tiny Qwen3-MoE or DeepSeek V3 (latent KV cache: one side) where a
+    test asks for "qwen3_moe" or "deepseek_v3" (indirect)."""
     return checkpoints[getattr(request, "param", "llama")]
 
 
@@ -88,10 +90,12 @@ def test_packed_prompts_give_the_outputs_of_list_prompts_through_the_tier(model_
     assert conversation(engine_for(model_dir, num_cpu_blocks=8), params, pack=True) == as_lists
 
 
-@pytest.mark.parametrize("model_dir", ["llama", "qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("model_dir", ["llama", "qwen3_moe", "deepseek_v3"], indirect=True)
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_conversation_reloads_its_history_from_the_tier_with_the_same_outputs(model_dir, params):
     with_tier = engine_for(model_dir, num_cpu_blocks=8)
+    if "deepseek" in model_dir:  # a block: 3 layers of 16 latent rows (32 + 8 float32 values), one side
+        assert with_tier.runner.kv_cache[0].nbytes == 3 * 16 * 40 * 4
     without = engine_for(model_dir, num_cpu_blocks=0)
     outputs = conversation(with_tier, params)
     assert outputs["turn-2"][1] == 32  # turn 1's two prompt blocks, from the CPU tier

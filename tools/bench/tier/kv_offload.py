@@ -92,12 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def block_shape(args) -> tuple[int, ...]:
-    """One KV block of `args.model`: `[num_layers, 2, block_size, kv_heads, head_dim]`."""
+    """One KV block of `args.model`: `[num_layers, kv_sides, block_size, kv_heads, head_dim]`."""
     from spillway.protocol.local.model_files import load_config, resolve_model
-    from spillway.worker.runner.kv_blocks import kv_dims
+    from spillway.worker.runner.kv_blocks import kv_block_shape
 
-    layers, kv_heads, head_dim = kv_dims(load_config(resolve_model(args.model, "dummy")))
-    return layers, 2, args.block_size, kv_heads, head_dim
+    return kv_block_shape(load_config(resolve_model(args.model, "dummy")), args.block_size)
 
 
 def pooled_copier(args, num_slots: int):
