@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -47,7 +49,8 @@ def test_builtin_configs_give_real_dummy_configs(
         next(iter_weights(files))
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "qwen3-0.6b", "qwen3-30b-a3b", "llama-3-8b"])
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-32b", "qwen3-0.6b", "qwen3-30b-a3b", "llama-3-8b",
+                                  "deepseek-v2-lite"])
 def test_builtin_configs_without_tokenizer_say_so(name):
     files = resolve_model(name, load_format="dummy")
     assert [p.name for p in files.path.iterdir()] == ["config.json"]
@@ -112,3 +115,18 @@ def test_init_dummy_weights_zeroes_biases_and_sets_qk_norms():
     assert torch.equal(params["model.layers.1.self_attn.q_norm.weight"], torch.ones(16))
     assert torch.equal(params["model.layers.1.self_attn.k_proj.bias"], torch.zeros(32))
     assert params["lm_head.weight"].abs().max() > 0
+
+
+def test_builtin_deepseek_v2_lite_is_latent_attention_over_experts_with_yarn():
+    from spillway.worker.models.rope_scaling import YarnRopeScaling
+    from spillway.worker.models.spec import kv_cache_row
+
+    config = load_config(resolve_model("deepseek-v2-lite", load_format="dummy"))
+    spec = DecoderSpec.from_config(config)
+    assert kv_cache_row(config) == (1, 1, 576)  # 512 latent + 64 rotary values a token and layer
+    assert (spec.mla.q_lora_rank, spec.mla.kv_lora_rank, spec.mla.v_head_dim) == (None, 512, 128)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size) == (64, 6, 1408)
+    assert spec.moe.sparse_layers == tuple(range(1, 27))  # layer 0 is dense
+    assert spec.moe.shared_expert_intermediate_size == 2 * 1408
+    assert isinstance(spec.rope_scaling, YarnRopeScaling) and spec.rope_scaling.factor == 40
+    assert spec.mla.softmax_scale == pytest.approx(192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2)
