@@ -15,7 +15,7 @@ from spillway.gateway.text.reasoning import resolve_markers
 from spillway.protocol.local import model_files
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "worker"))
-from tiny_models import save_tiny_thinker, tiny_qwen3_moe  # noqa: E402
+from tiny_models import save_tiny_thinker, tiny_deepseek_v3, tiny_qwen3_moe  # noqa: E402
 
 BUDGETS = [0, 1, 7, 64]
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain step by step."}]
@@ -109,12 +109,13 @@ def tiny_llama(vocab_size: int):
     return LlamaForCausalLM(config)
 
 
-THINKERS = {"llama": tiny_llama, "qwen3_moe": lambda vocab_size: tiny_qwen3_moe(vocab_size=vocab_size, eos_token_id=2)}
+THINKERS = {"llama": tiny_llama, "qwen3_moe": lambda vocab_size: tiny_qwen3_moe(vocab_size=vocab_size, eos_token_id=2),
+            "deepseek_v3": lambda vocab_size: tiny_deepseek_v3(vocab_size=vocab_size, eos_token_id=2)}
 
 
 @pytest.fixture(scope="module")
 def tiny_thinker(request, tmp_path_factory):
-    """A random-weight Llama (a Qwen3-MoE where a test asks for "qwen3_moe", indirect) whose
+    """A random-weight Llama (a Qwen3-MoE or a DeepSeek V3 where a test asks, indirect) whose
     tokenizer (SmolLM2's plus two added tokens) has <think> and </think> as single tokens,
     and which never closes thinking by itself."""
     family = getattr(request, "param", "llama")
@@ -122,11 +123,12 @@ def tiny_thinker(request, tmp_path_factory):
     return save_tiny_thinker(tmp_path_factory.mktemp(f"tiny-thinker-{family}"), tok, THINKERS[family])
 
 
-@pytest.mark.parametrize("tiny_thinker", THINKERS, indirect=True)
-def test_tiny_model_with_think_tokens(tiny_thinker):
+@pytest.mark.parametrize("tiny_thinker, parser", [("llama", "qwen3"), ("qwen3_moe", "qwen3"),
+                                                  ("deepseek_v3", "deepseek_r1")], indirect=["tiny_thinker"])
+def test_tiny_model_with_think_tokens(tiny_thinker, parser):
     path, think, end_think = tiny_thinker
-    with LLM(str(path), device="cpu", dtype="float32", enable_reasoning=True, reasoning_parser="qwen3") as llm:
-        markers = resolve_markers(llm.get_tokenizer(), "qwen3")
+    with LLM(str(path), device="cpu", dtype="float32", enable_reasoning=True, reasoning_parser=parser) as llm:
+        markers = resolve_markers(llm.get_tokenizer(), parser)
         assert markers.start_token_ids == (think,) and markers.end_token_ids == (end_think,)
         prompt = [100, 200, 300, think]
         params = [greedy(80, ignore_eos=True)] + [greedy(80, thinking_budget=b, ignore_eos=True) for b in BUDGETS]
