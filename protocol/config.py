@@ -116,6 +116,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # Executor processes, one per device, each holding a shard of the model (worker/tp/group.py).
     tensor_parallel_size: int = 1
+    # The attention backend the user named, vLLM's name (protocol/attention_backends.py), checked
+    # against the model; the worker runs its own kernel and says so in its log. None: none named.
+    attention_backend: str | None = None
     # Kernel switches, on by default; off only to measure what they save (SPILLWAY_PDL=0,
     # SPILLWAY_INPUT_MAJOR_WEIGHTS=0, read by `worker_config_from_env`, never by the worker).
     programmatic_launch: bool = True  # Triton kernels with programmatic dependent launch
