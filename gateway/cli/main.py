@@ -80,6 +80,7 @@ def worker_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
         tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend, additional_config=args.additional_config,
         speculative=speculative_config(
             speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
             speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,

@@ -8,6 +8,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 
+from spillway.protocol.attention_backends import ADDITIONAL_CONFIG_KEYS, backend_problem, uses_latent_attention
 from spillway.protocol.local import envs
 from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, setting_name
 from spillway.protocol.local.model_files import ModelFiles, resolve_model
@@ -26,7 +27,6 @@ NOT_YET = (
     ("enable_lora", False, "LoRA adapters"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
     ("kv_transfer_config", None, "KV transfer between instances (disaggregated prefill)"),
-    ("additional_config", None, "platform plugins' additional configuration"),
 )
 NOT_YET_NAMES = frozenset(name for name, _, _ in NOT_YET)
 # vLLM switches for what Spillway always does, with why it cannot be switched off.
@@ -141,6 +141,56 @@ def check_max_model_len(files: ModelFiles, max_model_len: int | None, spell: Cal
         raise RefusedArgument(problem)
 
 
+def additional_config_backend(additional_config: str | Mapping | None, spell: Callable[[str, object], str]
+                              ) -> str | None:
+    """The `mla_backend` of vLLM's additional configuration (a JSON object, or a mapping given to
+    `LLM`); RefusedArgument for text that is no JSON object and for a key Spillway does not read
+    (vLLM hands those to platform plugins, which Spillway does not have)."""
+    if additional_config is None:
+        return None
+    values = additional_config
+    if isinstance(additional_config, str):
+        try:
+            values = json.loads(additional_config)
+        except json.JSONDecodeError as exc:
+            raise RefusedArgument(f"{spell('additional_config', additional_config)}: not valid JSON ({exc})") from None
+    if not isinstance(values, Mapping):
+        raise RefusedArgument(f"{spell('additional_config', additional_config)}: must be a JSON object, "
+                              f"such as {{\"mla_backend\": \"TRITON_MLA\"}}")
+    for key in values:
+        if key not in ADDITIONAL_CONFIG_KEYS:
+            raise RefusedArgument(f"{spell('additional_config', additional_config)}: the key {key!r} needs platform "
+                                  f"plugins' additional configuration, which Spillway does not have yet (it reads "
+                                  f"{', '.join(ADDITIONAL_CONFIG_KEYS)} only)")
+    backend = values.get("mla_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise RefusedArgument(f"{spell('additional_config', additional_config)}: mla_backend must be a backend's "
+                              f"name, got {backend!r}")
+    return backend
+
+
+def check_attention_backend(files: ModelFiles, attention_backend: str | None, additional_config: str | Mapping | None,
+                            spell: Callable[[str, object], str]) -> str | None:
+    """The attention backend asked for, by name or in the additional configuration, once checked
+    against the model (its config.json): RefusedArgument, naming the argument as `spell` writes
+    it, for a name vLLM does not have, one that does not fit the model, or two that disagree."""
+    mla_backend = additional_config_backend(additional_config, spell)
+    if attention_backend is not None and mla_backend is not None and attention_backend != mla_backend:
+        raise RefusedArgument(f"{spell('attention_backend', attention_backend)} and "
+                              f"{spell('additional_config', additional_config)} ask for two attention backends; "
+                              f"give one, or the same in both")
+    name, argument = (attention_backend, "attention_backend") if attention_backend is not None else \
+        (mla_backend, "additional_config")
+    if name is None:
+        return None
+    with open(files.path / "config.json", encoding="utf-8") as f:
+        problem = backend_problem(name, uses_latent_attention(json.load(f)))
+    if problem is not None:
+        value = attention_backend if argument == "attention_backend" else additional_config
+        raise RefusedArgument(f"{spell(argument, value)}: {problem}")
+    return name
+
+
 def engine_config(model: str | None, *, load_format: str = "auto", served_model_name: str | None = None,
                   spell: Callable[[str, object], str] = lambda name, value: f"{name}={value!r}",
                   settings_spelling: str = "arguments", **settings) -> tuple[WorkerConfig, ModelFiles]:
@@ -160,6 +210,8 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
     check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
                           speculative=settings.get("speculative") is not None, spell=spell)
     check_max_model_len(files, settings.get("max_model_len"), spell)
+    settings["attention_backend"] = check_attention_backend(
+        files, settings.get("attention_backend"), settings.pop("additional_config", None), spell)
     config = envs.worker_config_from_env(model=str(files.path), served_model_name=served_model_name or files.name,
                                     load_format=files.load_format, settings_spelling=settings_spelling, **settings)
     return config, files

@@ -60,6 +60,8 @@ class LLM:
         cpu_offload_gb: float | None = None,
         kv_offloading_size: float | None = None,
         tensor_parallel_size: int = 1,
+        attention_backend: str | None = None,
+        additional_config: str | dict | None = None,
         enforce_eager: bool = False,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
@@ -104,6 +106,8 @@ class LLM:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
             tensor_parallel_size=tensor_parallel_size,
+            attention_backend=attention_backend,
+            additional_config=additional_config,
             speculative=spec_args.speculative_config(
                 speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                 speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,

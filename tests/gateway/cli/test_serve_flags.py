@@ -27,7 +27,7 @@ HONOURED = [
 REFUSED = [
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
     (["--kv-transfer-config", '{"kv_connector": "X"}'], "--kv-transfer-config"),
-    (["--additional-config", "{}"], "--additional-config"),
+    (["--additional-config", '{"ascend_scheduler_config": {}}'], "--additional-config"),
     (["--max-logprobs", "21"], "--max-logprobs"),
     (["--max-logprobs", "-1"], "--max-logprobs"),
     (["--max-n", "0"], "--max-n"),
