@@ -16,7 +16,9 @@ from spillway.protocol.hashing import root_hash
 from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, Stats
 from spillway.protocol.local import envs
 from spillway.protocol.config import WorkerConfig
+from spillway.protocol.attention_backends import backend_problem, uses_latent_attention
 from spillway.protocol.reasoning import forced_token
+from spillway.worker.attention.requested_backend import requested_backend_note
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.runner.device_settings import resolve_device_settings
 from spillway.worker.kv_tier.host_pool import check_host_memory, time_host_to_device
@@ -60,6 +62,9 @@ class Engine:
         self.model_name = config.served_model_name or files.name
         hf_config = loader.load_config(files)
         self.vocab_size = int(hf_config.vocab_size)
+        latent = uses_latent_attention(hf_config.to_dict())
+        if config.attention_backend is not None and (problem := backend_problem(config.attention_backend, latent)):
+            raise ValueError(f"{config.spell('attention_backend', config.attention_backend)}: {problem}")
         self.group: RankGroup | None = None  # tensor parallelism: the other ranks
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(config, hf_config, self.device)
@@ -69,6 +74,8 @@ class Engine:
                                                kv_cache_dtype=self.kv_cache_dtype,
                                                shard=self.group.shard if self.group else None)
         self.max_model_len, self.max_num_batched_tokens = limits.max_model_len, limits.max_num_batched_tokens
+        if config.attention_backend is not None:
+            logger.info(requested_backend_note(config.attention_backend, self.executor.runner.backend, latent=latent))
         self.block_size = config.block_size
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
