@@ -89,6 +89,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
     engine.add_argument("--attention-backend", metavar="NAME",
                         help="a vLLM attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ...; for DeepSeek "
                              "V2/V3: FLASHMLA, TRITON_MLA, CUTLASS_MLA, TOKENSPEED_MLA, ...): a name that fits the "
@@ -96,7 +97,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--additional-config", metavar="JSON",
                         help='vLLM\'s additional configuration; Spillway reads {"mla_backend": NAME} (as '
                              "--attention-backend) and refuses any other key")
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-model", help="a draft model with the target's tokenizer")
     spec.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per step")

@@ -136,3 +136,14 @@ def test_llm_on_a_deepseek_v3_logs_the_kernel_that_runs_once(deepseek_v3, capfd)
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert capfd.readouterr().err.count(TRITON_MLA_LINE) == 1
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker"], ["bench", "latency"], ["bench", "throughput"]])
+def test_help_shows_both_flags_among_the_engine_flags(capsys, command):
+    parser = build_parser()
+    add_other_commands(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--help"])
+    engine_help = capsys.readouterr().out.split("\nengine:\n")[1].split("\n\n")[0]
+    assert "--attention-backend NAME" in engine_help and "--additional-config JSON" in engine_help
+    assert "TOKENSPEED_MLA" in engine_help and '{"mla_backend": NAME}' in engine_help
