@@ -43,7 +43,8 @@ def test_round_one_sizes_the_grouped_rows_to_the_pairs_an_expert_gets():
     assert {config.path for config in large} == {"grouped"}
     assert {config.block_size_m for config in large} == {32, 64, 128}
     for config in large:
-        stages_bytes = tune_moe.shared_bytes(config.block_size_m, config.block_size_n, config.block_size_k, config.num_stages, 2)
+        stages_bytes = tune_moe.shared_bytes(config.block_size_m, config.block_size_n, config.block_size_k,
+                                             config.num_stages, 2)
         assert stages_bytes <= tune_moe.SHARED_MEMORY_BUDGET
 
 
