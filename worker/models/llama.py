@@ -100,7 +100,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, ops: DecoderOps) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given its weight, the embedding skips its own normal_ init, which on the meta device
+        # imports torch._dynamo: most of a second of every worker's start, for weights that
+        # `build` gives storage to and the loader fills anyway.
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
