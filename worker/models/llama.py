@@ -248,11 +248,13 @@ class LlamaForCausalLM(nn.Module):
 
 def _give_storage(model: nn.Module, device: torch.device) -> None:
     """Replace each meta parameter with uninitialised storage on `device`, one per distinct
-    parameter, so that tied weights stay one tensor (`to_empty` would give each its own)."""
+    parameter, so that tied weights stay one tensor (`to_empty` would give each its own).
+    By shape and dtype: `empty_like` from the meta device imports torch's symbolic shapes, half
+    a second of every worker's start."""
     storage: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in storage:
-                storage[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                storage[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
                                                   requires_grad=param.requires_grad)
             setattr(module, name, storage[id(param)])
