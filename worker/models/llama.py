@@ -107,7 +107,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, ops: DecoderOps) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given its weight, the embedding skips its own normal_ init, which on the meta device
+        # imports torch._dynamo: most of a second of every worker's start, for weights that
+        # `build` gives storage to and the loader fills anyway.
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, i, ops) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -274,11 +278,13 @@ class LlamaForCausalLM(nn.Module):
 
 def _give_storage(model: nn.Module, device: torch.device) -> None:
     """Replace each meta parameter with uninitialised storage on `device`, one per distinct
-    parameter, so that tied weights stay one tensor (`to_empty` would give each its own)."""
+    parameter, so that tied weights stay one tensor (`to_empty` would give each its own).
+    By shape and dtype: `empty_like` from the meta device imports torch's symbolic shapes, half
+    a second of every worker's start."""
     storage: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in storage:
-                storage[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                storage[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
                                                   requires_grad=param.requires_grad)
             setattr(module, name, storage[id(param)])

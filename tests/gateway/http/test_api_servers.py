@@ -10,7 +10,6 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -49,15 +48,15 @@ def complete(url: str, prompt: str, stream: bool = False) -> list[int] | str:
     return text
 
 
-@contextmanager
+@pytest.fixture(scope="module")
 def two_api_servers():
-    """(server, API server 1's pid, the worker's pid, the greedy answer to PROMPT) of a served
-    `--api-server-count 2`, stopped at the end."""
+    """(server, API server 1's pid, the greedy answer to PROMPT) of a served `--api-server-count 2`,
+    shared by the tests that leave it serving (a killed worker is replaced)."""
     server = ServerProcess("--api-server-count", "2", "--max-model-len", "512", "--disable-log-stats")
     try:
         server.wait_healthy()
         (other,) = api_server_pids(server)
-        yield server, other, server.worker_pid(), complete(server.url, PROMPT)
+        yield server, other, complete(server.url, PROMPT)
     finally:
         server.stop()
 
@@ -66,29 +65,31 @@ def served_requests(url: str) -> float:
     return scrape(url)['vllm:request_success_total{finished_reason="length"}']
 
 
-def test_every_api_server_serves_through_one_worker_and_metrics_sum_across_them():
-    with two_api_servers() as (server, other, worker, expected):
-        # Each server alone (the other stopped, its connections wait in the shared backlog for
-        # whoever accepts): answers through the same worker, the same greedy text.
-        for paused in (server.process.pid, other):
-            os.kill(paused, signal.SIGSTOP)
-            try:
-                assert complete(server.url, PROMPT) == expected
-                assert complete(server.url, PROMPT, stream=True) == expected
-            finally:
-                os.kill(paused, signal.SIGCONT)
-        # A burst, each request through whichever server accepts it: every answer right.
-        with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda _: complete(server.url, PROMPT), range(12)))
-        assert answers == [expected] * 12
-        assert server.worker_pid() == worker
-        # 1 + 2 x 2 + 12 requests, counted whichever server answers the scrape.
-        assert {served_requests(server.url) for _ in range(6)} == {17.0}
-        metrics = scrape(server.url)
-        assert metrics["vllm:prompt_tokens_total"] == 17 * 5
-        assert metrics["vllm:num_requests_running"] == 0
-        assert not any("pid=" in name for name in metrics)  # the single-process series, no pid label
-        assert "Traceback" not in server.log()
+def test_every_api_server_serves_through_one_worker_and_metrics_sum_across_them(two_api_servers):
+    server, other, expected = two_api_servers
+    worker, before = server.worker_pid(), scrape(server.url)
+    # Each server alone (the other stopped, its connections wait in the shared backlog for
+    # whoever accepts): answers through the same worker, the same greedy text.
+    for paused in (server.process.pid, other):
+        os.kill(paused, signal.SIGSTOP)
+        try:
+            assert complete(server.url, PROMPT) == expected
+            assert complete(server.url, PROMPT, stream=True) == expected
+        finally:
+            os.kill(paused, signal.SIGCONT)
+    # A burst, each request through whichever server accepts it: every answer right.
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: complete(server.url, PROMPT), range(12)))
+    assert answers == [expected] * 12
+    assert server.worker_pid() == worker
+    # 2 x 2 + 12 requests more, counted whichever server answers the scrape.
+    served_before = before['vllm:request_success_total{finished_reason="length"}']
+    assert {served_requests(server.url) for _ in range(6)} == {served_before + 16}
+    metrics = scrape(server.url)
+    assert metrics["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"] + 16 * 5
+    assert metrics["vllm:num_requests_running"] == 0
+    assert not any("pid=" in name for name in metrics)  # the single-process series, no pid label
+    assert "Traceback" not in server.log()
 
 
 def test_ctrl_c_ends_every_api_server_and_the_worker():
@@ -136,34 +137,35 @@ def test_api_servers_with_a_remote_worker_are_refused():
     assert "--api-server-count 2 with --worker-address: not available yet" in result.stderr
 
 
-def test_a_killed_worker_is_replaced_for_every_api_server():
+def test_a_killed_worker_is_replaced_for_every_api_server(two_api_servers):
     """Server 0 starts the replacement with every server's link; each server fails what it had
     in flight, takes the new worker (its Ready, a session of its own) and serves again."""
-    with two_api_servers() as (server, other, old_worker, expected):
-        os.kill(old_worker, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while True:  # the replacement loads: until then each server answers 503
-            assert time.monotonic() < deadline, server.log()[-3000:]
-            try:
-                if server.worker_pid() != old_worker and httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                    break
-            except (AssertionError, httpx.TransportError):
-                pass
-            time.sleep(0.5)
-        # Server 0 stopped: server 1 accepts every connection, through the new worker.
-        os.kill(server.process.pid, signal.SIGSTOP)
+    server, other, expected = two_api_servers
+    old_worker = server.worker_pid()
+    os.kill(old_worker, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:  # the replacement loads: until then each server answers 503
+        assert time.monotonic() < deadline, server.log()[-3000:]
         try:
-            deadline = time.monotonic() + 60
-            while True:  # server 1 may still be taking the new worker's Ready
-                reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
-                    "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
-                    "ignore_eos": True})
-                if reply.status_code == 200 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == expected
-        assert complete(server.url, PROMPT) == expected
-        assert api_server_pids(server) == [other]
+            if server.worker_pid() != old_worker and httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                break
+        except (AssertionError, httpx.TransportError):
+            pass
+        time.sleep(0.5)
+    # Server 0 stopped: server 1 accepts every connection, through the new worker.
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # server 1 may still be taking the new worker's Ready
+            reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True})
+            if reply.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == expected
+    assert complete(server.url, PROMPT) == expected
+    assert api_server_pids(server) == [other]

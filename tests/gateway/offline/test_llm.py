@@ -35,16 +35,21 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(files, prompts) -> list[list[int]]:
+def hf_model(files):
+    """Hugging Face's own model on the same weights, the reference of every test here."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, prompts) -> list[list[int]]:
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0)
+            out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                    pad_token_id=0)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
 
@@ -95,14 +100,11 @@ def test_shared_system_prompt_is_hit_across_questions(llm):
     assert second.num_cached_tokens == shared // 16 * 16
 
 
-def test_logprobs_are_the_models_log_softmax(llm, prompts, files):
-    from transformers import AutoModelForCausalLM
-
+def test_logprobs_are_the_models_log_softmax(llm, prompts, hf_model):
     prompt = prompts[4]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
-    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
     top = torch.topk(expected, 5)
     entry = out.outputs[0].logprobs[0]
     token = out.outputs[0].token_ids[0]
@@ -205,19 +207,16 @@ def test_unknown_model_and_arguments_raise_value_error():
         LLM(block_size=7)
 
 
-def test_a_small_kv_pool_preempts_and_still_matches(files, tokenizer):
+def test_a_small_kv_pool_preempts_and_still_matches(tokenizer, hf_model):
     # Eight 60-token prompts fit at first (32 of 24+ blocks), but growing to 100 tokens each
     # needs 56 blocks: the newest requests are preempted, recomputed later, and must still
     # produce exactly what Hugging Face gives.
     ids = tokenizer(natural_text(), add_special_tokens=False)["input_ids"]
     prompts = [ids[50 * i + 3: 50 * i + 63] for i in range(8)]
     max_tokens = 40
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor(prompts), attention_mask=torch.ones(8, 60, dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+        out = hf_model.generate(torch.tensor(prompts), attention_mask=torch.ones(8, 60, dtype=torch.long),
+                                do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
     expected = out[:, 60:].tolist()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=36) as small:

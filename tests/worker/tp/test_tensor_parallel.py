@@ -49,6 +49,15 @@ MIXTRAL = dict(model_type="mixtral", vocab_size=300, num_attention_heads=4, num_
                num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
 
 
+# Each two-rank run: its config and how the sharded model's weights are laid out after sharding.
+CASES = {
+    "qwen3-split-kv-heads-packed": (QWEN3, "packed"),
+    "llama-replicated-kv-head-tied-biases-input-major": (LLAMA_ONE_KV_HEAD, "input-major"),
+    "qwen3-moe-packed": (QWEN3_MOE, "packed"),
+    "mixtral-input-major": (MIXTRAL, "input-major"),
+}
+
+
 def tiny_config(**overrides) -> SimpleNamespace:
     values = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-5,
                   rope_theta=10000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
@@ -83,34 +92,39 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[to
     return step_logits, [s[len(p):] for s, p in zip(sequences, prompts)]
 
 
-def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, weights: str) -> None:
+def rank_report(rank: int, config_values: dict, weights: str) -> dict:
     """`weights`: after sharding, lay the weights out as the CPU path does ("packed" for oneDNN)
     or as the GPU path does ("input-major")."""
+    config = tiny_config(**config_values)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(config.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    runners = []
+    for sharded in (False, True):
+        model = random_model(config)
+        relaid = 0
+        if sharded:
+            layout = shard_model(model, rank, WORLD_SIZE)
+            relaid = (pack_linear_layers if weights == "packed" else store_weights_input_major)(model)
+        runners.append(ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32))
+    (reference_logits, reference_tokens), (logits, tokens) = (greedy_steps(r, prompts) for r in runners)
+    return dict(
+        max_diff=max((a - b).abs().max().item() for a, b in zip(logits, reference_logits)),
+        logits_shape=tuple(logits[0].shape),
+        tokens=tokens,
+        reference_tokens=reference_tokens,
+        kv_cache_shape=tuple(runners[1].kv_cache.shape),
+        layout=layout,
+        relaid=relaid,
+    )
+
+
+def run_rank(rank: int, rendezvous: str, results_dir: str) -> None:
+    """Every case in turn, in one process group; each case's report saved apart."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE)
     try:
-        config = tiny_config(**config_values)
-        generator = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(config.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
-        runners = []
-        for sharded in (False, True):
-            model = random_model(config)
-            relaid = 0
-            if sharded:
-                layout = shard_model(model, rank, WORLD_SIZE)
-                relaid = (pack_linear_layers if weights == "packed" else store_weights_input_major)(model)
-            runners.append(ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32))
-        (reference_logits, reference_tokens), (logits, tokens) = (greedy_steps(r, prompts) for r in runners)
-        report = dict(
-            max_diff=max((a - b).abs().max().item() for a, b in zip(logits, reference_logits)),
-            logits_shape=tuple(logits[0].shape),
-            tokens=tokens,
-            reference_tokens=reference_tokens,
-            kv_cache_shape=tuple(runners[1].kv_cache.shape),
-            layout=layout,
-            relaid=relaid,
-        )
-        torch.save(report, f"{results_dir}/rank{rank}.pt")
+        for name, (config_values, weights) in CASES.items():
+            torch.save(rank_report(rank, config_values, weights), f"{results_dir}/{name}-rank{rank}.pt")
         # Both ranks past their last collective before either tears gloo down: a rank that
         # exits while its peer's gloo threads still run aborts the peer.
         dist.barrier()
@@ -118,26 +132,29 @@ def run_rank(rank: int, rendezvous: str, results_dir: str, config_values: dict, 
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, config_values: dict, weights: str) -> list[dict]:
-    rendezvous = f"file://{tmp_path}/rendezvous"
-    mp.spawn(run_rank, args=(rendezvous, str(tmp_path), config_values, weights), nprocs=WORLD_SIZE)
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each case's reports, rank 0's then rank 1's. One spawn of the two ranks runs every case:
+    starting the ranks takes longer than a case's run."""
+    results_dir = tmp_path_factory.mktemp("ranks")
+    mp.spawn(run_rank, args=(f"file://{results_dir}/rendezvous", str(results_dir)), nprocs=WORLD_SIZE)
+    return {name: [torch.load(results_dir / f"{name}-rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+            for name in CASES}
 
 
-@pytest.mark.parametrize(("config_values", "weights", "kv_heads", "first_kv_heads"), [
-    pytest.param(QWEN3, "packed", 1, [0, 1], id="qwen3-split-kv-heads-packed"),
-    pytest.param(LLAMA_ONE_KV_HEAD, "input-major", 1, [0, 0], id="llama-replicated-kv-head-tied-biases-input-major"),
+@pytest.mark.parametrize(("case", "kv_heads", "first_kv_heads"), [
+    ("qwen3-split-kv-heads-packed", 1, [0, 1]),
+    ("llama-replicated-kv-head-tied-biases-input-major", 1, [0, 0]),
 ])
-def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_values, weights, kv_heads,
-                                                           first_kv_heads):
-    reports = run_ranks(tmp_path, config_values, weights)
+def test_two_ranks_compute_the_unsharded_logits_and_tokens(reports, case, kv_heads, first_kv_heads):
+    config_values, weights = CASES[case]
     # Re-laid after sharding: 4 per layer (qkv, o, gate_up, down), and for oneDNN lm_head too.
     if weights == "input-major":
         relaid = 4 * 2
     else:
         relaid = 4 * 2 + 1 if onednn_linear_works(torch.float32) else 0
 
-    for rank, report in enumerate(reports):
+    for rank, report in enumerate(reports[case]):
         assert report["logits_shape"] == (len(PROMPT_LENGTHS), config_values["vocab_size"])
         assert report["max_diff"] < TOLERANCE, f"rank {rank}"
         assert report["tokens"] == report["reference_tokens"]
@@ -149,20 +166,16 @@ def test_two_ranks_compute_the_unsharded_logits_and_tokens(tmp_path, config_valu
         assert report["relaid"] == relaid
 
 
-@pytest.mark.parametrize(("config_values", "weights", "dense_layers"), [
-    pytest.param(QWEN3_MOE, "packed", 1, id="qwen3-moe-packed"),
-    pytest.param(MIXTRAL, "input-major", 0, id="mixtral-input-major"),
-])
-def test_two_ranks_compute_the_unsharded_logits_and_tokens_of_a_mixture_of_experts(tmp_path, config_values, weights,
-                                                                                     dense_layers):
-    reports = run_ranks(tmp_path, config_values, weights)
+@pytest.mark.parametrize(("case", "dense_layers"), [("qwen3-moe-packed", 1), ("mixtral-input-major", 0)])
+def test_two_ranks_compute_the_unsharded_logits_and_tokens_of_a_mixture_of_experts(reports, case, dense_layers):
+    config_values, weights = CASES[case]
     # Re-laid after sharding: qkv and o per layer, gate_up and down per dense layer (the routers
     # and experts are no nn.Linear), and for oneDNN lm_head too.
     relaid = 2 * 2 + 2 * dense_layers
     if weights == "packed":
         relaid = relaid + 1 if onednn_linear_works(torch.float32) else 0
 
-    for rank, report in enumerate(reports):
+    for rank, report in enumerate(reports[case]):
         assert report["max_diff"] < TOLERANCE, f"rank {rank}"
         assert report["tokens"] == report["reference_tokens"]
         assert len(set(report["tokens"][0])) > 1
