@@ -5,6 +5,13 @@ import signal
 os.environ.setdefault("SPILLWAY_DEBUG_INVARIANTS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Set before torch is first imported (its OpenMP runtime reads it once), and inherited by every
+# worker, rank and server a test starts. Tests run several such processes at once (the gateway,
+# the worker, the test's own client) on a machine that may run others: with OpenMP's default
+# spin-waiting, a thread done with its share of an operation holds its core, waiting for a peer
+# that another process has preempted, and a step takes several times as long. Passive threads
+# sleep instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # A suite started in the background of a shell without job control inherits SIGINT ignored, and
 # so would every process a test starts (exec keeps an ignored signal): the tests that stop a
