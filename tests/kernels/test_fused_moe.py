@@ -9,7 +9,7 @@ import torch
 from kernel_testing import gpu, relative_error
 
 from spillway.kernels.fused_moe import fused_experts, fused_experts_reference
-from spillway.kernels.moe_align import PairAlignment, align_pairs, align_pairs_reference
+from spillway.kernels.moe_align import PairAlignment, align_pairs, align_pairs_reference, pairs_per_chunk
 from spillway.kernels.moe_config import MoeConfig
 from spillway.worker.models import layers
 
@@ -166,7 +166,7 @@ def _assert_same_alignment(got: PairAlignment, expected: PairAlignment) -> None:
     assert got.num_padded.tolist() == expected.num_padded.tolist()
 
 
-@pytest.mark.parametrize("pairs_per_program", [512, 7], ids=["one-program", "chunks-of-7"])
+@pytest.mark.parametrize("pairs_per_program", [512, 7, None], ids=["one-program", "chunks-of-7", "by-device"])
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, block_size_m", [
     (1, 1, 1, 16), (3, 2, 5, 4), (17, 3, 8, 16), (40, 2, 8, 16), (40, 3, 3, 2), (5, 2, 300, 16), (64, 8, 128, 16),
 ])
@@ -175,6 +175,18 @@ def test_alignment_slot_for_slot(num_tokens, top_k, num_experts, block_size_m, p
     topk_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator, dtype=torch.int32)
     got = align_pairs(topk_ids, num_experts, block_size_m, pairs_per_program=pairs_per_program)
     _assert_same_alignment(got, align_pairs_reference(topk_ids, num_experts, block_size_m))
+
+
+@pytest.mark.parametrize("num_pairs, sub, num_programs, expected", [
+    (1, 64, 132, 64),        # one piece: one program
+    (64, 64, 132, 64),
+    (1536, 64, 132, 64),     # 24 pieces side by side
+    (65536, 64, 132, 512),   # 1,024 pieces over 132 programs: 8 each
+    (65536, 64, 8, 8192),
+    (0, 64, 8, 64),
+])
+def test_pairs_per_chunk_fills_the_programs_in_whole_pieces(num_pairs, sub, num_programs, expected):
+    assert pairs_per_chunk(num_pairs, sub, num_programs) == expected
 
 
 def test_alignment_of_strided_ids_with_every_pair_on_one_expert():

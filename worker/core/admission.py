@@ -81,6 +81,8 @@ class Admission:
             if index is None:
                 return  # after running out of blocks, it would only be preempted again
             request = self.waiting[index]
+            if request.num_pending_tokens:
+                return  # preempted with its token still in flight: it resumes once that is committed
             limit = step.share.cap(request, step.budget)
             if not limit:
                 return  # its client request has had its share: it comes after the others' turn

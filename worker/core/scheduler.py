@@ -188,8 +188,9 @@ class Scheduler:
     def schedule(self, ahead: bool = False, lookahead: int = 0, before_landing: bool = False) -> StepPlan:
         """The next step. `ahead`: the step before is still running (`mark_in_flight`), so its
         tokens are counted but unknown: requests whose pending token is surely their last are
-        left out, and nothing is preempted (a step that runs short of blocks just stops
-        adding requests; the next step, scheduled with every token known, preempts).
+        left out, and a running request short of blocks preempts as in any step (the victim's
+        pending token is still committed when its step is: `StepCommits.commit`); only
+        admission never preempts then.
         `lookahead`: KV slots to reserve after each one-token decode for draft tokens
         (speculative decoding; never with `ahead`), where blocks are free without preempting.
         `before_landing`: the running requests that wait for CPU-tier loads are planned too,
@@ -234,10 +235,14 @@ class Scheduler:
         it ends: their blocks are released now, or with `defer_release` by `release_finished`."""
         results = self._commits.commit(plan, sampled, accepted)
         finished = [result for result in results if result.finish_reason is not None]
+        preempted = False
         for result in finished:
+            preempted |= result.request.status == RequestStatus.PREEMPTED  # its last token was in flight
             self._release(result.request, finished_status(result.finish_reason), defer=self.defer_release)
         if finished:
             self.running[:] = [request for request in self.running if not request.is_finished]
+        if preempted:
+            self.waiting[:] = [request for request in self.waiting if not request.is_finished]
         return results
 
     def release_finished(self) -> None:
@@ -281,10 +286,7 @@ class Scheduler:
             if awaiting:
                 del self._awaiting_load[request.request_id]
                 self.block_manager.wait_for_loads_this_step()
-            if ahead:
-                if not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
-                    break
-            elif not self._admission.allocate_or_preempt(request, num_tokens, step):
+            if not self._admission.allocate_or_preempt(request, num_tokens, step):
                 continue  # the request was the one to go
             step.plan(request, num_tokens, self.block_manager.slot_table(request.request_id))
         return deferred

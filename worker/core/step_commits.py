@@ -51,8 +51,11 @@ class StepCommits:
         results = []
         for chunk in plan.chunks:
             request = chunk.request
+            if request.status == RequestStatus.PREEMPTED and chunk.sample and request.num_pending_tokens:
+                results.append(self._commit_preempted(request, sampled[request.request_id]))
+                continue
             if request.status != RequestStatus.RUNNING:
-                continue  # aborted after schedule()
+                continue  # aborted after schedule(), or preempted with no token to come
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.sample:
                 self._commit_full_blocks(request, chunk.start)
@@ -68,6 +71,17 @@ class StepCommits:
             results.append(StepResult(request, committed, reason, request.num_cached_tokens if first else -1,
                                       request.queued_s if first else -1.0))
         return results
+
+    def _commit_preempted(self, request: Request, token: int) -> StepResult:
+        """The token of a step that ran ahead, for a request preempted since (its blocks are
+        gone and it recomputes from scratch when resumed): kept, as any step's token, under
+        the stop rules. A seeded request's generator drew it: dropping it would change what
+        the seed gives."""
+        request.num_pending_tokens = 0
+        committed, reason = self._append_run(request, [token])
+        first = request.num_output_tokens == len(committed)
+        return StepResult(request, committed, reason, request.num_cached_tokens if first else -1,
+                          request.queued_s if first else -1.0)
 
     def hash_full_blocks(self, request: Request) -> None:
         """Extend the request's block hashes over its full blocks not hashed yet."""

@@ -129,3 +129,85 @@ def test_a_random_workload_under_block_pressure_produces_every_expected_token(se
     assert harness.scheduler.counts.num_preemptions > 0
     harness.scheduler.release_finished()
     assert harness.manager.num_free_blocks == 12
+
+
+def _position_token(chunk) -> int:
+    """fake_token of the sequence the chunk ends (known before the pending token is)."""
+    return (chunk.start + chunk.num_tokens) % 7 + 100
+
+
+def _run_ahead(harness: Harness) -> list:
+    """Step as asynchronous scheduling does: each plan made while the one before is in flight
+    (its tokens pending), that one committed after. Returns the plans made ahead."""
+    scheduler, in_flight, ahead_plans = harness.scheduler, None, []
+    for _ in range(500):
+        if not scheduler.has_unfinished and in_flight is None:
+            return ahead_plans
+        plan = scheduler.schedule(ahead=in_flight is not None)
+        if in_flight is not None:
+            ahead_plans.append((plan, [r for r in scheduler.running if r.num_output_tokens + 1 < r.params.max_tokens]))
+            for result in scheduler.update(*in_flight):
+                harness.results.setdefault(result.request.request_id, []).append(result)
+            harness.manager.check_invariants()
+        in_flight = None
+        if plan.chunks:
+            scheduler.mark_in_flight(plan)
+            in_flight = (plan, {c.request.request_id: _position_token(c) for c in plan.chunks if c.sample})
+    raise AssertionError("requests did not finish")
+
+
+def test_a_step_planned_ahead_preempts_instead_of_stopping_short():
+    """Planned while the step before is in flight, a step short of blocks preempts the newest
+    request as any step does: every other running request still gets its token (stopping
+    short, the step would leave out everyone after the request that found no block). The
+    victim's token in flight is committed with its step, and it resumes after."""
+    harness = Harness(num_blocks=12, max_model_len=40)
+    for i in range(4):
+        harness.add(f"r{i}", list(range(10 * i, 10 * i + 6)), max_tokens=14)
+    ahead_plans = _run_ahead(harness)
+    assert harness.scheduler.counts.num_preemptions > 0
+    for plan, running in ahead_plans:
+        # Each request still running after the plan (and not about to end) is in it.
+        planned = {chunk.request.request_id for chunk in plan.chunks}
+        assert {r.request_id for r in running} <= planned
+    for i in range(4):
+        outputs = [t for r in harness.results[f"r{i}"] for t in r.new_token_ids]
+        assert outputs == expected_outputs(6, 14)
+    assert harness.manager.num_free_blocks == 12
+
+
+def test_a_request_preempted_with_its_last_token_in_flight_finishes_from_the_waiting_queue():
+    harness = Harness(num_blocks=3, max_model_len=12)
+    a = harness.add("a", list(range(7)), max_tokens=8)
+    b = harness.add("b", list(range(3)), max_tokens=2)
+    scheduler = harness.scheduler
+    scheduler.update(scheduler.schedule(), {"a": 100, "b": 101})
+    in_flight = scheduler.schedule()  # b's second token, its last
+    scheduler.mark_in_flight(in_flight)
+    plan = scheduler.schedule(ahead=True)  # a's next position needs a block: b goes
+    assert [c[0] for c in chunks(plan)] == ["a"] and scheduler.counts.num_preemptions == 1
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1 and scheduler.waiting == [b]
+    results = scheduler.update(in_flight, {"a": 102, "b": 103})
+    assert [(r.request.request_id, r.new_token_ids, r.finish_reason) for r in results] == [
+        ("a", [102], None), ("b", [103], FinishReason.LENGTH)]
+    assert b.output_token_ids == [101, 103] and scheduler.waiting == [] and not scheduler.has_request("b")
+    assert harness.manager.slot_table("b") == []
+    harness.manager.check_invariants()
+
+
+def test_a_preempted_request_waits_for_its_token_in_flight_before_it_is_admitted_again():
+    harness = Harness(num_blocks=3, max_model_len=12)
+    harness.add("a", list(range(7)), max_tokens=8)
+    b = harness.add("b", list(range(3)), max_tokens=4)
+    scheduler = harness.scheduler
+    scheduler.update(scheduler.schedule(), {"a": 100, "b": 101})
+    in_flight = scheduler.schedule()
+    scheduler.mark_in_flight(in_flight)
+    plan = scheduler.schedule(ahead=True)
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    scheduler.abort(["a"])  # every block free again, b still owes a token
+    assert scheduler.schedule(ahead=True).chunks == []
+    del plan
+    scheduler.update(in_flight, {"b": 103})
+    assert b.output_token_ids == [101, 103] and b.num_pending_tokens == 0
+    assert [c[:3] for c in chunks(scheduler.schedule())] == [("b", 0, 5)]  # prompt and both outputs, anew

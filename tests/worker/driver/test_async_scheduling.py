@@ -184,11 +184,14 @@ def test_abort_while_a_step_is_in_flight(tiny_model):
 
 
 def test_preemption_in_a_small_pool(tiny_model):
-    """18 blocks of 16 tokens for 6 requests growing to ~70 tokens: steps run out of blocks,
-    the ahead steps stop short, the synchronous ones preempt."""
+    """18 blocks of 16 tokens for 6 requests growing to ~70 tokens: steps run out of blocks and
+    preempt, those planned ahead too (the victim's token in flight is kept). Half the requests
+    sample with a seed: a token drawn and dropped would shift what their seeds give."""
     batch = prompts(6, seed=6)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    arrivals = {0: [(f"r{i}", p, greedy) for i, p in enumerate(batch)]}
+    arrivals = {0: [(f"r{i}", p, greedy if i % 2 else SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                                                                       ignore_eos=True))
+                    for i, p in enumerate(batch)]}
     expected, got, ahead = both(tiny_model, arrivals, num_gpu_blocks_override=18, max_model_len=128)
     assert ahead.scheduler.counts.num_preemptions > 0
     assert got == expected
