@@ -149,8 +149,18 @@ def attend_tile(
     """One online-softmax step of q's rows over a tile's keys; MASKED hides the positions at
     or past kv_end and those after each row's own (`query_pos`). Scores are in log2 units."""
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    return softmax_step(scores, v, acc, row_sum, row_max, tile, kv_end, query_pos, MASKED, DOT_PRECISION)
+
+
+@triton.jit
+def softmax_step(
+    scores, v, acc, row_sum, row_max, tile, kv_end, query_pos,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """`attend_tile` from its scores `[rows, tile]` (log2 units) on: the mask, the online
+    softmax and the values' product (kernels/mla_decode.py sums its scores from two parts)."""
     if MASKED:
-        tokens = tile + tl.arange(0, k.shape[0])
+        tokens = tile + tl.arange(0, v.shape[0])
         visible = (tokens[None, :] <= query_pos[:, None]) & (tokens < kv_end)[None, :]
         scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -161,6 +171,15 @@ def attend_tile(
     row_sum = row_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, row_sum, new_max
+
+
+@triton.jit
+def split_bounds(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens `[start, end)` of a decode kernel's `split`: splits of whole tiles, the last ones
+    possibly empty."""
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    return start, tl.minimum(start + split_len, context_len)
 
 
 def tile_piece(block_size: int, block_n: int) -> int:

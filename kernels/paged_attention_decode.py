@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, tile_piece
+from spillway.kernels.attention_tile import attend_tile, kv_head_bases, load_kv_tile, split_bounds, tile_piece
 from spillway.kernels.fp8 import FP8_E4M3, cache_values, query_for_cache
 from spillway.kernels.utils import (
     check,
@@ -45,14 +45,6 @@ from spillway.kernels.utils import (
 )
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _split_bounds(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens `[start, end)` of `split`: splits of whole tiles, the last ones possibly empty."""
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    return start, tl.minimum(start + split_len, context_len)
 
 
 @triton.jit
@@ -84,7 +76,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
     q = query_for_cache(q, cache_ptr)
 
-    start, end = _split_bounds(context_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_bounds(context_len, split, NUM_SPLITS, BLOCK_N)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -140,7 +132,7 @@ def _reduce_splits_kernel(
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
     # Only the splits that hold tokens (at least split 0) stored partials.
-    split_start, _ = _split_bounds(context_len, splits, NUM_SPLITS, BLOCK_N)
+    split_start, _ = split_bounds(context_len, splits, NUM_SPLITS, BLOCK_N)
     split_valid = (splits < NUM_SPLITS) & ((split_start < context_len) | (splits == 0))
     split_max = tl.load(part_max_ptr + row * NUM_SPLITS + splits, mask=split_valid, other=float("-inf"))
     split_sum = tl.load(part_sum_ptr + row * NUM_SPLITS + splits, mask=split_valid, other=0.0)
