@@ -10,19 +10,54 @@ the model cache (protocol/local/model_cache.py runs it as a child, so its caller
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Within the block, every `gguf.GGUFReader` of one file is the same object, and gguf's
+    tensor-name maps are built once per architecture and depth. transformers (5.25) opens the
+    file anew for the config, the weights and the tokenizer, and each opening parses every
+    header field (SmolLM2's 49,152-token vocabulary and its merges: about 5 s on one core), and
+    it builds a name map for each of the file's tensors (12 ms each); a conversion took 23 s of
+    which 2 s were the weights. Both are looked up in gguf's module when called, so setting them
+    there reaches every caller; they are put back after the block."""
+    import gguf
+
+    readers: dict[tuple[Path, str], object] = {}
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def shared_reader(path, mode: str = "r"):
+        key = (Path(path).resolve(), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def convert_model(gguf_path: Path, dest: Path) -> None:
+    with parsed_once():
+        _convert_model(gguf_path, dest)
+
+
+def _convert_model(gguf_path: Path, dest: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from gguf import GGUFReader
+    import gguf
 
-    header = GGUFReader(gguf_path).fields  # memory-mapped: only the values asked for are read
+    header = gguf.GGUFReader(gguf_path).fields
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=str(gguf_path), dtype=torch.float32, local_files_only=True,
         **_config_transformers_misses(header),
@@ -35,7 +70,7 @@ def convert_model(gguf_path: Path, dest: Path) -> None:
     config.architectures = [type(model).__name__]
     config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
-    save_tokenizer(gguf_path, dest)
+    _save_tokenizer(gguf_path, dest)
     save_file(_unshared(model.state_dict()), dest / "model.safetensors", metadata={"format": "pt"})
 
 
@@ -99,10 +134,10 @@ def _mixtral_with_experts(gguf_path: Path, header, dense):
 
 def _gguf_tensor_reader(gguf_path: Path):
     """name -> float32 torch tensor in torch's order (GGUF lists dimensions the other way)."""
-    from gguf import GGUFReader
+    import gguf
     from gguf.quants import dequantize
 
-    by_name = {tensor.name: tensor for tensor in GGUFReader(gguf_path).tensors}
+    by_name = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
 
     def read(name: str) -> torch.Tensor:
         if name not in by_name:
@@ -124,6 +159,11 @@ def _experts_tensor(read, layer: int, part: str, num_experts: int) -> torch.Tens
 
 
 def save_tokenizer(gguf_path: Path, dest: Path) -> None:
+    with parsed_once():
+        _save_tokenizer(gguf_path, dest)
+
+
+def _save_tokenizer(gguf_path: Path, dest: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=str(gguf_path), local_files_only=True)
