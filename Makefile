@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/spillway serve $(ARGS)
 
+# One pytest worker a core (pytest-xdist); the tests that need the GPU share one worker.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadgroup $(ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/bench/engine/offline.py $(ARGS)

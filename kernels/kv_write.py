@@ -36,7 +36,8 @@ def _write_kv_kernel(
     stride_c_block, stride_c_kv, stride_c_token, stride_c_head,
     layer_offset,
     num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALUES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -49,37 +50,42 @@ def _write_kv_kernel(
     offset = slot % BLOCK_SIZE
     block_base = cache_ptr + layer_offset + block * stride_c_block
     key = tl.load(k_ptr + row * stride_k_row + heads * stride_k_head + dims, mask=mask)
-    value = tl.load(v_ptr + row * stride_v_row + heads * stride_v_head + dims, mask=mask)
     tl.store(block_base + offset * stride_c_token + heads * stride_c_head + dims, to_cache_dtype(key, cache_ptr),
              mask=mask)
-    value_dst = block_base + stride_c_kv + value_offset(cache_ptr, offset, heads, dims, stride_c_token,
-                                                        stride_c_head, BLOCK_SIZE)
-    tl.store(value_dst, to_cache_dtype(value, cache_ptr), mask=mask)
+    if HAS_VALUES:
+        value = tl.load(v_ptr + row * stride_v_row + heads * stride_v_head + dims, mask=mask)
+        value_dst = block_base + stride_c_kv + value_offset(cache_ptr, offset, heads, dims, stride_c_token,
+                                                            stride_c_head, BLOCK_SIZE)
+        tl.store(value_dst, to_cache_dtype(value, cache_ptr), mask=mask)
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
 ) -> None:
     """Store `k`, `v` `[rows, num_kv_heads, head_dim]` of `layer` at `slot_mapping` `[rows]`, in place.
 
     Rows whose slot is negative are skipped. k/v may be strided views (e.g. slices of a fused
     qkv projection) as long as their last dim is contiguous. k/v have the cache's dtype, or
-    any float dtype when the cache is float8 e4m3.
+    any float dtype when the cache is float8 e4m3. A one-sided cache (an MLA model's latent
+    rows, `kv_cache.shape[2] == 1`) takes `k` only, `v` None: its rows serve as both.
     """
     device = kv_cache.device
     check_tensor("kv_cache", kv_cache, ndim=6, dtypes=KV_CACHE_DTYPES, device=device)
-    num_blocks, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
-    check(two == 2, f"kv_cache dim 2 must be 2 (k, v), got shape {tuple(kv_cache.shape)}")
+    num_blocks, num_layers, sides, block_size, num_kv_heads, head_dim = kv_cache.shape
+    check(sides == (1 if v is None else 2),
+          f"kv_cache dim 2 must be {'1 (latent rows, no v)' if v is None else '2 (k, v)'}, "
+          f"got shape {tuple(kv_cache.shape)}")
     check(kv_cache.is_contiguous(), "kv_cache must be contiguous")
     check(0 <= layer < num_layers, f"layer {layer} out of range for {num_layers} layers")
-    for name, tensor in (("k", k), ("v", v)):
+    for name, tensor in (("k", k), ("v", k if v is None else v)):
         check_tensor(name, tensor, ndim=3, dtypes=dtypes_for_cache(kv_cache.dtype), device=device)
         check(
             tuple(tensor.shape[1:]) == (num_kv_heads, head_dim),
             f"{name} must be [rows, {num_kv_heads}, {head_dim}], got {tuple(tensor.shape)}",
         )
-    check(k.shape[0] == v.shape[0], f"k has {k.shape[0]} rows, v has {v.shape[0]}")
-    check(k.dtype == v.dtype, f"k is {k.dtype}, v is {v.dtype}")
+    if v is not None:
+        check(k.shape[0] == v.shape[0], f"k has {k.shape[0]} rows, v has {v.shape[0]}")
+        check(k.dtype == v.dtype, f"k is {k.dtype}, v is {v.dtype}")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     num_slots = slot_mapping.shape[0]
     check(num_slots == k.shape[0], f"slot_mapping has {num_slots} slots for {k.shape[0]} rows")
@@ -87,19 +93,20 @@ def write_kv(
     if num_rows == 0:
         return
     kernel = for_device(_write_kv_kernel, device)
+    values = k if v is None else v  # not read without values
     kernel[(num_rows,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, values, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), values.stride(0), values.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         layer * kv_cache.stride(1),
         num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
-        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        HAS_VALUES=v is not None, num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
 
 def write_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
 ) -> None:
     """`write_kv` in plain torch: a float8 cache gets k/v clamped to +-448, then cast."""
     block_size = kv_cache.shape[3]
@@ -107,4 +114,5 @@ def write_kv_reference(
     slots = slot_mapping[keep]
     blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
     kv_cache[blocks, layer, 0, offsets] = to_cache_dtype_reference(k[keep], kv_cache.dtype)
-    cache_values(kv_cache, layer)[blocks, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)
+    if v is not None:
+        cache_values(kv_cache, layer)[blocks, offsets] = to_cache_dtype_reference(v[keep], kv_cache.dtype)

@@ -1,6 +1,8 @@
 import os
 import signal
 
+import pytest
+
 # Every engine started by a test checks the block manager's invariants after each step.
 os.environ.setdefault("SPILLWAY_DEBUG_INVARIANTS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,3 +21,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # to the default in its children.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: one worker a core, `--dist loadgroup`), every test that
+    needs the GPU runs on the same worker, one after another: side by side on one device they
+    would compete for its memory and time each other's graphs."""
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.xdist_group("gpu"))

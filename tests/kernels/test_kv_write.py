@@ -101,6 +101,22 @@ def test_float8_cache_stores_a_blocks_values_transposed():
         assert same_bytes(cache_values(cache, 1)[block, offset], v[row].to(FP8))
 
 
+@pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["same-cache", "fp8-cache"])
+def test_latent_rows_fill_a_one_sided_cache(cache_dtype):
+    """An MLA model's cache: one side, one head of 576 values (not a power of two), no v."""
+    slots = [0, 15, -1, 16, 37]
+    cache = random_tensor(4, 2, 1, 16, 1, 576, dtype=cache_dtype or torch.float32, seed=3)
+    expected = cache.clone()
+    rows = random_tensor(len(slots), 1, 576, seed=4)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    write_kv(rows, None, cache, 1, slot_mapping)
+    write_kv_reference(rows, None, expected, 1, slot_mapping)
+    assert same_bytes(cache, expected)
+    assert same_bytes(cache[2, 1, 0, 5], rows[4].to(cache.dtype))  # slot 37: block 2, offset 5, laid out as keys
+    with pytest.raises(ValueError, match=r"dim 2 must be 2 \(k, v\)"):
+        write_kv(rows, rows, cache, 1, slot_mapping)
+
+
 def test_bad_arguments_are_refused():
     cache = torch.zeros(4, 2, 2, 16, 2, 32)
     k = torch.zeros(3, 2, 32)
@@ -118,6 +134,8 @@ def test_bad_arguments_are_refused():
         write_kv(k, k.bfloat16(), cache.to(FP8), 0, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="kv_cache must be one of"):
         write_kv(k, k, cache.to(torch.float8_e5m2), 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"dim 2 must be 1 \(latent rows, no v\)"):
+        write_kv(k, None, cache, 0, torch.zeros(3, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("cache_dtype", [None, FP8], ids=["same-cache", "fp8-cache"])

@@ -61,7 +61,7 @@ def _graphed_runners(seed: int):
 
 # The graph's padded rows hold whatever its buffers held (unspecified by design, never read):
 # the interpreter's numpy says so when that is NaN or huge times something.
-@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in multiply:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in (multiply|reduce):RuntimeWarning")
 def test_a_prefill_graph_step_on_a_shared_prefix_replays_the_cascade_twin(monkeypatch):
     """The step takes the bucket of 16 tokens; its cascade twin attends with the prefix length
     it reads from the staged inputs, the prefix split 4 ways (sized for the tables' reach of
