@@ -101,14 +101,14 @@ def default_settings(num_rows: int, cache_dtype: torch.dtype) -> LaunchSettings:
 
 
 @triton.jit
-def _tile_blocks(table, tile, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def tile_blocks(table, tile, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The block id of each position `tile .. tile + BLOCK_N`; 0 (unread) at or past `end`."""
     tokens = tile + tl.arange(0, BLOCK_N)
     return tl.load(table + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
 
 
 @triton.jit
-def _load_rows(
+def load_rows(
     layer_base, blocks, tile, end, stride_c_block, stride_c_token, dtype: tl.constexpr, MASKED: tl.constexpr,
     LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -131,7 +131,7 @@ def _load_rows(
 
 
 @triton.jit
-def _attend_rows(
+def attend_rows(
     q_latent, q_rope, latent, rope, acc, row_sum, row_max, tile, end, query_pos, qk_scale,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -141,6 +141,35 @@ def _attend_rows(
     scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
     scores = tl.dot(q_rope, tl.trans(rope), acc=scores, input_precision=DOT_PRECISION) * qk_scale
     return softmax_step(scores, latent, acc, row_sum, row_max, tile, end, query_pos, MASKED, DOT_PRECISION)
+
+
+@triton.jit
+def attend_span(
+    q_latent, q_rope, acc, row_sum, row_max, layer_base, table, start, unmasked_end, end, query_pos, qk_scale,
+    stride_c_block, stride_c_token,
+    LATENT_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The rows' online softmax over the cached tokens [start, end): whole tiles to
+    `unmasked_end` unmasked and software-pipelined, the rest masked and not (a second pipelined
+    loop would double the shared memory a program holds). Each tile's block ids are read one
+    iteration ahead: rows whose addresses come from a load in the same iteration get a single
+    buffer from Triton's pipeliner (no overlap of a tile's copy with the math of the one
+    before); from a loop-carried value, NUM_STAGES - 1 buffers."""
+    blocks = tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N)
+    for tile in range(start, unmasked_end, BLOCK_N):
+        latent, rope = load_rows(layer_base, blocks, tile, end, stride_c_block, stride_c_token, q_latent.dtype,
+                                 False, LATENT_DIM, ROPE_DIM, BLOCK_SIZE, BLOCK_N)
+        blocks = tile_blocks(table, tile + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
+        acc, row_sum, row_max = attend_rows(q_latent, q_rope, latent, rope, acc, row_sum, row_max, tile, end,
+                                            query_pos, qk_scale, False, DOT_PRECISION)
+    for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
+        blocks = tile_blocks(table, tile, end, BLOCK_SIZE, BLOCK_N)
+        latent, rope = load_rows(layer_base, blocks, tile, end, stride_c_block, stride_c_token, q_latent.dtype,
+                                 True, LATENT_DIM, ROPE_DIM, BLOCK_SIZE, BLOCK_N)
+        acc, row_sum, row_max = attend_rows(q_latent, q_rope, latent, rope, acc, row_sum, row_max, tile, end,
+                                            query_pos, qk_scale, True, DOT_PRECISION)
+    return acc, row_sum, row_max
 
 
 @triton.jit
@@ -181,22 +210,9 @@ def _mla_decode_kernel(
     # are pipelined; the rest, at most two tiles, run masked and unpipelined, so that a second
     # pipelined loop does not double the shared memory a program holds.
     unmasked_end = start + tl.maximum(tl.minimum(end, context_len - QUERY_LEN + 1) - start, 0) // BLOCK_N * BLOCK_N
-    # Each tile's block ids are read one iteration ahead: rows whose addresses come from a load
-    # in the same iteration get a single buffer from Triton's pipeliner (no overlap of a tile's
-    # copy with the math of the one before); from a loop-carried value, NUM_STAGES - 1 buffers.
-    blocks = _tile_blocks(table, start, end, BLOCK_SIZE, BLOCK_N)
-    for tile in range(start, unmasked_end, BLOCK_N):
-        latent, rope = _load_rows(layer_base, blocks, tile, end, stride_c_block, stride_c_token, q_latent.dtype,
-                                  False, LATENT_DIM, ROPE_DIM, BLOCK_SIZE, BLOCK_N)
-        blocks = _tile_blocks(table, tile + BLOCK_N, end, BLOCK_SIZE, BLOCK_N)
-        acc, row_sum, row_max = _attend_rows(q_latent, q_rope, latent, rope, acc, row_sum, row_max, tile, end,
-                                             query_pos, qk_scale, False, DOT_PRECISION)
-    for tile in tl.range(unmasked_end, end, BLOCK_N, num_stages=1):
-        blocks = _tile_blocks(table, tile, end, BLOCK_SIZE, BLOCK_N)
-        latent, rope = _load_rows(layer_base, blocks, tile, end, stride_c_block, stride_c_token, q_latent.dtype,
-                                  True, LATENT_DIM, ROPE_DIM, BLOCK_SIZE, BLOCK_N)
-        acc, row_sum, row_max = _attend_rows(q_latent, q_rope, latent, rope, acc, row_sum, row_max, tile, end,
-                                             query_pos, qk_scale, True, DOT_PRECISION)
+    acc, row_sum, row_max = attend_span(q_latent, q_rope, acc, row_sum, row_max, layer_base, table, start,
+                                        unmasked_end, end, query_pos, qk_scale, stride_c_block, stride_c_token,
+                                        LATENT_DIM, ROPE_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
 
     # out and the partials are [B, Q * NUM_HEADS] rows (+ LATENT_DIM for out and acc), contiguous.
     out_rows = seq.to(tl.int64) * (QUERY_LEN * NUM_HEADS) + rows
@@ -264,7 +280,7 @@ def default_num_splits(batch_size: int, num_rows: int, max_context_len: int, kv_
     return 1 << (wanted.bit_length() - 1)
 
 
-def _check_args(q, kv_cache, layer, block_tables, context_lens, kv_lora_rank, scale, num_splits) -> None:
+def check_latent_args(q, kv_cache, layer, block_tables, context_lens, kv_lora_rank, scale, num_splits) -> None:
     check_tensor("kv_cache", kv_cache, ndim=6, dtypes=KV_CACHE_DTYPES, device=kv_cache.device)
     device = kv_cache.device
     check(kv_cache.is_contiguous(), "kv_cache must be contiguous")
@@ -315,7 +331,7 @@ def paged_mla_decode(
     kv_lora_rank]` in q's dtype. `num_splits` None picks `default_num_splits`; no host read of
     device data happens either way. q may be a strided view with a contiguous last dim.
     """
-    _check_args(q, kv_cache, layer, block_tables, context_lens, kv_lora_rank, scale, num_splits)
+    check_latent_args(q, kv_cache, layer, block_tables, context_lens, kv_lora_rank, scale, num_splits)
     q4 = q if q.dim() == 4 else q.unsqueeze(1)
     out = launch(q4, kv_cache, layer, block_tables, context_lens, kv_lora_rank, scale, num_splits)
     return out.view(*q.shape[:-1], kv_lora_rank)

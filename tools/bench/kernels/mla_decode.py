@@ -5,6 +5,7 @@ measured in the same run and against its plain-torch reference.
     python tools/bench/kernels/mla_decode.py --shapes 8x32768,256x1024 --heads 128 --cache-dtype fp8
     python tools/bench/kernels/mla_decode.py --json /tmp/mla.jsonl   # also one JSON line a row
     python tools/bench/kernels/mla_decode.py --tune                   # and each launch setting beside the default
+    python tools/bench/kernels/mla_decode.py --prefill                # kernels/mla_prefill.py on one 4,096-token prompt
 
 A shape is BATCHxCONTEXT: BATCH sequences of CONTEXT cached tokens each (the new one
 included), one query each; DeepSeek V2/V3's latent rows (kv_lora_rank 512 + rope 64 = 576
@@ -21,6 +22,10 @@ eagerly).
 
 --tune: then each of the launch's settings (rows of q and tokens a program, warps, stages,
 splits) changed alone from the default, each against the default launch as its baseline.
+
+--prefill: the ragged prefill kernel (kernels/mla_prefill.py) instead, on one fresh prompt of
+PROMPT_TOKENS tokens (causal: 2 x (576 + 512) x heads x T (T + 1) / 2 FLOPs), against the bf16
+matrix-product rate measured in this run; --tune changes its settings likewise (no splits).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 from dataclasses import asdict
 from datetime import date
 
-from spillway.tools.bench.ceilings import bench_ms, machine, read_bandwidth
+from spillway.tools.bench.ceilings import bench_ms, machine, matmul_rate, read_bandwidth
 
 DEFAULT_SHAPES = "64x4096"
 DEFAULT_HEADS = "16,128"
@@ -40,6 +45,7 @@ ROW_DIM = KV_LORA_RANK + ROPE_DIM
 SCALE = 192**-0.5  # DeepSeek's qk_head_dim: 128 nope + 64 rope
 BLOCK_SIZE = 16
 LAYERS = 2
+PROMPT_TOKENS = 4096
 # Changes for --tune, each made alone to the launcher's default settings (kernels/mla_decode.py).
 TUNE_CHANGES = [
     {"block_m": 16, "num_warps": 4}, {"block_m": 32, "num_warps": 8}, {"block_m": 64, "num_warps": 8},
@@ -80,12 +86,17 @@ def main() -> None:
     parser.add_argument("--cache-dtype", choices=["bf16", "fp8", "both"], default="both")
     parser.add_argument("--tune", action="store_true", help="also each launch setting changed alone")
     parser.add_argument("--json", help="append each row to this file as a JSON line")
+    parser.add_argument("--prefill", action="store_true",
+                        help=f"time the prefill kernel on one {PROMPT_TOKENS:,}-token prompt (--shapes unused)")
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("tools/bench/kernels/mla_decode.py needs a CUDA GPU")
     device = torch.device("cuda")
+    if args.prefill:
+        prefill_main(args, device)
+        return
     bandwidth = read_bandwidth()
     print(f"{machine()}; read bandwidth {bandwidth / 1e9:,.0f} GB/s")
     print(f"{'shape':>10} {'heads':>5} {'cache':>5} {'setting':>22} {'splits':>6} {'MB':>8} {'us':>9} {'GB/s':>8} "
@@ -100,9 +111,7 @@ def main() -> None:
                           f"{row['gbps']:8.1f} {row['of_bandwidth']:6.3f} {row['rel_error']:8.1e} "
                           f"{row['baseline']:>8} {row['baseline_us']:9.1f} {row['speedup']:7.2f}x", flush=True)
                     if args.json:
-                        with open(args.json, "a") as f:
-                            f.write(json.dumps({**row, "machine": machine(), "command": " ".join(sys.argv),
-                                                "date": str(date.today())}) + "\n")
+                        append_json(args.json, row)
 
 
 def case_rows(batch: int, context: int, num_heads: int, cache_name: str, bandwidth: float, tune: bool, device):
@@ -150,6 +159,72 @@ def case_rows(batch: int, context: int, num_heads: int, cache_name: str, bandwid
         yield dict(shape=f"{batch}x{context}", heads=num_heads, cache=cache_name, setting=label, splits=splits,
                    bytes=moved, kernel_us=us, gbps=moved / us / 1e3, of_bandwidth=moved / (us / 1e6) / bandwidth,
                    rel_error=error, baseline=baseline, baseline_us=base_us, speedup=base_us / us)
+
+
+def append_json(path: str, row: dict) -> None:
+    """`row` as one JSON line at the end of `path`, with the machine, the command and the date."""
+    with open(path, "a") as f:
+        f.write(json.dumps({**row, "machine": machine(), "command": " ".join(sys.argv), "date": str(date.today())})
+                + "\n")
+
+
+def prefill_main(args, device) -> None:
+    rate = matmul_rate()
+    print(f"{machine()}; bf16 matrix products {rate / 1e12:,.0f} TFLOP/s")
+    print(f"{'tokens':>6} {'heads':>5} {'cache':>5} {'setting':>22} {'TFLOP':>7} {'us':>9} {'TFLOP/s':>8} "
+          f"{'of rate':>7} {'rel err':>8} {'baseline':>8} {'base us':>9} {'speedup':>8}")
+    for num_heads in args.heads:
+        for cache_name in ["bf16", "fp8"] if args.cache_dtype == "both" else [args.cache_dtype]:
+            for row in prefill_rows(num_heads, cache_name, rate, args.tune, device):
+                print(f"{row['tokens']:>6} {row['heads']:>5} {row['cache']:>5} {row['setting']:>22} "
+                      f"{row['flops'] / 1e12:7.2f} {row['kernel_us']:9.1f} {row['tflops']:8.1f} {row['of_rate']:7.3f} "
+                      f"{row['rel_error']:8.1e} {row['baseline']:>8} {row['baseline_us']:9.1f} "
+                      f"{row['speedup']:7.2f}x", flush=True)
+                if args.json:
+                    append_json(args.json, row)
+
+
+def prefill_rows(num_heads: int, cache_name: str, rate: float, tune: bool, device):
+    """`case_rows` for one fresh prompt of PROMPT_TOKENS tokens through kernels/mla_prefill.py."""
+    from dataclasses import replace
+
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from spillway.kernels.mla_prefill import default_prefill_settings, launch, paged_mla_prefill_reference
+    from spillway.tools.bench.kernels.moe_cases import graph_us
+
+    tokens = PROMPT_TOKENS
+    _, cache, tables, lens = build_case(1, tokens, num_heads, cache_name, device)
+    q = torch.randn(tokens, num_heads, ROW_DIM, dtype=torch.bfloat16, device=device)
+    starts = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+    args = (q, cache, 0, starts, lens, tables)
+    kwargs = dict(kv_lora_rank=KV_LORA_RANK, scale=SCALE, max_query_len=tokens)
+    flops = 2 * (ROW_DIM + KV_LORA_RANK) * num_heads * tokens * (tokens + 1) // 2
+    ref = paged_mla_prefill_reference(*args, **kwargs).double()
+    baseline_us = 1e3 * bench_ms(lambda: paged_mla_prefill_reference(*args, **kwargs), warmup=2, rep=10)
+    default = default_prefill_settings(num_heads, tokens, cache.dtype)
+    launches = [(f"default {_label(default)}", default)]
+    if tune:
+        changed = dict.fromkeys(replace(default, **change) for change in TUNE_CHANGES)
+        launches += [(_label(settings), settings) for settings in changed if settings != default]
+    default_us = None
+    for label, settings in launches:
+
+        def call(layer, settings=settings):
+            return launch(q, cache, layer, starts, lens, tables, KV_LORA_RANK, SCALE, tokens, settings)
+
+        try:
+            error = float((call(0).double() - ref).norm() / ref.norm())
+            us = graph_us([lambda layer=layer: call(layer) for layer in range(LAYERS)], device)
+        except OutOfResources as failure:
+            print(f"{label}: failed, {type(failure).__name__}: {str(failure)[:200]}", flush=True)
+            continue
+        baseline, base_us = ("torch", baseline_us) if default_us is None else ("default", default_us)
+        default_us = default_us or us
+        yield dict(tokens=tokens, heads=num_heads, cache=cache_name, setting=label, flops=flops, kernel_us=us,
+                   tflops=flops / us / 1e6, of_rate=flops / (us / 1e6) / rate, rel_error=error, baseline=baseline,
+                   baseline_us=base_us, speedup=base_us / us)
 
 
 def _label(settings) -> str:
