@@ -17,7 +17,8 @@ output, gpu_memory_utilization=...)`, then `generate` over `--num-requests` toke
 first 256 ids where tokenizers keep their special tokens), greedy, EOS ignored, each asking
 exactly `--output-len` tokens. A four-prompt warm-up goes first and is not timed. Prints one
 JSON line (and appends it to `--results`): output tok/s, total tok/s, elapsed, the engine's
-version. Run the two engines back to back on the same machine and the same model folder; the
+version; Spillway's also its preemptions, KV blocks and steps over the timed run (output tokens
+a step: the batch it kept decoding). Run the two engines back to back on the same machine and the same model folder; the
 ratio of their lines is the figure.
 """
 
@@ -73,6 +74,7 @@ def run(args) -> dict:
               gpu_memory_utilization=args.gpu_memory_utilization)
     warm = make_prompts(vocab_size, 4, args.input_len, args.seed + 1)
     llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = llm.stats() if args.engine == "spillway" else None
     started = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
                            use_tqdm=False)
@@ -81,8 +83,11 @@ def run(args) -> dict:
     if generated != args.num_requests * args.output_len:
         raise SystemExit(f"{engine_version} generated {generated} tokens, not {args.num_requests} x {args.output_len}")
     extra = {}
-    if args.engine == "spillway":  # what explains a gap: how often it preempted, how much KV it held
-        extra = dict(preemptions=llm.stats().num_preemptions, kv_blocks=llm.ready.num_gpu_blocks)
+    if args.engine == "spillway":  # what explains a gap: how often it preempted, how much KV it held, its steps
+        after = llm.stats()
+        steps = after.num_steps - before.num_steps
+        extra = dict(preemptions=after.num_preemptions - before.num_preemptions, kv_blocks=llm.ready.num_gpu_blocks,
+                     steps=steps, output_tokens_per_step=round(generated / max(steps, 1), 1))
     return dict(**extra, engine=engine_version, model=args.model, requests=args.num_requests, input_len=args.input_len,
                 output_len=args.output_len, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 elapsed_s=round(elapsed, 3), output_tok_s=round(generated / elapsed, 1),
