@@ -89,6 +89,17 @@ def test_runners_verify_with_the_decode_kernel_only_when_speculating():
     assert default_backend(cuda, 16, verifies=True).max_decode_query_len == MAX_VERIFY_QUERY_LEN
 
 
+def test_a_latent_model_gets_the_latent_kernels_on_cuda_and_plain_torch_elsewhere():
+    from spillway.worker.attention.torch_paged import TorchAttentionBackend
+    from spillway.worker.attention.triton_latent import LatentAttentionBackend
+    from spillway.worker.runner.model_runner import MAX_VERIFY_QUERY_LEN, default_backend
+
+    backend = default_backend(torch.device("cuda"), 16, verifies=True, scale=0.1, kv_lora_rank=512)
+    assert isinstance(backend, LatentAttentionBackend)
+    assert (backend.kv_lora_rank, backend.scale, backend.max_decode_query_len) == (512, 0.1, MAX_VERIFY_QUERY_LEN)
+    assert isinstance(default_backend(torch.device("cpu"), 16, scale=0.1, kv_lora_rank=512), TorchAttentionBackend)
+
+
 def test_decode_metadata_with_padding_sequences():
     """B = 3 sequences, the last one padding (context 0, slot -1), as a graph bucket holds it."""
     backend = TritonAttentionBackend(16)

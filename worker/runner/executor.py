@@ -26,7 +26,7 @@ from torch import nn
 from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
 from spillway.worker.runner.kv_budget import KVBudget
 from spillway.worker.kv_tier.copier import KVCopier
-from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend
+from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend, latent_rank
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
@@ -106,7 +106,8 @@ class Executor:
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, num_blocks=None, block_size=block_size, device=device, dtype=dtype,
                                   kv_cache_dtype=kv_cache_dtype,
-                                  backend=default_backend(device, block_size, speculative, model.attention_scale),
+                                  backend=default_backend(device, block_size, speculative, model.attention_scale,
+                                                          latent_rank(model)),
                                   max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.kv_copier: KVCopier | None = None  # with a CPU tier (allocate_cpu_kv_cache)

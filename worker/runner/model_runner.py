@@ -74,16 +74,29 @@ MAX_VERIFY_QUERY_LEN = 8
 
 
 def default_backend(device: torch.device, block_size: int, verifies: bool = False,
-                    scale: float | None = None) -> AttentionBackend:
+                    scale: float | None = None, kv_lora_rank: int | None = None) -> AttentionBackend:
     """The Triton kernels on CUDA, plain torch elsewhere. `verifies`: steps will verify drafts
     (k + 1 queries a request), which the decode kernel serves up to MAX_VERIFY_QUERY_LEN.
-    `scale`: the model's softmax scale (`attention_scale`), None for head_dim ** -0.5."""
+    `scale`: the model's softmax scale (`attention_scale`), None for head_dim ** -0.5.
+    `kv_lora_rank`: a latent-attention (MLA) model's (`latent_rank`), whose cache holds latent
+    rows: on CUDA the latent kernels' backend (the model builder still refuses MLA there until
+    that path has run on a GPU: worker/models/llama.py)."""
     if device.type == "cuda":
+        decode_query_len = MAX_VERIFY_QUERY_LEN if verifies else 1
+        if kv_lora_rank is not None:
+            from spillway.worker.attention.triton_latent import LatentAttentionBackend
+
+            return LatentAttentionBackend(block_size, kv_lora_rank, scale, max_decode_query_len=decode_query_len)
         from spillway.worker.attention.triton_paged import TritonAttentionBackend
 
-        return TritonAttentionBackend(block_size, scale=scale,
-                                      max_decode_query_len=MAX_VERIFY_QUERY_LEN if verifies else 1)
+        return TritonAttentionBackend(block_size, scale=scale, max_decode_query_len=decode_query_len)
     return TorchAttentionBackend(block_size, scale=scale)
+
+
+def latent_rank(model: nn.Module) -> int | None:
+    """The kv_lora_rank of a latent-attention model's cache rows, None for any other."""
+    mla = model.spec.mla
+    return None if mla is None else mla.kv_lora_rank
 
 
 class ModelRunner:
@@ -117,7 +130,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
-        self.backend = backend or default_backend(self.device, block_size, scale=model.attention_scale)
+        self.backend = backend or default_backend(self.device, block_size, scale=model.attention_scale,
+                                                  kv_lora_rank=latent_rank(model))
         if self.backend.scale != model.attention_scale:
             raise ValueError(f"the attention backend's softmax scale {self.backend.scale} is not the model's "
                              f"{model.attention_scale} (default_backend's `scale`)")
