@@ -3,7 +3,8 @@ Spillway's own kernel for the device and the model, said once in the worker's lo
 
     Triton paged attention        a model without latent attention, on CUDA
     plain-torch paged attention   a model without latent attention, on the CPU
-    plain-torch latent attention  an MLA model (DeepSeek V2/V3): the CPU only, for now
+    Triton latent attention       an MLA model (DeepSeek V2/V3), on CUDA (kernels/mla_decode.py)
+    plain-torch latent attention  an MLA model, on the CPU
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from spillway.worker.attention.torch_paged import AttentionBackend, TorchAttenti
 def requested_backend_note(requested: str, backend: AttentionBackend, *, latent: bool) -> str:
     """The log line for `requested` (a name the gateway checked against the model) when
     `backend` runs a model with (`latent`) or without multi-head latent attention."""
-    if latent:
-        kernel, why = "plain-torch latent attention", "MLA runs on the CPU for now"
+    if latent and isinstance(backend, TorchAttentionBackend):
+        kernel, why = "plain-torch latent attention", "the CPU runs plain torch"
+    elif latent:
+        kernel, why = "Triton latent attention", "Spillway's own MLA kernels run on CUDA, tuned for Hopper"
     elif isinstance(backend, TorchAttentionBackend):
         kernel, why = "plain-torch paged attention", "the CPU runs plain torch"
     else:

@@ -14,8 +14,8 @@ One implementation; the families differ only in flags read from the config:
     mixtral    -               -            experts          softmax top-k, renormalised;
                                                                sliding window as mistral
     deepseek_  MLA (mla.py):   -            MLP in the first grouped top-k with shared experts;
-    v2, v3     attention_bias               first_k_dense_     a latent KV cache (one side);
-                                            replace, then      the CPU only for now
+    v2, v3     attention_bias               first_k_dense_     a latent KV cache (one side)
+                                            replace, then
                                             experts
 
 Any family may scale its rotary wavelengths, "llama3" or "yarn" (rope_scaling.py).
@@ -140,12 +140,8 @@ class LlamaForCausalLM(nn.Module):
         `ops` defaults to the Triton kernels on CUDA and plain torch elsewhere. `reshape` runs
         on the meta model before it gets storage: tensor parallelism cuts it to one rank's shard
         there (worker/models/shard_loading.py), so the whole model never exists on the device.
-        An MLA model (DeepSeek) is refused on CUDA: its kernels are not built yet.
         """
         device = torch.device(device)
-        if device.type == "cuda" and model_type_of(config) in MLA_MODEL_TYPES:
-            raise ValueError(f"MLA runs on the CPU only for now: {model_type_of(config)} cannot be built on {device} "
-                             "(its GPU kernels are not built yet); serve it with device cpu")
         with torch.device("meta"):
             model = cls(config, ops or ops_for(device))
         if reshape is not None:

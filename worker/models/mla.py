@@ -20,29 +20,30 @@ then `o_proj`. Prefill runs the same form; it is exact up to float rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from spillway.worker.attention.torch_paged import AttentionBackend, AttentionMetadata
-from spillway.worker.models.layers import DecoderOps, RMSNorm, apply_rotary
+from spillway.worker.models.layers import DecoderOps, RMSNorm
 from spillway.worker.models.spec import DecoderSpec, MlaSpec, RopeLayout
 
 # The latent norms' epsilon: DeepSeek's and transformers' default, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 
 
-def rotate_mla(q_pe: torch.Tensor, k_pe: torch.Tensor, rope: tuple[torch.Tensor, ...], layout: RopeLayout
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_pe `[tokens, heads, rope_dim]` and k_pe `[tokens, 1, rope_dim]` rotated by `rope`'s
-    `(cos, sin)` `[tokens, rope_dim // 2]`. `PAIRS` turns dims (2i, 2i + 1) together and returns
-    them de-interleaved (all first members, then all second members), as transformers' DeepSeek
+def rotate_mla(q_pe: torch.Tensor, k_pe: torch.Tensor, rope: tuple[torch.Tensor, ...], layout: RopeLayout,
+               rotate_q_k: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_pe `[tokens, heads, rope_dim]` and k_pe `[tokens, 1, rope_dim]` rotated by `rope` (what
+    the ops' `rope_for_step` made) through the ops' `rotate_q_k` (in place on a GPU). `PAIRS`
+    turns dims (2i, 2i + 1) together and returns them de-interleaved (all first members, then all second members), as transformers' DeepSeek
     V3 does; DeepSeek V2's complex product gives the same values interleaved, and q.k is the
     same sum either way, so q and k only need the one layout."""
-    cos, sin = rope
     if layout is RopeLayout.PAIRS:
         q_pe = torch.cat((q_pe[..., 0::2], q_pe[..., 1::2]), dim=-1)
         k_pe = torch.cat((k_pe[..., 0::2], k_pe[..., 1::2]), dim=-1)
-    return apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+    return rotate_q_k(q_pe, k_pe, rope)
 
 
 class LatentUpProjection(nn.Module):
@@ -80,6 +81,7 @@ class MlaAttention(nn.Module):
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=spec.qkv_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
+        self.ops = ops
         self.kv_b_proj = LatentUpProjection(mla.kv_lora_rank, heads, mla.qk_nope_head_dim, mla.v_head_dim)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=spec.o_bias)
 
@@ -92,7 +94,7 @@ class MlaAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_pe = q.view(-1, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = rotate_mla(q_pe, k_pe[:, None, :], rope, mla.rope_layout)
+        q_pe, k_pe = rotate_mla(q_pe, k_pe[:, None, :], rope, mla.rope_layout, self.ops.rotate_q_k)
         w_uk, w_uv = self.kv_b_proj.halves()
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         rows = torch.cat((self.kv_a_layernorm(latent)[:, None, :], k_pe), dim=-1)  # [tokens, 1, latent_dim]

@@ -79,8 +79,7 @@ def default_backend(device: torch.device, block_size: int, verifies: bool = Fals
     (k + 1 queries a request), which the decode kernel serves up to MAX_VERIFY_QUERY_LEN.
     `scale`: the model's softmax scale (`attention_scale`), None for head_dim ** -0.5.
     `kv_lora_rank`: a latent-attention (MLA) model's (`latent_rank`), whose cache holds latent
-    rows: on CUDA the latent kernels' backend (the model builder still refuses MLA there until
-    that path has run on a GPU: worker/models/llama.py)."""
+    rows: on CUDA the latent kernels' backend (worker/attention/triton_latent.py)."""
     if device.type == "cuda":
         decode_query_len = MAX_VERIFY_QUERY_LEN if verifies else 1
         if kv_lora_rank is not None:

@@ -26,8 +26,8 @@ DENSE = ("FLASH_ATTN, FLASH_ATTN_DIFFKV, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION
 LATENT = ("FLASH_ATTN_MLA, FLASHMLA, FLASHINFER_MLA, TRITON_MLA, CUTLASS_MLA, TOKENSPEED_MLA, FLASHMLA_SPARSE, "
           "FLASHINFER_MLA_SPARSE, TRITON_MLA_SPARSE, ROCM_AITER_MLA, ROCM_AITER_TRITON_MLA, ROCM_AITER_MLA_SPARSE, "
           "XPU_MLA_SPARSE")
-TRITON_MLA_LINE = ("attention backend TRITON_MLA requested: Spillway's plain-torch latent attention runs (MLA runs on "
-                   "the CPU for now; TRITON_MLA is vLLM's Triton latent-attention kernel)")
+TRITON_MLA_LINE = ("attention backend TRITON_MLA requested: Spillway's plain-torch latent attention runs (the CPU "
+                   "runs plain torch; TRITON_MLA is vLLM's Triton latent-attention kernel)")
 
 
 @pytest.fixture(scope="module")

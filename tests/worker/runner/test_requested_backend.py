@@ -11,13 +11,14 @@ import pytest
 from spillway.protocol.config import WorkerConfig
 from spillway.worker.attention.requested_backend import requested_backend_note
 from spillway.worker.attention.torch_paged import TorchAttentionBackend
+from spillway.worker.attention.triton_latent import LatentAttentionBackend
 from spillway.worker.attention.triton_paged import TritonAttentionBackend
 from spillway.worker.driver.engine import Engine
 
 from tiny_models import save_tiny_deepseek_v3
 
-TRITON_MLA_LINE = ("attention backend TRITON_MLA requested: Spillway's plain-torch latent attention runs (MLA runs on "
-                   "the CPU for now; TRITON_MLA is vLLM's Triton latent-attention kernel)")
+TRITON_MLA_LINE = ("attention backend TRITON_MLA requested: Spillway's plain-torch latent attention runs (the CPU "
+                   "runs plain torch; TRITON_MLA is vLLM's Triton latent-attention kernel)")
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,11 @@ def test_the_worker_refuses_a_name_that_does_not_fit_before_it_loads_the_model(d
 
 @pytest.mark.parametrize("backend, latent, line", [
     (TorchAttentionBackend(16), True,
-     "attention backend TOKENSPEED_MLA requested: Spillway's plain-torch latent attention runs (MLA runs on the CPU "
-     "for now; TOKENSPEED_MLA is vLLM's Blackwell-only kernel)"),
+     "attention backend TOKENSPEED_MLA requested: Spillway's plain-torch latent attention runs (the CPU runs "
+     "plain torch; TOKENSPEED_MLA is vLLM's Blackwell-only kernel)"),
+    (LatentAttentionBackend(16, 512, 0.1), True,
+     "attention backend TOKENSPEED_MLA requested: Spillway's Triton latent attention runs (Spillway's own MLA kernels "
+     "run on CUDA, tuned for Hopper; TOKENSPEED_MLA is vLLM's Blackwell-only kernel)"),
     (TritonAttentionBackend(16), False,
      "attention backend FLASH_ATTN requested: Spillway's Triton paged attention runs (Spillway's own kernels run on "
      "CUDA; FLASH_ATTN is vLLM's FlashAttention kernel)"),
