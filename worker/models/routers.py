@@ -72,6 +72,12 @@ class GroupedTopK:
     renormalize: bool
     routed_scaling_factor: float
 
+    @property
+    def is_softmax_topk(self) -> bool:
+        """Softmax scores with every group kept (DeepSeek V2-Lite's "greedy"): plain softmax
+        top-k, which a GPU runs as one kernel (`DecoderOps.softmax_topk`), then the scaling."""
+        return self.scoring is Scoring.SOFTMAX and self.topk_groups == self.num_groups
+
 
 def grouped_topk(
     router_logits: torch.Tensor, top_k: int, params: GroupedTopK, correction_bias: torch.Tensor | None = None

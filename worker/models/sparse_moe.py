@@ -24,7 +24,8 @@ from spillway.worker.models.spec import MoeSpec, RouterKind
 
 class Router(nn.Module):
     """Chooses each token's `top_k` experts and their weights (float32 `[tokens, K]`): the softmax
-    router through `ops.softmax_topk` (one kernel on a GPU), DeepSeek's in plain torch."""
+    router through `ops.softmax_topk` (one kernel on a GPU), DeepSeek's in plain torch unless
+    its grouping keeps every group of softmax scores without a bias (`is_softmax_topk`)."""
 
     def __init__(self, hidden_size: int, moe: MoeSpec, ops: DecoderOps) -> None:
         super().__init__()
@@ -38,7 +39,13 @@ class Router(nn.Module):
         if moe.router is RouterKind.GROUPED_TOPK:
             # DeepSeek computes its router logits in float32, whatever the model's dtype.
             logits = F.linear(hidden.float(), self.weight.float())
-            return grouped_topk(logits, moe.top_k, moe.grouped_topk, self.e_score_correction_bias)
+            params = moe.grouped_topk
+            if params.is_softmax_topk and self.e_score_correction_bias is None:
+                # grouped_topk's renormalising epsilon (1e-20) is below float32's resolution
+                # of a sum of probabilities: the same weights.
+                weights, ids = self.ops.softmax_topk(logits, moe.top_k, renormalize=params.renormalize)
+                return weights * params.routed_scaling_factor, ids
+            return grouped_topk(logits, moe.top_k, params, self.e_score_correction_bias)
         logits = F.linear(hidden, self.weight)
         return self.ops.softmax_topk(logits, moe.top_k, renormalize=moe.norm_topk_prob,
                                      weights_in_logits_dtype=moe.weights_in_logits_dtype)

@@ -186,3 +186,22 @@ def test_groups_that_cannot_hold_top_k_experts_are_refused():
         grouped_topk(torch.zeros(2, 16), 5, params)
     with pytest.raises(ValueError, match="15 experts"):
         grouped_topk(torch.zeros(2, 15), 2, params)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize(("num_groups", "topk_groups"), [(1, 1), (4, 4)])
+def test_grouping_that_keeps_every_group_of_softmax_scores_is_softmax_topk(num_groups, topk_groups, renormalize):
+    """What lets the model route DeepSeek V2-Lite through the softmax router's kernel."""
+    params = GroupedTopK(Scoring.SOFTMAX, GroupScore.MAX, num_groups=num_groups, topk_groups=topk_groups,
+                         renormalize=renormalize, routed_scaling_factor=2.5)
+    logits = torch.randn(64, 16, generator=torch.Generator().manual_seed(9))
+    assert params.is_softmax_topk
+    assert not GroupedTopK(Scoring.SIGMOID, GroupScore.MAX, num_groups, topk_groups, renormalize, 2.5).is_softmax_topk
+    assert not GroupedTopK(Scoring.SOFTMAX, GroupScore.MAX, 4, 2, renormalize, 2.5).is_softmax_topk
+
+    weights, ids = softmax_topk(logits, 3, renormalize=renormalize)
+
+    expected_weights, expected_ids = by_expert_id(*grouped_topk(logits, 3, params))
+    weights, ids = by_expert_id(weights * 2.5, ids)
+    assert torch.equal(ids, expected_ids)
+    assert torch.equal(weights, expected_weights)
