@@ -7,5 +7,6 @@ May import: protocol/ only, never torch or the worker (but `spillway worker`'s o
 from spillway.gateway.offline.llm import LLM
 from spillway.gateway.offline.outputs import CompletionOutput, Logprob, RequestOutput
 from spillway.gateway.api.sampling_params import SamplingParams
+from spillway.gateway.api.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

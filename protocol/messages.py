@@ -32,6 +32,27 @@ class FinishReason(str, Enum):
     ERROR = "error"  # the worker refused or failed it
 
 
+class StructuredKind(str, Enum):
+    """What a constrained request's `StructuredOutput.spec` holds (vLLM's structured_outputs)."""
+
+    JSON = "json"  # a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec ""
+    REGEX = "regex"  # a regular expression the whole answer matches
+    CHOICE = "choice"  # a JSON list of strings, the answer exactly one of them
+    GRAMMAR = "grammar"  # an EBNF (GBNF) or Lark grammar
+    STRUCTURAL_TAG = "structural_tag"  # free text in which tags start constrained parts, as JSON
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """The language a request's answer must belong to. The worker compiles it (cached by
+    value) and masks each step's logits to the tokens that keep the answer inside it; a
+    reasoning model's thinking is left free, the answer after its end marker constrained."""
+
+    kind: StructuredKind
+    spec: str = ""
+    compact: bool = False  # JSON kinds: no whitespace between tokens (vLLM's disable_any_whitespace)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the worker needs to sample one request. Validated by the gateway."""
 
@@ -49,6 +70,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

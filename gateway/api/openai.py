@@ -73,6 +73,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class ResponseFormat(msgspec.Struct, kw_only=True):
     type: str = "text"
     json_schema: dict[str, Any] | None = None
+    structural_tag: dict[str, Any] | None = None  # vLLM's type "structural_tag"
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ import msgspec
 from spillway.gateway.api.openai import ChatCompletionRequest, CompletionRequest, bad_request
 from spillway.gateway.api.prompt_ids import PROMPT_SHAPES, Prompt, token_id_prompt
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from spillway.gateway.api.structured_outputs import StructuredOutputsParams, from_fields, from_response_format
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 128
@@ -22,7 +23,6 @@ MAX_STOP_TOKEN_IDS = 256
 INT64_MAX = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
 
-_STRUCTURED = "structured outputs are not supported"
 # Field -> why it is refused when set. Both endpoints, then each one's own.
 REFUSED = {
     "use_beam_search": "beam search is not supported",
@@ -35,15 +35,12 @@ REFUSED = {
     "logits_processors": "logits_processors are not supported",
     "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated prefill) is not supported",
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (structured_outputs' "
+                                 "disable_any_whitespace is)",
 }
+# vLLM's older names for structured_outputs' fields.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 REFUSED_CHAT = {
     "echo": "echo is not supported for chat completions",
     "include_reasoning": "include_reasoning=false is not supported",
@@ -72,8 +69,6 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
             raise bad_request(f"{name}: {reason}", param=name)
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise bad_request("best_of other than n is not supported", param="best_of")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format: {_STRUCTURED} (only type 'text' is)", param="response_format")
     if chat:
         _check_tools(request)
 
@@ -88,6 +83,30 @@ def _check_tools(request: ChatCompletionRequest) -> None:
     if request.tools and choice is None:
         raise bad_request("tools: tool calling is not supported (send tool_choice 'none' to leave "
                           "the tools out of the prompt)", param="tools")
+
+
+def structured_outputs(request: ChatCompletionRequest | CompletionRequest) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, from `structured_outputs`, `response_format` or
+    the `guided_*` fields (at most one of the three ways); a ValueError becomes a 400."""
+    asked = {}
+    if request.structured_outputs:
+        asked["structured_outputs"] = lambda: from_fields(request.structured_outputs, "structured_outputs")
+    if request.response_format is not None and request.response_format.type != "text":
+        asked["response_format"] = lambda: from_response_format(request.response_format)
+    guided = {GUIDED_FIELDS[name]: getattr(request, name) for name in GUIDED_FIELDS
+              if getattr(request, name) not in (None, [], {})}
+    if guided:
+        first = next(name for name in GUIDED_FIELDS if GUIDED_FIELDS[name] in guided)
+        asked[first] = lambda: StructuredOutputsParams(**guided)
+    if len(asked) > 1:
+        raise bad_request(f"{' and '.join(asked)} both constrain the output: send one", param=next(iter(asked)))
+    if not asked:
+        return None
+    (name, build), = asked.items()
+    try:
+        return build()
+    except ValueError as exc:
+        raise bad_request(f"{name}: {exc}", param=name) from None
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
@@ -146,6 +165,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, max_toke
             include_stop_str_in_output=request.include_stop_str_in_output,
             thinking_budget=request.thinking_budget,
             thinking_token_budget=request.thinking_token_budget,
+            structured_outputs=structured_outputs(request),
         )
     except ValueError as exc:
         message = str(exc)

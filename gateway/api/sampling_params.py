@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass, field
 
+from spillway.gateway.api.structured_outputs import StructuredOutputsParams
 from spillway.protocol import messages as wire
 
 MAX_LOGPROBS = 20
@@ -41,6 +42,8 @@ class SamplingParams:
     # Reasoning models: at most this many tokens inside <think> ... </think>.
     thinking_budget: int | None = None
     thinking_token_budget: InitVar[int | None] = None  # alias of thinking_budget
+    # The language the answer must belong to (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self, thinking_token_budget: int | None) -> None:
@@ -79,6 +82,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop strings must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams")
 
     def to_wire(self, max_tokens: int, seed: int | None = None) -> wire.SamplingParams:
         """The worker's view; `max_tokens` is resolved by the caller (None means to the context end)."""
@@ -97,6 +102,7 @@ class SamplingParams:
             prompt_logprobs=self.prompt_logprobs,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            structured=None if self.structured_outputs is None else self.structured_outputs.to_wire(),
         )
 
 

@@ -5,12 +5,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 
 from spillway.protocol.hashing import ids_below
 from spillway.protocol.messages import BlockHash, FinishReason, Generate, SamplingParams, TokenLogprobs
-from spillway.protocol.reasoning import ThinkingPolicy, ThinkingState, initial_state
+from spillway.protocol.reasoning import Phase, ThinkingPolicy, ThinkingState, initial_state
+
+
+class TokenGrammar(Protocol):
+    """What the core needs of a constrained request's grammar (worker/sample/grammars.py)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -92,7 +101,7 @@ class Request:
     # Advanced with every committed output token; decides tokens forced by the budget.
     thinking_state: ThinkingState | None = field(init=False, default=None)
     # The device can choose this request's tokens from the logits alone: no logprobs to
-    # report, no penalties over its history, no thinking budget. With min_tokens reached, its
+    # report, no penalties over its history, no thinking budget, no grammar. With min_tokens reached, its
     # decode steps may run ahead of the host (worker/driver/pipeline.py). Fixed at arrival.
     samples_on_device: bool = field(init=False, default=False)
     # The largest prompt id when known from the wire (packed ids: numpy found it in
@@ -100,6 +109,9 @@ class Request:
     max_prompt_token_id: int | None = None
     # prompt_logprobs, when asked for: filled as the prompt's chunks run (worker/sample/logprobs.py).
     prompt_logprobs: list[TokenLogprobs] = field(init=False, default_factory=list)
+    # A constrained request's matcher (worker/sample/grammars.py's RequestGrammar), set by the
+    # engine once its grammar compiled; the answer's committed tokens advance it.
+    grammar: TokenGrammar | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.parent_id:
@@ -108,7 +120,7 @@ class Request:
             self.thinking_state = initial_state(self.thinking_policy)
         params = self.params
         self.samples_on_device = (params.logprobs is None and not has_penalties(params)
-                                  and self.thinking_policy is None)
+                                  and self.thinking_policy is None and params.structured is None)
 
     @classmethod
     def from_generate(cls, msg: Generate, arrival_index: int) -> Request:
@@ -188,6 +200,12 @@ class Request:
         """The prompt as the sampler takes it: a list (made once) where penalties read it, else
         as held (the sampler reads only its length then)."""
         return self.prompt_token_ids if has_penalties(self.params) else self.prompt
+
+    @property
+    def in_answer(self) -> bool:
+        """Past any thinking: where a grammar constrains the tokens (a reasoning model thinks
+        freely, then answers in the grammar)."""
+        return self.thinking_state is None or self.thinking_state.phase == Phase.ANSWER
 
     def append_token(self, token_id: int) -> None:
         self.outputs.append(token_id)

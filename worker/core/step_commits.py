@@ -98,10 +98,13 @@ class StepCommits:
     def _append_run(self, request: Request, run: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append the run's tokens up to the first that finishes the request."""
         for index, token in enumerate(run):
+            constrained = request.grammar is not None and request.in_answer
             request.append_token(token)
             if request.thinking_state is not None:
                 request.thinking_state = advance(request.thinking_policy, request.thinking_state, token)[0]
             reason = self._finish_reason(request, token)
+            if constrained and reason is None:
+                reason = _grammar_finish(request.grammar, token)
             if reason is not None:
                 return run[: index + 1], reason
         return run, None
@@ -123,3 +126,12 @@ class StepCommits:
         if num_outputs >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _grammar_finish(grammar, token: int) -> FinishReason | None:
+    """A constrained answer ends where its grammar is complete and takes the stop token (under
+    ignore_eos too: nothing may follow), or where a token leaves it (a dead end: the masks
+    allow none of the tokens the model could still produce)."""
+    if not grammar.accept(token) or grammar.is_terminated():
+        return FinishReason.STOP
+    return None

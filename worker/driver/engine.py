@@ -29,8 +29,10 @@ from spillway.worker.runner.model_runner import ModelRunner
 from spillway.worker.models import loader
 from spillway.worker.driver.commit_order import (AFTER_LAUNCH, BEFORE_LAUNCH, BEFORE_PLAN, FINISHED, NEXT_CALL,
                                                  NOTHING, RUNNING, Commit, CommitOrder, commit_order)
+from spillway.worker.driver.constrained import ConstrainedRequests
 from spillway.worker.driver.pipeline import LaunchedStep, TokenReadback, pack_step
 from spillway.worker.core.request import Request
+from spillway.worker.sample.grammars import GrammarCompiler
 from spillway.worker.sample.sampler import Sampler, SamplingInput
 from spillway.worker.core.scheduler import Scheduler
 from spillway.worker.speculative.decoder import SpecDecoder
@@ -42,6 +44,9 @@ from spillway.worker.tp.group import RankGroup, check_tensor_parallel
 from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
 logger = logging.getLogger(__name__)
+
+# With only grammars compiling, how long a step waits for one before it returns.
+COMPILE_POLL_S = 0.005
 
 
 class Engine:
@@ -79,6 +84,8 @@ class Engine:
         self.block_size = config.block_size
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
+        self.constrained = ConstrainedRequests(GrammarCompiler(files.path, self.vocab_size, self.eos_token_ids),
+                                               config.max_num_seqs, self.device)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:  # before the pool is sized: a draft model takes its share first
             self.spec = build_spec_decoder(
@@ -159,14 +166,32 @@ class Engine:
         (`worker.request.refusal` says why)."""
         self._arrivals += 1
         try:
-            self.scheduler.add(Request.from_generate(msg, self._arrivals))
+            request = Request.from_generate(msg, self._arrivals)
+            if request.params.structured is not None:  # joins the scheduler once its grammar compiled
+                self.constrained.add(request)
+            else:
+                self.scheduler.add(request)
         except ValueError as exc:
             return RequestDelta(request_id=msg.request_id, new_token_ids=[],
                                 finish_reason=FinishReason.ERROR, error=str(exc))
         return None
 
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Constrained requests whose grammar compiled join the scheduler; the deltas of those
+        refused (their grammar, or the scheduler's checks)."""
+        if not self.constrained.num_compiling:
+            return []
+        ready, refused = self.constrained.ready()
+        for request in ready:
+            try:
+                self.scheduler.add(request)
+            except ValueError as exc:
+                refused.append(RequestDelta(request_id=request.request_id, new_token_ids=[],
+                                            finish_reason=FinishReason.ERROR, error=str(exc)))
+        return refused
+
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
-        aborted = self.scheduler.abort(request_ids)
+        aborted = self.constrained.abort(request_ids) + self.scheduler.abort(request_ids)
         for request in aborted:
             self._forget(request.request_id)
         return [RequestDelta(request_id=r.request_id, new_token_ids=[],
@@ -174,11 +199,12 @@ class Engine:
 
     def abort_all(self) -> int:
         """Abort every request without reporting them (their gateway is gone); how many."""
-        return len(self.abort(self.scheduler.request_ids()))
+        return len(self.abort(self.scheduler.request_ids() + self.constrained.request_ids()))
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished or self._in_flight is not None
+        return (self.scheduler.has_unfinished or self._in_flight is not None
+                or self.constrained.num_compiling > 0)
 
     @property
     def waits_for_loads(self) -> bool:
@@ -202,6 +228,13 @@ class Engine:
         and of the step launched now around the plan and the launch; each goes through
         `_commit_due`. A plan that runs ahead (asynchronous scheduling) is launched before the
         step in flight is committed, and is itself committed by the next call."""
+        compiled = self._admit_compiled()
+        if not self.scheduler.has_unfinished and self._in_flight is None and self.constrained.num_compiling:
+            self.constrained.wait(COMPILE_POLL_S)  # nothing to run until a grammar compiles
+            return compiled
+        return compiled + self._step() if compiled else self._step()
+
+    def _step(self) -> list[RequestDelta]:
         previous = self._in_flight
         self.tier.before_step()
         lookahead = 0 if self.spec is None else self.spec.lookahead(self.scheduler.num_running)
@@ -276,7 +309,9 @@ class Engine:
             launched.accepted = verified.accepted
             return launched
         inputs = [self._sampling_input(request) for request in requests]
-        token_ids = self.sampler.sample_ids(logits, inputs)
+        # Filled while the device runs the forward; a plan with a constrained row never runs ahead.
+        masks = self.constrained.masks(requests)
+        token_ids = self.sampler.sample_ids(logits, inputs, masks)
         logprobs = {}
         if not plan.run_ahead:  # a plan that runs ahead has no request that asks for logprobs
             logprobs = {requests[row].request_id: [token_logprobs]
@@ -344,6 +379,7 @@ class Engine:
         return self.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks, if any."""
+        """Stop the grammar compiles and the other tensor-parallel ranks, if any."""
+        self.constrained.close()
         if self.group is not None:
             self.group.stop()

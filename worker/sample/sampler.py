@@ -2,10 +2,13 @@
 
 One step, for float32 logits [batch, vocab]:
 
-    raw logits ──► penalties ──► min_tokens mask ──┬─► greedy rows: argmax
-        │                                          └─► sampled rows: / temperature ─► top-k
-        │                                                ─► top-p ─► min-p ─► softmax ─► draw
+    raw logits ──► grammar masks ──► penalties ──► min_tokens mask ──┬─► greedy rows: argmax
+        │                                                            └─► sampled rows: / temperature
+        │                                    ─► top-k ─► top-p ─► min-p ─► softmax ─► draw
         └─► logprobs (log_softmax of the raw logits, vLLM's default)
+
+Grammar masks (worker/sample/token_masks.py) leave a constrained row only the tokens its
+grammar allows next.
 
 Drawing is argmax(probs / q) with q ~ Exponential(1), which picks token i with probability
 probs[i]. A request with a seed draws its q from its own generator, so its tokens depend only
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from spillway.protocol.messages import SamplingParams, TokenLogprobs
 from spillway.worker.sample.logprobs import token_logprobs
+from spillway.worker.sample.token_masks import TokenMasks
 from spillway.worker.core.request import has_penalties
 
 __all__ = ["Sampler", "SamplingInput", "SampledToken", "has_penalties", "is_plain_greedy",
@@ -189,21 +193,25 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def sample(self, logits: Tensor, inputs: list[SamplingInput]) -> list[SampledToken]:
+    def sample(self, logits: Tensor, inputs: list[SamplingInput], masks: TokenMasks | None = None
+               ) -> list[SampledToken]:
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (logits.shape, len(inputs))
-        if all(is_plain_greedy(i) for i in inputs):
+        if masks is None and all(is_plain_greedy(i) for i in inputs):
             token_list = logits.argmax(dim=-1).tolist()
             return [SampledToken(token_id if i.forced_token_id is None else i.forced_token_id)
                     for token_id, i in zip(token_list, inputs)]
-        token_ids = self.sample_ids(logits, inputs)
+        token_ids = self.sample_ids(logits, inputs, masks)
         logprobs = self.logprobs(logits, inputs, token_ids)
         return [SampledToken(token_id, logprobs.get(row))
                 for row, token_id in enumerate(token_ids.tolist())]
 
-    def sample_ids(self, logits: Tensor, inputs: list[SamplingInput]) -> Tensor:
+    def sample_ids(self, logits: Tensor, inputs: list[SamplingInput], masks: TokenMasks | None = None) -> Tensor:
         """The chosen token of every row, int64 on the logits' device, read by no host code:
-        the tokens of `sample` without logprobs, in the same generator order."""
+        the tokens of `sample` without logprobs, in the same generator order. `masks`: the
+        constrained rows' allowed tokens (worker/sample/token_masks.py), applied first."""
         assert logits.dim() == 2 and logits.shape[0] == len(inputs), (logits.shape, len(inputs))
+        if masks is not None:
+            logits = masks.apply(logits)
         if all(is_plain_greedy(i) for i in inputs):
             token_ids = logits.argmax(dim=-1)
         else:

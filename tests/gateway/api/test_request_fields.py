@@ -154,9 +154,23 @@ TOOL_MESSAGES = [{"role": "user", "content": "Weather?"},
                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                  {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-STRUCTURED = {"guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
-              "guided_grammar": "root ::= \"a\"", "structural_tag": "{}", "guided_decoding_backend": "xgrammar",
-              "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a+"}}
+# Each way of asking for a constraint, and the wire's StructuredOutput (kind, spec) it becomes.
+STRUCTURED = {"guided_json": ({"type": "object"}, ("json", '{"type": "object"}')),
+              "guided_regex": ("a+", ("regex", "a+")),
+              "guided_choice": (["a", "b"], ("choice", '["a", "b"]')),
+              "guided_grammar": ('root ::= "a"', ("grammar", 'root ::= "a"')),
+              "structural_tag": ("{}", ("structural_tag", "{}")),
+              "structured_outputs": ({"regex": "a+"}, ("regex", "a+"))}
+
+
+def constrained(kind: str, spec: str) -> Callable:
+    """The constraint reached the worker's sampling parameters."""
+    def check(sent: Sent, base: Sent, tokenizer) -> None:
+        structured = sent.generate.params.structured
+        assert (structured.kind.value, structured.spec) == (kind, spec)
+        assert base.generate.params.structured is None
+    return check
+
 
 # (field, the fields sent, what is expected); a field may have several rows.
 SHARED_ROWS = [
@@ -174,7 +188,12 @@ SHARED_ROWS = [
     ("presence_penalty", {"presence_penalty": 0.5}, wire("presence_penalty", 0.5)),
     ("frequency_penalty", {"frequency_penalty": 0.5}, wire("frequency_penalty", 0.5)),
     ("logit_bias", {"logit_bias": {"5": 1.0}}, REFUSED),
-    ("response_format", {"response_format": {"type": "json_object"}}, REFUSED),
+    ("response_format", {"response_format": {"type": "json_object"}}, constrained("json_object", "")),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}, "strict": True}}},
+     constrained("json", '{"type": "object", "properties": {"a": {"type": "integer"}}}')),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, REFUSED),
+    ("response_format", {"response_format": {"type": "xml"}}, REFUSED),
     ("response_format", {"response_format": {"type": "text"}}, same_text),  # the default: plain text
     ("best_of", {"best_of": 2, "n": 2}, same_text),  # best_of = n: the n samples
     ("best_of", {"best_of": 3}, REFUSED),
@@ -198,7 +217,13 @@ SHARED_ROWS = [
     ("allowed_token_ids", {"allowed_token_ids": [1, 2]}, REFUSED),
     ("bad_words", {"bad_words": ["friend"]}, REFUSED),
     ("echo", {"echo": True}, REFUSED),
-    *[(name, {name: value}, REFUSED) for name, value in STRUCTURED.items()],
+    *[(name, {name: value}, constrained(*wired)) for name, (value, wired) in STRUCTURED.items()],
+    ("structured_outputs", {"structured_outputs": {"regex": "a+", "choice": ["a"]}}, REFUSED),  # two at once
+    ("structured_outputs", {"structured_outputs": {"regexp": "a+"}}, REFUSED),  # an unknown field
+    ("structured_outputs", {"structured_outputs": {"json": "{not json"}}, REFUSED),
+    ("structured_outputs", {"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]}, REFUSED),
+    ("guided_decoding_backend", {"guided_decoding_backend": "xgrammar"}, same_text),  # names a backend only
+    ("guided_whitespace_pattern", {"guided_whitespace_pattern": " "}, REFUSED),
     ("priority", {"priority": 3}, answer(lambda s: s.generate.priority == 3)),
     ("request_id", {"request_id": "my-id"}, answer(lambda s: s.answer["id"].endswith("-my-id"))),
     ("logits_processors", {"logits_processors": ["my.module.Processor"]}, REFUSED),

@@ -1,0 +1,107 @@
+"""Constrained requests (a `StructuredOutput` in their params) on their way in and at each step.
+
+A constrained request waits here while its grammar compiles in the compiler's thread
+(worker/sample/grammars.py), so a large schema never holds the busy loop; it joins the
+scheduler once compiled, with its matcher on `Request.grammar`, or is answered with an error
+naming what the library refused, or that the compile ran past `compile_timeout_s`.
+
+At each step the engine asks `masks` for the sampled rows: one bitmask row per request past
+its thinking (`Request.in_answer`) and not being forced, filled on the host while the device
+runs the step's forward, sent in one copy (worker/sample/token_masks.py). Such a request never
+runs ahead (`Request.samples_on_device`): its mask needs the token before it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from spillway.protocol.messages import FinishReason, RequestDelta
+from spillway.worker.core.request import Request
+from spillway.worker.sample.grammars import GrammarCompiler
+from spillway.worker.sample.token_masks import HostBitmask, TokenMasks
+
+
+# How long a grammar may take to compile before its request is refused: a schema that takes
+# longer is one the library handles badly, and its client has waited long enough.
+COMPILE_TIMEOUT_S = 20.0
+
+
+@dataclass(slots=True)
+class _Compiling:
+    request: Request
+    future: Future
+    deadline: float
+
+
+class ConstrainedRequests:
+    def __init__(self, compiler: GrammarCompiler, max_num_seqs: int, device: torch.device,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.compiler = compiler
+        self.compile_timeout_s = compile_timeout_s
+        self._compiling: dict[str, _Compiling] = {}
+        self._bitmask = HostBitmask(compiler.allocate_bitmask(max_num_seqs), device)
+
+    def add(self, request: Request) -> None:
+        self._compiling[request.request_id] = _Compiling(
+            request, self.compiler.submit(request.params.structured), time.monotonic() + self.compile_timeout_s)
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def request_ids(self) -> list[str]:
+        return list(self._compiling)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a compile finishes or `timeout_s` passes."""
+        futures.wait([entry.future for entry in self._compiling.values()], timeout=timeout_s,
+                     return_when=futures.FIRST_COMPLETED)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        """The requests of `request_ids` still compiling, dropped."""
+        return [self._compiling.pop(request_id).request for request_id in request_ids if request_id in self._compiling]
+
+    def ready(self) -> tuple[list[Request], list[RequestDelta]]:
+        """Requests whose grammar compiled (their matcher set), and error deltas for those
+        whose compile failed or ran out of time."""
+        ready, refused = [], []
+        now = time.monotonic()
+        for request_id, entry in list(self._compiling.items()):
+            if entry.future.done():
+                del self._compiling[request_id]
+                try:
+                    entry.request.grammar = self.compiler.grammar(entry.future.result())
+                except ValueError as error:
+                    refused.append(_refusal(request_id, str(error)))
+                    continue
+                ready.append(entry.request)
+            elif now > entry.deadline:
+                del self._compiling[request_id]
+                refused.append(_refusal(request_id, f"the {entry.request.params.structured.kind.value} constraint "
+                                                    f"took longer than {self.compile_timeout_s:g} s to compile"))
+        return ready, refused
+
+    def masks(self, requests: list[Request]) -> TokenMasks | None:
+        """The masks of `requests` (a step's sampled rows, in order), or None when none is
+        constrained now."""
+        rows = [row for row, request in enumerate(requests) if _masked(request)]
+        if not rows:
+            return None
+        grammars = [requests[row].grammar for row in rows]
+        return self._bitmask.send(rows, lambda bitmask, k: grammars[k].fill(bitmask, k))
+
+    def close(self) -> None:
+        self.compiler.close()
+
+
+def _masked(request: Request) -> bool:
+    return request.grammar is not None and request.in_answer  # a forced token is never in the answer
+
+
+def _refusal(request_id: str, error: str) -> RequestDelta:
+    return RequestDelta(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error)
