@@ -84,7 +84,7 @@ class Engine:
         self.block_size = config.block_size
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
-        self.constrained = ConstrainedRequests(GrammarCompiler(files.path, self.vocab_size, self.eos_token_ids),
+        self.constrained = ConstrainedRequests(GrammarCompiler(files, self.vocab_size, self.eos_token_ids),
                                                config.max_num_seqs, self.device)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:  # before the pool is sized: a draft model takes its share first

@@ -21,10 +21,11 @@ import json
 import logging
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
+from spillway.protocol.local import model_files
+from spillway.protocol.local.model_files import ModelFiles
 from spillway.protocol.messages import StructuredKind, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ class GrammarCompiler:
     are loaded by the first compile, in the compile thread (about 0.4 s, never on the busy
     loop); a folder without a tokenizer fails every compile, saying so."""
 
-    def __init__(self, model_path: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.model_path, self.vocab_size, self.stop_token_ids = model_path, vocab_size, list(stop_token_ids)
+    def __init__(self, files: ModelFiles, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.files, self.vocab_size, self.stop_token_ids = files, vocab_size, list(stop_token_ids)
         self._xgr = None
         self._compiler = None
         # One thread: compiles queue behind each other and never take more than one core from
@@ -85,13 +86,10 @@ class GrammarCompiler:
     def _load(self) -> None:
         if self._compiler is not None:
             return
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        try:  # the gateway's tokenizer, loaded as it loads it
+            tokenizer = model_files.load_tokenizer(self.files)
         except (OSError, ValueError) as error:
-            raise ValueError(f"structured outputs need the model's tokenizer, and {self.model_path} has none "
-                             f"that loads ({first_line(error)})") from None
+            raise ValueError(f"structured outputs need the model's tokenizer: {first_line(error)}") from None
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
