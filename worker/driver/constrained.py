@@ -22,7 +22,8 @@ import torch
 
 from spillway.protocol.messages import FinishReason, RequestDelta
 from spillway.worker.core.request import Request
-from spillway.worker.sample.grammars import GrammarCompiler
+from spillway.protocol.reasoning import Phase, advance
+from spillway.worker.sample.grammars import GrammarCompiler, RequestGrammar
 from spillway.worker.sample.token_masks import HostBitmask, TokenMasks
 
 
@@ -95,8 +96,49 @@ class ConstrainedRequests:
         grammars = [requests[row].grammar for row in rows]
         return self._bitmask.send(rows, lambda bitmask, k: grammars[k].fill(bitmask, k))
 
+    def draft_masks(self, verified: list[tuple[Request, tuple[int, ...]]]) -> TokenMasks | None:
+        """The masks of a step that verifies drafts: `verified` holds each sampled request
+        with its drafts, whose positions (1 + drafts each) are the logits' rows in order. A
+        constrained position in the answer is masked as if the drafts before it were
+        committed; the matcher walks through them and is rolled back. Past a draft the
+        grammar refuses, the rows keep the mask before it: they are never used, since that
+        draft gets no probability and verification stops there."""
+        rows: list[int] = []
+        fills: list[tuple] = []  # what `_fill_after_drafts` takes after the bitmask and row
+        start = 0
+        for request, drafts in verified:
+            if request.grammar is not None:
+                state = request.thinking_state
+                for position in range(len(drafts) + 1):
+                    if state is None or state.phase == Phase.ANSWER:
+                        rows.append(start + position)
+                        fills.append((request.grammar, position, drafts, request.thinking_state,
+                                      request.thinking_policy))
+                    if position < len(drafts) and state is not None:
+                        state = advance(request.thinking_policy, state, drafts[position])[0]
+            start += len(drafts) + 1
+        if not rows:
+            return None
+        return self._bitmask.send(rows, lambda bitmask, k: _fill_after_drafts(bitmask, k, *fills[k]))
+
     def close(self) -> None:
         self.compiler.close()
+
+
+def _fill_after_drafts(bitmask, row: int, grammar: RequestGrammar, position: int, drafts: tuple[int, ...],
+                       state, policy) -> None:
+    """Row `row` as the grammar stands after the answer's tokens among `drafts[:position]`."""
+    walked = 0
+    for token in drafts[:position]:
+        in_answer = state is None or state.phase == Phase.ANSWER
+        if state is not None:
+            state = advance(policy, state, token)[0]
+        if in_answer:
+            if not grammar.accept(token):
+                break
+            walked += 1
+    grammar.fill(bitmask, row)
+    grammar.rollback(walked)
 
 
 def _masked(request: Request) -> bool:

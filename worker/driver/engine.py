@@ -304,7 +304,7 @@ class Engine:
             return self._readback.start(plan, [], None, {}, ahead)
         requests = [plan.chunks[row].request for row in packed.sample_rows]
         if packed.verifies:  # draft tokens to verify: committed at once
-            verified = self.spec.verify(logits, plan, packed.sample_rows)
+            verified = self.spec.verify(logits, plan, packed.sample_rows, self.constrained.draft_masks)
             launched = self._readback.start(plan, requests, verified.token_ids, verified.logprobs, False)
             launched.accepted = verified.accepted
             return launched

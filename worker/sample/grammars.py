@@ -43,8 +43,12 @@ class RequestGrammar:
         self._matcher = matcher
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of `bitmask` (int32 on the host) set to the tokens allowed next."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Row `row` of `bitmask` (int32 on the host) set to the tokens allowed next; every
+        token past the stop token (a verified position after a drafted stop, never used)."""
+        if self._matcher.is_terminated():
+            bitmask[row].fill_(-1)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a committed token; False (and no change) where the grammar refuses it."""

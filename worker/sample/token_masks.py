@@ -45,14 +45,21 @@ class TokenMasks:
 
 class HostBitmask:
     """A host buffer of bitmask rows reused every step (pinned on CUDA, so its copy to the
-    device is asynchronous), filled row by row then sent as a `TokenMasks`."""
+    device is asynchronous), filled row by row then sent as a `TokenMasks`. It starts with a
+    row a sequence and doubles when a step verifying drafts needs more."""
 
     def __init__(self, buffer: Tensor, device: torch.device) -> None:
         self.device = device
-        self._buffer = buffer.pin_memory() if device.type == "cuda" else buffer
+        self._buffer = self._placed(buffer)
+
+    def _placed(self, buffer: Tensor) -> Tensor:
+        return buffer.pin_memory() if self.device.type == "cuda" else buffer
 
     def send(self, rows: list[int], fill) -> TokenMasks:
         """`fill(bitmask, k)` writes the k-th row; rows k < len(rows) go to the device."""
+        if len(rows) > self._buffer.shape[0]:
+            size = max(len(rows), 2 * self._buffer.shape[0])
+            self._buffer = self._placed(self._buffer.new_empty((size, self._buffer.shape[1])))
         host = self._buffer[: len(rows)]
         for k in range(len(rows)):
             fill(host, k)

@@ -20,7 +20,7 @@ so the KV written for rejected drafts is never hashed or shared; later steps ove
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,7 @@ from spillway.protocol.messages import TokenLogprobs
 from spillway.protocol.reasoning import advance, forced_token
 from spillway.worker.core.request import Request
 from spillway.worker.sample.sampler import Sampler, SamplingInput, is_plain_greedy
+from spillway.worker.sample.token_masks import TokenMasks
 from spillway.worker.speculative.proposer import Proposer
 from spillway.worker.speculative.rejection import RejectionSampler, target_probs
 from spillway.worker.speculative.switch import SpeculationSwitch
@@ -117,8 +118,13 @@ class SpecDecoder:
             self.switch.observe(sum(chunk.num_draft_slots for chunk in chunks), 0)
         return drafted
 
-    def verify(self, logits: Tensor, plan: StepPlan, sample_rows: list[int]) -> VerifiedStep:
-        """`logits`: the rows of `PackedStep.logits_rows`, the sampled chunks in order."""
+    def verify(self, logits: Tensor, plan: StepPlan, sample_rows: list[int],
+               grammar_masks: Callable[[list[tuple[Request, tuple[int, ...]]]], TokenMasks | None] | None = None
+               ) -> VerifiedStep:
+        """`logits`: the rows of `PackedStep.logits_rows`, the sampled chunks in order.
+        `grammar_masks`: the constrained positions' masks, given each request's drafts
+        (worker/driver/constrained.py): a draft its grammar refuses gets no probability, so
+        it is rejected, never emitted."""
         chunks = [plan.chunks[row] for row in sample_rows]
         rows: list[SamplingInput] = []  # one per verified position
         first_rows: list[int] = []  # each request's first row
@@ -129,6 +135,11 @@ class SpecDecoder:
             rows += [sampling_input(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
             flat_drafts += drafts
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
+        raw_logits = logits
+        if grammar_masks is not None:
+            masks = grammar_masks([(chunk.request, tuple(chunk.draft_token_ids)) for chunk in chunks])
+            if masks is not None:
+                logits = masks.apply(logits)
         num_drafts = [len(chunk.draft_token_ids) for chunk in chunks]
         firsts = [rows[row] for row in first_rows]
         if not self._draft_probs and all(is_plain_greedy(row) and row.forced_token_id is None for row in rows):
@@ -141,7 +152,7 @@ class SpecDecoder:
         accepted = {chunk.request.request_id: list(chunk.draft_token_ids[:count])
                     for chunk, count in zip(chunks, num_accepted)}
         self._count(num_drafts, num_accepted, sum(chunk.num_draft_slots for chunk in chunks))
-        logprobs = self._logprobs(logits, rows, first_rows, chunks, num_accepted, verified.token_ids)
+        logprobs = self._logprobs(raw_logits, rows, first_rows, chunks, num_accepted, verified.token_ids)
         return VerifiedStep(verified.token_ids, accepted, logprobs)
 
     def _gather_draft_probs(self, chunks, vocab_size: int, device: torch.device) -> Tensor | None:
