@@ -229,7 +229,7 @@ class Engine:
         `_commit_due`. A plan that runs ahead (asynchronous scheduling) is launched before the
         step in flight is committed, and is itself committed by the next call."""
         compiled = self._admit_compiled()
-        if not self.scheduler.has_unfinished and self._in_flight is None and self.constrained.num_compiling:
+        if self.constrained.num_compiling and not self.scheduler.has_unfinished and self._in_flight is None:
             self.constrained.wait(COMPILE_POLL_S)  # nothing to run until a grammar compiles
             return compiled
         return compiled + self._step() if compiled else self._step()

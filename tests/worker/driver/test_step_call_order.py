@@ -164,6 +164,7 @@ def make_engine(script: Script, async_scheduling: bool = True, tier: bool = Fals
     engine._in_flight, engine._holding = None, False
     engine.num_async_steps, engine.num_steps, engine.last_plan = 0, 0, None
     engine.debug_invariants = False
+    engine.constrained = SimpleNamespace(num_compiling=0)  # no grammar compiling
     return engine
 
 
