@@ -52,14 +52,44 @@ class CompletionLogprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float]]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCallAnswer(msgspec.Struct):
+    """One of message.tool_calls."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """One of delta.tool_calls: the call's first carries its id, type and name; the arguments
+    fragments of one index join to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class AssistantMessage(msgspec.Struct):
     """With a reasoning parser, the thinking (markers excluded) is `reasoning_content`, and
-    `reasoning` too (the newer name); both are left out without one."""
+    `reasoning` too (the newer name); both are left out without one. `tool_calls` only where
+    the request let the model call its tools (content then None when there is no text)."""
 
     role: str
-    content: str
+    content: str | None
     reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
     reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallAnswer] | msgspec.UnsetType = msgspec.UNSET
 
 
 class PromptLogprob(msgspec.Struct):
@@ -104,6 +134,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

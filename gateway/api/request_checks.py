@@ -69,20 +69,7 @@ def check_unsupported(request: ChatCompletionRequest | CompletionRequest) -> Non
             raise bad_request(f"{name}: {reason}", param=name)
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise bad_request("best_of other than n is not supported", param="best_of")
-    if chat:
-        _check_tools(request)
-
-
-def _check_tools(request: ChatCompletionRequest) -> None:
-    """Tools may come with tool_choice "none": they are then left out of the prompt, as vLLM
-    does by default."""
-    choice = request.tool_choice
-    if choice is not None and choice != "none":
-        raise bad_request("tool_choice: tool calling is not supported (only tool_choice 'none' is)",
-                          param="tool_choice")
-    if request.tools and choice is None:
-        raise bad_request("tools: tool calling is not supported (send tool_choice 'none' to leave "
-                          "the tools out of the prompt)", param="tools")
+    # A chat request's tools and tool_choice: gateway/api/tool_choice.py.
 
 
 def structured_outputs(request: ChatCompletionRequest | CompletionRequest) -> StructuredOutputsParams | None:

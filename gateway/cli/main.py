@@ -52,7 +52,20 @@ def refusals(args: argparse.Namespace) -> list[str]:
     if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
         problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
                         "logprobs per token")
+    problems += _tool_flag_refusals(args)
     return problems
+
+
+def _tool_flag_refusals(args: argparse.Namespace) -> list[str]:
+    """Tool calling's flags as vLLM wants them: the switch with a parser, a parser it knows."""
+    from spillway.gateway.text.tool_calls import TOOL_PARSERS
+
+    parser = getattr(args, "tool_call_parser", None)
+    if parser is not None and parser not in TOOL_PARSERS:
+        return [f"--tool-call-parser {parser}: not one of {', '.join(TOOL_PARSERS)}"]
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        return ["--enable-auto-tool-choice needs --tool-call-parser (how the model writes its calls)"]
+    return []
 
 
 def _flag(name: str, value: object) -> str:
@@ -211,7 +224,13 @@ def _server_settings(args: argparse.Namespace):
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
         tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,
+        tool_call_parser=_tool_call_parser(args),
     )
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto" (`_tool_flag_refusals` checked the flags)."""
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
 
 
 def _check_tokenizer(folder: str | None) -> str | None:

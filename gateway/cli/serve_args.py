@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help='markers of your own: {"start": "<think>", "end": "</think>", '
                                 '"transition": "optional phrase forced before the end at the budget"}; '
                                 "implies --enable-reasoning")
+    tools = serve.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call the request\'s tools by itself (tool_choice "auto", the default '
+                            "with tools); needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", metavar="NAME",
+                       help="how the model writes tool calls: hermes, qwen3_coder, llama3_json, mistral, "
+                            "deepseek_v3, ... (vLLM's names)")
     server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
                         help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
                              "`spillway worker MODEL --connect tcp://HOST:PORT`; off loopback, the link "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from spillway.gateway.api import openai as api
@@ -21,6 +21,8 @@ from spillway.gateway.text.chat_messages import ChatRender, chat_render, templat
 from spillway.gateway.api.prompt_ids import Prompt
 from spillway.gateway.api.request_defaults import RequestDefaults
 from spillway.gateway.api.sampling_params import MAX_N, SamplingParams
+from spillway.gateway.api.tool_choice import ToolUse, check_no_other_constraint, tool_use
+from spillway.gateway.generation.tool_answers import tool_constraint
 from spillway.gateway.text.template_sandbox import TemplateLimitExceeded, TemplateSandbox
 from spillway.gateway.text.tokenizer import LONG_DECODE_TOKENS, PromptTokenizer
 from spillway.protocol.local import model_files
@@ -51,6 +53,8 @@ class Job:
     response_id: str | None = None  # the answer's id when the client chose it (request_id)
     return_token_ids: bool = False  # the prompt's and each choice's token ids in the answer
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
+    tool_use: ToolUse | None = None  # chat: the tools the model may call (gateway/api/tool_choice.py)
+    tool_parser: str | None = None  # the server's --tool-call-parser, for tool_choice "auto"
 
     @property
     def answer_id(self) -> str:
@@ -63,8 +67,9 @@ class JobBuilder:
     def __init__(self, tokenizer: PromptTokenizer | None, served_names: list[str], ready_fn,
                  reasoning: bool = False, defaults: RequestDefaults = RequestDefaults(),
                  max_sequences: int | None = None, sandbox: TemplateSandbox | None = None,
-                 max_n: int = MAX_N) -> None:
+                 max_n: int = MAX_N, tool_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice; None: "auto" refused
         self.max_n = max_n  # choices per request (--max-n), and never more than the worker's max_num_seqs
         self.sandbox = sandbox  # renders requests' own chat templates; None: they are refused
         self._sandbox_turn = asyncio.Lock()  # one request's template at a time, so one pool thread
@@ -99,10 +104,22 @@ class JobBuilder:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         params = checks.sampling_params(request, max_tokens, logprobs)
+        use = tool_use(request, auto_enabled=self.tool_parser is not None)
+        if use is not None:
+            # The template renders the tools (its `tools` variable); "required" and a named
+            # function hold the output to their calls' JSON.
+            render = replace(render, chat_template_kwargs={**render.chat_template_kwargs, "tools": use.tools})
+            check_no_other_constraint(use, params.structured_outputs)
+            try:
+                params.structured_outputs = tool_constraint(use) or params.structured_outputs
+            except ValueError as exc:
+                raise api.bad_request(str(exc), param="tools") from None
         self._check_sequences(params.n, params.n)
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         token_ids = await self.encode_chat(messages, render)
-        return self._job("chatcmpl", True, model, [self._truncate(Prompt(token_ids), request)], params, request)
+        job = self._job("chatcmpl", True, model, [self._truncate(Prompt(token_ids), request)], params, request)
+        job.tool_use, job.tool_parser = use, self.tool_parser
+        return job
 
     async def completion_job(self, request: api.CompletionRequest) -> Job:
         model = self.check_model(request.model)

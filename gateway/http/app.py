@@ -65,7 +65,8 @@ class Gateway:
             if settings.trust_request_chat_template and self.tokenizer is not None else None
         self.jobs = JobBuilder(self.tokenizer, self.served_names, lambda: self.client.ready,
                                reasoning=self.markers is not None, defaults=settings.request_defaults,
-                               max_sequences=settings.max_pending, sandbox=self.sandbox, max_n=settings.max_n)
+                               max_sequences=settings.max_pending, sandbox=self.sandbox, max_n=settings.max_n,
+                               tool_parser=settings.tool_call_parser)
         self.strings = TokenStrings(hf_tokenizer)
         self.created = int(time.time())
         # A bounded share of a burst's intakes per loop iteration, larger with more streams.

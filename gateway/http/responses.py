@@ -26,6 +26,8 @@ from spillway.gateway.api.logprob_answers import (
     token_id_string,
 )
 from spillway.gateway.generation.serving import Generation, Sample
+from spillway.gateway.generation.tool_answers import ToolCallStream, tool_finish_reason, whole_tool_calls
+from spillway.gateway.text.tool_calls.calls import ToolCallDelta
 from spillway.protocol.messages import TokenLogprobs
 
 logger = logging.getLogger("spillway.gateway")
@@ -97,11 +99,21 @@ async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[b
     prompt_ids = list(job.prompts[0].token_ids) if shape.token_ids else None
     yield b"".join(chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(role="assistant", content="")),
                          prompt_ids if sample.index == 0 else None) for sample in gen.samples)
+    # With tools, each choice's content goes through its tool-call stream: text and call deltas.
+    tool_streams = [ToolCallStream(job.tool_use, job.tool_parser) for _ in gen.samples] if job.tool_use else None
     async for updates in gen.updates():
         events = []
         for update in updates:
             logprobs = chat_logprobs(update.logprobs, shape.strings) if want_logprobs and update.logprobs else None
             token_ids = _ids(shape, update.token_ids)
+            text, calls = update.text, None
+            if tool_streams is not None:
+                stream = tool_streams[update.sample.index]
+                text, deltas = stream.feed(update.text)
+                if update.finished:
+                    rest, more = stream.finish()
+                    text, deltas = text + rest, deltas + more
+                calls = [_call_chunk(delta) for delta in deltas] or None
             if update.reasoning_text:
                 thought = update.reasoning_text
                 events.append(chunk(answers.ChatChunkChoice(update.sample.index,
@@ -109,16 +121,22 @@ async def chat_events(gen: Generation, strings: TokenStrings) -> AsyncIterator[b
                                                                               reasoning=thought),
                                                             logprobs, token_ids=token_ids)))
                 logprobs, token_ids = None, msgspec.UNSET  # sent with the reasoning
-                if update.text:
+                if text or calls:
                     events.append(chunk(answers.ChatChunkChoice(update.sample.index,
-                                                                answers.ChatDelta(content=update.text))))
-            elif update.text or logprobs is not None or update.token_ids and shape.token_ids:
-                events.append(chunk(answers.ChatChunkChoice(update.sample.index, answers.ChatDelta(content=update.text),
+                                                                answers.ChatDelta(content=text or None,
+                                                                                  tool_calls=calls))))
+            elif text or calls or logprobs is not None or update.token_ids and shape.token_ids:
+                content = text if text or not calls else None
+                events.append(chunk(answers.ChatChunkChoice(update.sample.index,
+                                                            answers.ChatDelta(content=content, tool_calls=calls),
                                                             logprobs, token_ids=token_ids)))
             if update.finished:
                 sample = update.sample
+                reason = sample.finish_reason
+                if tool_streams is not None:
+                    reason = tool_streams[sample.index].finish_reason(reason)
                 events.append(chunk(answers.ChatChunkChoice(sample.index, answers.ChatDelta(), None,
-                                                            sample.finish_reason, sample.stop_reason)))
+                                                            reason, sample.stop_reason)))
         if gen.finished and job.include_usage:
             events.append(chunk(None))
         if events:
@@ -171,9 +189,18 @@ async def whole_response(gen: Generation, strings: TokenStrings):
             for update in updates:
                 entries[update.sample.index].extend(update.logprobs)
     if job.chat:
-        choices = [answers.ChatChoice(s.index, _assistant_message(s),
-                                      chat_logprobs(entries[s.index], shape.strings) if want_logprobs else None,
-                                      s.finish_reason, s.stop_reason, _ids(shape, s.token_ids)) for s in gen.samples]
+        choices = []
+        for s in gen.samples:
+            message, reason = _assistant_message(s), s.finish_reason
+            if job.tool_use is not None:
+                content, calls = whole_tool_calls(job.tool_use, job.tool_parser, message.content)
+                message.content = content
+                message.tool_calls = [answers.ToolCallAnswer(call.id, answers.FunctionCall(call.name, call.arguments))
+                                      for call in calls]
+                reason = tool_finish_reason(job.tool_use, calls, reason)
+            choices.append(answers.ChatChoice(s.index, message,
+                                              chat_logprobs(entries[s.index], shape.strings) if want_logprobs else None,
+                                              reason, s.stop_reason, _ids(shape, s.token_ids)))
         return answers.ChatCompletion(id=job.answer_id, created=job.created, model=job.model, choices=choices,
                                       usage=gen.usage(), prompt_token_ids=_ids(shape, job.prompts[0].token_ids),
                                       prompt_logprobs=_prompt_logprobs(gen.samples[0], shape),
@@ -185,6 +212,13 @@ async def whole_response(gen: Generation, strings: TokenStrings):
         _prompt_logprobs(s, shape)) for s in gen.samples]
     return answers.Completion(id=job.answer_id, object="text_completion", created=job.created, model=job.model,
                               choices=choices, usage=gen.usage(), notice=shape.notice)
+
+
+def _call_chunk(delta: ToolCallDelta) -> answers.ToolCallChunk:
+    if delta.id is not None:  # a call's first piece: its id, type and name
+        return answers.ToolCallChunk(delta.index, delta.id, "function", answers.FunctionDelta(delta.name,
+                                                                                               delta.arguments))
+    return answers.ToolCallChunk(delta.index, function=answers.FunctionDelta(arguments=delta.arguments))
 
 
 def _assistant_message(sample: Sample) -> answers.AssistantMessage:

@@ -47,6 +47,9 @@ class ServerSettings:
     enable_reasoning: bool = False
     reasoning_parser: str | None = None  # deepseek_r1 (default) or qwen3
     reasoning_config: str | dict | None = None  # {"start", "end", "transition"}: markers of one's own
+    # Tool calling: tool_choice "auto" parses the output with this parser (vLLM's name); None
+    # refuses "auto" ("required" and named functions need no parser).
+    tool_call_parser: str | None = None
     # The server owns its process (`spillway serve`): start-up's objects leave the collector's
     # reach. False where apps come and go in one process (tests), whose cycles would never be freed.
     freeze_startup_objects: bool = False

@@ -10,6 +10,8 @@ the table fails `test_every_vllm_field_has_a_row`; test_request_fields_honoured.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -172,6 +174,16 @@ def constrained(kind: str, spec: str) -> Callable:
     return check
 
 
+def calls_constrained(kind: str, spec: str) -> Callable:
+    """tool_choice "required" or a named function reached the worker as its grammar; without
+    it, the tools ask for "auto", which this server (no --tool-call-parser) refuses."""
+    def check(sent: Sent, base: Sent, tokenizer) -> None:
+        structured = sent.generate.params.structured
+        assert (structured.kind.value, json.loads(structured.spec)) == (kind, json.loads(spec))
+        assert base.status == 400 and base.answer["error"]["param"] == "tools"
+    return check
+
+
 # (field, the fields sent, what is expected); a field may have several rows.
 SHARED_ROWS = [
     ("model", {"model": SHORT_MODEL}, served_as_default),
@@ -239,7 +251,14 @@ CHAT_ROWS = [
     ("logprobs", {"logprobs": True}, answer(lambda s: s.choice["logprobs"] is not None)),
     ("top_logprobs", {"logprobs": True, "top_logprobs": 3},
      answer(lambda s: len(s.choice["logprobs"]["content"][0]["top_logprobs"]) == 3)),
-    ("tools", {"tools": TOOLS}, REFUSED),
+    ("tools", {"tools": TOOLS}, REFUSED),  # "auto", and this server has no --tool-call-parser
+    ("tool_choice", {"tools": TOOLS, "tool_choice": "required"},
+     calls_constrained("json", '{"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [{"properties": '
+                         '{"name": {"type": "string", "enum": ["get_weather"]}, "parameters": {"type": "object"}}, '
+                         '"required": ["name", "parameters"]}]}}')),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     calls_constrained("json", '{"type": "object"}')),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, REFUSED),
     ("tools", {"tools": TOOLS, "tool_choice": "none"}, prompt_as_without),  # left out, as vLLM does
     ("tool_choice", {"tool_choice": "auto"}, REFUSED),
     ("parallel_tool_calls", {"parallel_tool_calls": "yes"}, REFUSED),  # declared; no tools run without it

@@ -21,11 +21,16 @@ HONOURED = [
     (["--generation-config", "vllm"], lambda s: s.request_defaults.overridden == {}),
     (["--max-model-len", "300"], lambda s: s.worker.max_model_len == 300),
     (["--served-model-name", "a", "b"], lambda s: s.served_model_names == ["a", "b"]),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], lambda s: s.tool_call_parser == "hermes"),
+    (["--tool-call-parser", "hermes"], lambda s: s.tool_call_parser is None),  # "auto" still needs the switch
+    ([], lambda s: s.tool_call_parser is None),
 ]
 
 # (flags, the flag the message must name) for flags that are refused with exit status 2
 REFUSED = [
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "--tool-call-parser nope"),
     (["--kv-transfer-config", '{"kv_connector": "X"}'], "--kv-transfer-config"),
     (["--additional-config", '{"ascend_scheduler_config": {}}'], "--additional-config"),
     (["--max-logprobs", "21"], "--max-logprobs"),
