@@ -7,6 +7,8 @@ the text outside the calls (before, between and after them; whitespace-only stre
 none), arguments are the JSON object written as json.dumps writes it, and a call's text that
 proves malformed before its name and arguments begin goes back into the content (see
 parser.py). Pure Python on purpose: the gateway imports no torch.
+
+May import: the standard library; nothing else of the gateway.
 """
 
 from __future__ import annotations

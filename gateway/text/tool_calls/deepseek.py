@@ -53,12 +53,7 @@ class DeepSeekV3Parser(ToolParser):
         self._arguments = JsonArgumentsReader()
         self._name = ""
 
-    def _advance(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _step(self, final: bool) -> bool:
-        """One move; False when the machine must wait for more text (or, with `final`, is through)."""
         match self._state:
             case _State.CONTENT:
                 marker = self._content_until((CALLS_BEGIN, CALL_BEGIN), final)

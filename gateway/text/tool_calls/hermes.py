@@ -35,12 +35,7 @@ class HermesParser(ToolParser):
         self._state = _State.CONTENT
         self._call = JsonCallReader()
 
-    def _advance(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _step(self, final: bool) -> bool:
-        """One move; False when the machine must wait for more text (or, with `final`, is through)."""
         match self._state:
             case _State.CONTENT:
                 if self._content_until((START,), final) is None:

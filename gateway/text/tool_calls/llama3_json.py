@@ -36,12 +36,7 @@ class Llama3JsonParser(ToolParser):
         self._state = _State.START
         self._call = JsonCallReader(ARGUMENT_KEYS)
 
-    def _advance(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _step(self, final: bool) -> bool:
-        """One move; False when the machine must wait for more text (or, with `final`, is through)."""
         match self._state:
             case _State.START:
                 start = self._pos

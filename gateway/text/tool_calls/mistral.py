@@ -47,12 +47,7 @@ class MistralParser(ToolParser):
         self._call: JsonCallReader | JsonArgumentsReader = JsonCallReader()
         self._name = ""
 
-    def _advance(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _step(self, final: bool) -> bool:
-        """One move; False when the machine must wait for more text (or, with `final`, is through)."""
         state = self._state
         if state == _State.CONTENT:
             if self._content_until((TOOL_CALLS,), final) is None:

@@ -1,7 +1,7 @@
 """The streaming skeleton every tool-call format shares: unread text, marker hold-back, and
 handing a call that turned out malformed back as content.
 
-A format is a state machine over the text not yet read (`_advance`). `parse` runs the same
+A format is a state machine over the text not yet read (`_step`, one move at a time). `parse` runs the same
 machine over a whole output, so a stream's content and calls always join to what `parse`
 returns, however the text was cut.
 
@@ -77,6 +77,12 @@ class ToolParser:
 
     def _advance(self, final: bool) -> None:
         """Reads as far as the text allows; with `final`, to its end."""
+        while self._step(final):
+            pass
+
+    def _step(self, final: bool) -> bool:
+        """One move of the format's machine; False when it must wait for more text (or, with
+        `final`, is through)."""
         raise NotImplementedError
 
     # Reading the unread text.

@@ -59,12 +59,7 @@ class Qwen3CoderParser(ToolParser):
         self._num_parameters = 0
         self._value = _Value("", "string")
 
-    def _advance(self, final: bool) -> None:
-        while self._step(final):
-            pass
-
     def _step(self, final: bool) -> bool:
-        """One move; False when the machine must wait for more text (or, with `final`, is through)."""
         match self._state:
             case _State.CONTENT:
                 marker = self._content_until((START, FUNCTION), final)
