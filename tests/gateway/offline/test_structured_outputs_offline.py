@@ -132,3 +132,11 @@ def test_thinking_stays_free_and_the_answer_follows_the_schema_under_a_budget():
         jsonschema.validate(json.loads(out.content), SCHEMAS[0])
     # The thinking is the unconstrained run's, token for token: the grammar starts after it.
     assert outputs[1].reasoning_content == free.reasoning_content
+
+
+def test_a_constrained_request_reads_and_fills_the_prefix_cache(llm):
+    llm.reset_prefix_cache()
+    params = constrained(json=SCHEMAS[1])
+    first, second = (llm.chat(ASK, params, use_tqdm=False)[0] for _ in range(2))
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
