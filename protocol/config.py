@@ -108,6 +108,12 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 1.024x its time alone at 26, 1.031x at 32, 1.048x at full speed, ~51 GB/s), under the 3%
     # aimed at; a GPU with less memory bandwidth pays more per GB/s and wants less.
     kv_load_gb_s: float = 26.0
+    # Seconds a structured-output grammar may take to compile before its request is refused
+    # (SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S, read by `worker_config_from_env`): a bound on what a
+    # client waits, not a machine's speed. The 50-property schema of tools/bench/grammar takes
+    # 0.5 s the first time on a 2-core CPU (the vocabulary built), 22 ms after that, 0.06 ms
+    # cached (tools/bench/grammar/REPORT.md, docs/performance.md); 20 s is ~40x the worst.
+    grammar_compile_timeout_s: float = 20.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly
     # Plan the next decode step while the device runs this one; None: on for CUDA.

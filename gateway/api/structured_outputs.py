@@ -26,7 +26,9 @@ class StructuredOutputsParams:
     `regex`, `choice` (strings), `grammar` (EBNF/Lark), `json_object=True` (any JSON object)
     or `structural_tag` (JSON text). `backend` may name vLLM's backends ("auto", "xgrammar",
     "guidance", "outlines", "lm-format-enforcer"): Spillway runs its one library for all.
-    `disable_any_whitespace` drops the free whitespace between JSON tokens.
+    `disable_any_whitespace` drops the free whitespace between JSON tokens;
+    `disable_additional_properties` is taken as it is: a schema's objects are closed already
+    (the worker compiles schemas strictly, as vLLM runs xgrammar).
     Invalid combinations raise ValueError at construction."""
 
     json: str | dict[str, Any] | None = None
@@ -77,10 +79,8 @@ class StructuredOutputsParams:
     def to_wire(self) -> StructuredOutput:
         kind = self.kind
         if kind is StructuredKind.JSON:
-            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
-            if self.disable_additional_properties and isinstance(schema, dict):
-                schema = _closed_objects(schema)
-            spec = json.dumps(schema)  # key order kept: properties come out in the schema's order
+            # Key order kept: the properties come out in the schema's order.
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
         elif kind is StructuredKind.CHOICE:
             spec = json.dumps(list(self.choice))
         elif kind is StructuredKind.JSON_OBJECT:
@@ -88,18 +88,6 @@ class StructuredOutputsParams:
         else:
             spec = getattr(self, kind.value)
         return StructuredOutput(kind=kind, spec=spec, compact=self.disable_any_whitespace)
-
-
-def _closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on every object schema that does not say."""
-    if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {key: _closed_objects(value) for key, value in schema.items()}
-    if closed.get("type") == "object" and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed
 
 
 def from_fields(values: dict[str, Any], where: str) -> StructuredOutputsParams:

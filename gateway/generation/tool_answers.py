@@ -75,7 +75,7 @@ class ToolCallStream:
 
     def finish_reason(self, reason: str | None) -> str | None:
         """The choice's finish reason once it made calls (the module doc)."""
-        return "tool_calls" if reason is not None and self.num_calls and self.use.mode != "named" else reason
+        return tool_finish_reason(self.use, self.num_calls, reason)
 
 
 def whole_tool_calls(use: ToolUse, parser_name: str | None, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -87,5 +87,6 @@ def whole_tool_calls(use: ToolUse, parser_name: str | None, text: str) -> tuple[
     return None, [named_call(use.name, text)] if text.strip() else []
 
 
-def tool_finish_reason(use: ToolUse, calls: list[ToolCall], reason: str | None) -> str | None:
-    return "tool_calls" if reason is not None and calls and use.mode != "named" else reason
+def tool_finish_reason(use: ToolUse, num_calls: int, reason: str | None) -> str | None:
+    """A finished choice's reason once it made `num_calls` calls (the module doc)."""
+    return "tool_calls" if reason is not None and num_calls and use.mode != "named" else reason

@@ -197,7 +197,7 @@ async def whole_response(gen: Generation, strings: TokenStrings):
                 message.content = content
                 message.tool_calls = [answers.ToolCallAnswer(call.id, answers.FunctionCall(call.name, call.arguments))
                                       for call in calls]
-                reason = tool_finish_reason(job.tool_use, calls, reason)
+                reason = tool_finish_reason(job.tool_use, len(calls), reason)
             choices.append(answers.ChatChoice(s.index, message,
                                               chat_logprobs(entries[s.index], shape.strings) if want_logprobs else None,
                                               reason, s.stop_reason, _ids(shape, s.token_ids)))

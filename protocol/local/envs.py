@@ -50,6 +50,21 @@ def kv_load_gb_s() -> float | None:
     return rate
 
 
+def grammar_compile_timeout_s() -> float | None:
+    """SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S: seconds a structured-output grammar may take to
+    compile (`WorkerConfig.grammar_compile_timeout_s`); None when unset."""
+    value = os.environ.get("SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S={value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S={value!r}: a time bound must be > 0 s")
+    return seconds
+
+
 def allow_long_max_model_len() -> bool:
     """SPILLWAY_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): take a
     max_model_len beyond the model's trained context instead of refusing it. Read into
@@ -92,4 +107,6 @@ def worker_config_from_env(**settings) -> WorkerConfig:
                 "allow_long_max_model_len": allow_long_max_model_len()}
     if (rate := kv_load_gb_s()) is not None:
         switches["kv_load_gb_s"] = rate
+    if (seconds := grammar_compile_timeout_s()) is not None:
+        switches["grammar_compile_timeout_s"] = seconds
     return WorkerConfig(**{**switches, **settings})

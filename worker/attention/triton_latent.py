@@ -20,13 +20,12 @@ latent kernels have no cascade pass): a prefill graph's cascade variant runs as 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from spillway.kernels.kv_write import write_kv
 from spillway.kernels.mla_decode import paged_mla_decode
 from spillway.kernels.mla_prefill import paged_mla_prefill
+from spillway.worker.attention.step_inputs import StepLayout
 from spillway.worker.attention.torch_paged import AttentionBackend, AttentionMetadata
 from spillway.worker.attention.triton_paged import (
     DecodeMetadata,
@@ -34,9 +33,6 @@ from spillway.worker.attention.triton_paged import (
     TritonAttentionBackend,
     TritonAttentionMetadata,
 )
-
-if TYPE_CHECKING:
-    from spillway.worker.attention.step_inputs import StepLayout
 
 
 class LatentAttentionBackend(AttentionBackend):

@@ -3,7 +3,8 @@
 A constrained request waits here while its grammar compiles in the compiler's thread
 (worker/sample/grammars.py), so a large schema never holds the busy loop; it joins the
 scheduler once compiled, with its matcher on `Request.grammar`, or is answered with an error
-naming what the library refused, or that the compile ran past `compile_timeout_s`.
+naming what the library refused, or that the compile ran past `compile_timeout_s`
+(`WorkerConfig.grammar_compile_timeout_s`).
 
 At each step the engine asks `masks` for the sampled rows: one bitmask row per request past
 its thinking (`Request.in_answer`) and not being forced, filled on the host while the device
@@ -27,11 +28,6 @@ from spillway.worker.sample.grammars import GrammarCompiler, RequestGrammar
 from spillway.worker.sample.token_masks import HostBitmask, TokenMasks
 
 
-# How long a grammar may take to compile before its request is refused: a schema that takes
-# longer is one the library handles badly, and its client has waited long enough.
-COMPILE_TIMEOUT_S = 20.0
-
-
 @dataclass(slots=True)
 class _Compiling:
     request: Request
@@ -41,7 +37,7 @@ class _Compiling:
 
 class ConstrainedRequests:
     def __init__(self, compiler: GrammarCompiler, max_num_seqs: int, device: torch.device,
-                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout_s: float) -> None:
         self.compiler = compiler
         self.compile_timeout_s = compile_timeout_s
         self._compiling: dict[str, _Compiling] = {}

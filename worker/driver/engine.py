@@ -45,9 +45,6 @@ from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
 logger = logging.getLogger(__name__)
 
-# With only grammars compiling, how long a step waits for one before it returns.
-COMPILE_POLL_S = 0.005
-
 
 class Engine:
     """Owns the scheduler, the sampler and the requests of one worker; drives its executor.
@@ -85,7 +82,7 @@ class Engine:
         self.eos_token_ids = loader.eos_token_ids(files, hf_config)
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.device)
         self.constrained = ConstrainedRequests(GrammarCompiler(files, self.vocab_size, self.eos_token_ids),
-                                               config.max_num_seqs, self.device)
+                                               config.max_num_seqs, self.device, config.grammar_compile_timeout_s)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:  # before the pool is sized: a draft model takes its share first
             self.spec = build_spec_decoder(
@@ -230,7 +227,9 @@ class Engine:
         step in flight is committed, and is itself committed by the next call."""
         compiled = self._admit_compiled()
         if self.constrained.num_compiling and not self.scheduler.has_unfinished and self._in_flight is None:
-            self.constrained.wait(COMPILE_POLL_S)  # nothing to run until a grammar compiles
+            # Nothing to run until a grammar compiles: wait for one as long as the busy loop
+            # would take messages in, so arrivals and aborts are not held back.
+            self.constrained.wait(self.timing.drain_budget_s)
             return compiled
         return compiled + self._step() if compiled else self._step()
 

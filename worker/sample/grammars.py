@@ -7,7 +7,7 @@ xgrammar was chosen by measurement against llguidance and outlines-core
     GrammarCompiler   the model's vocabulary as xgrammar sees it, compiles off the busy loop
                       (a thread pool; xgrammar caches by grammar), each within a time bound
     RequestGrammar    one request's matcher: the tokens allowed next as a bitmask row, the
-                      committed tokens accepted, the drafts checked and undone
+                      committed tokens accepted, a walk through drafts rolled back
 
 A bitmask row holds `ceil(vocab_size / 32)` int32 words, bit `t % 32` of word `t // 32` set
 when token t may come next (worker/sample/token_masks.py applies it to the logits). The
@@ -57,14 +57,6 @@ class RequestGrammar:
     def is_terminated(self) -> bool:
         """The answer is complete and its stop token accepted."""
         return self._matcher.is_terminated()
-
-    def accept_drafts(self, token_ids: list[int]) -> int:
-        """How many of `token_ids` (a draft, in order) the grammar takes; the matcher is left
-        after them (`rollback` undoes them)."""
-        for count, token_id in enumerate(token_ids):
-            if not self._matcher.accept_token(token_id):
-                return count
-        return len(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:

@@ -13,6 +13,7 @@ goes on after it as ordinary content.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import IntEnum
 from typing import Protocol
 
@@ -41,7 +42,7 @@ class CallReader(Protocol):
     def finish(self, out: StreamOutput) -> None: ...
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Splits a model's output into content and tool calls, whole (`parse`) or as it streams
     (`feed` each new piece of text, then `finish`). Never raises on malformed text."""
 
@@ -80,10 +81,10 @@ class ToolParser:
         while self._step(final):
             pass
 
+    @abstractmethod
     def _step(self, final: bool) -> bool:
         """One move of the format's machine; False when it must wait for more text (or, with
         `final`, is through)."""
-        raise NotImplementedError
 
     # Reading the unread text.
 

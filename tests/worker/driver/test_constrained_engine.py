@@ -89,3 +89,16 @@ def test_a_model_without_a_tokenizer_says_so(tmp_path):
         engine.close()
     assert delta.finish_reason is FinishReason.ERROR
     assert delta.error.startswith("structured outputs need the model's tokenizer")
+
+
+def test_the_compile_bound_comes_from_the_environment(monkeypatch):
+    from spillway.gateway.link.engine_args import engine_config
+
+    monkeypatch.delenv("SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S", raising=False)
+    assert engine_config(None)[0].grammar_compile_timeout_s == 20.0
+    monkeypatch.setenv("SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S", "2.5")
+    assert engine_config(None)[0].grammar_compile_timeout_s == 2.5
+    for value, message in (("soon", "'soon' is not a number of seconds"), ("0", "must be > 0 s")):
+        monkeypatch.setenv("SPILLWAY_GRAMMAR_COMPILE_TIMEOUT_S", value)
+        with pytest.raises(ValueError, match=message):
+            engine_config(None)
