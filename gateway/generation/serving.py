@@ -114,6 +114,7 @@ class Generation:
         self._by_id: dict[str, Sample] = {}
         self._stream: RequestStream | None = None
         self._unfinished = 0
+        self._held: list[RequestDelta] | None = None  # the first deltas, read by `accepted`
 
     def start(self) -> None:
         """Send every sample to the worker; raises EngineUnavailable / EngineOverloaded."""
@@ -162,6 +163,15 @@ class Generation:
         if self._stream is not None:
             self._stream.close()
 
+    async def accepted(self) -> None:
+        """Wait for the worker's first deltas, applied later by `updates`: a sample the worker
+        refuses (a grammar that does not compile) raises ApiError here, before any answer is sent."""
+        assert self._stream is not None, "start() first"
+        if self._held is None and self._unfinished:
+            self._held = await self._stream.next()
+            for delta in self._held:
+                _check_accepted(delta)
+
     async def updates(self) -> AsyncIterator[list[Update]]:
         """Batches of per-choice updates until every choice has finished.
 
@@ -171,7 +181,7 @@ class Generation:
         # Stop strings are checked per delta: which token completes one decides the usage.
         merge = not self.job.params.stop_strings
         while self._unfinished:
-            deltas = await self._stream.next()
+            deltas, self._held = self._held or await self._stream.next(), None
             if merge and len(deltas) > 1:
                 deltas = merge_deltas(deltas)
             updates: dict[int, Update] = {}
@@ -190,9 +200,7 @@ class Generation:
         """Apply one delta (or several merged); the text is the same as one by one, as long as
         no stop string can end the sample in the middle of them."""
         sample = update.sample
-        if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
-            raise api.bad_request(f"the engine refused the request: {delta.error or 'no reason given'}",
-                                  code="engine_refused")
+        _check_accepted(delta)
         if len(delta.new_token_ids) > 1 and self.job.params.stop_strings:
             self._apply_token_by_token(update, delta)
             return
@@ -321,3 +329,9 @@ def _join(run: list[RequestDelta]) -> RequestDelta:
     return RequestDelta(request_id=run[0].request_id, new_token_ids=token_ids, finish_reason=run[-1].finish_reason,
                         logprobs=logprobs, num_cached_tokens=num_cached_tokens,
                         prompt_logprobs=run[0].prompt_logprobs)
+
+
+def _check_accepted(delta: RequestDelta) -> None:
+    if delta.error is not None or delta.finish_reason is FinishReason.ERROR:
+        raise api.bad_request(f"the engine refused the request: {delta.error or 'no reason given'}",
+                              code="engine_refused")

@@ -262,7 +262,17 @@ class GenerationResponse:
     async def _stream(self, send) -> None:
         """One write per batch of updates, not per event: each write is a system call and, at a
         few tokens per request, most of a stream's cost. The last batch carries the stream's
-        end ([DONE] and the chunked body's terminator) with it."""
+        end ([DONE] and the chunked body's terminator) with it. A constrained answer's status
+        waits for its grammar: a schema the grammar library refuses is a 400, as unstreamed."""
+        if self.generation.job.params.structured_outputs is not None:
+            try:
+                await self.generation.accepted()
+            except api.ApiError as exc:
+                await error_response(exc)({"type": "http"}, _no_receive, send)
+                return
+            except WorkerLost as exc:
+                await error_response(worker_lost_error(exc))({"type": "http"}, _no_receive, send)
+                return
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         events = chat_events if self.generation.job.chat else completion_events
         end = DONE

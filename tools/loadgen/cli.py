@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import platform
@@ -122,6 +123,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="send ignore_eos and min_tokens so outputs are as long as asked (vLLM extensions)")
     work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument("--json-schema", metavar="FILE",
+                      help="hold every answer to the JSON schema in FILE: sent as OpenAI's response_format "
+                      "(json_schema, strict); a schema that cannot close within --output-len keeps lengths exact")
 
 
 def _add_load_args(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +207,7 @@ class RunSettings:
     max_open_conversations: int
     command: str
     dataset: Dataset | None = None
+    response_format: dict | None = None
 
 
 def resolve(args: argparse.Namespace, argv: list[str]) -> RunSettings:
@@ -218,12 +223,26 @@ def resolve(args: argparse.Namespace, argv: list[str]) -> RunSettings:
             raise ValueError(f"--dataset: {exc}") from None
         if args.output_len is None and any(i.output_len is None and i.reply is None for i in dataset.items):
             raise ValueError(f"--dataset {args.dataset}: some prompts give no output length; add --output-len")
+    response_format = None if args.json_schema is None else json_schema_format(args.json_schema)
     concurrency = args.concurrency if args.concurrency or not math.isinf(args.request_rate) else 1
     num_requests = args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS)
     shape = LoadShape(concurrency, args.request_rate, args.burstiness, num_requests, args.duration, args.seed)
     endpoint = args.endpoint or ("chat" if spec.name in CHAT_WORKLOADS else "completions")
     return RunSettings(args.url.rstrip("/").removesuffix("/v1"), endpoint, spec, shape,
-                       args.num_users or concurrency or 16, "python -m tools.loadgen " + shlex.join(argv), dataset)
+                       args.num_users or concurrency or 16, "python -m tools.loadgen " + shlex.join(argv), dataset,
+                       response_format)
+
+
+def json_schema_format(path: str) -> dict:
+    """OpenAI's response_format holding answers to the JSON schema in the file at `path`."""
+    try:
+        with open(path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--json-schema {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
 
 async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
@@ -245,7 +264,8 @@ async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
             if args.progress:
                 print(f"loadgen: preparing {shape.num_requests} requests' prompts", file=sys.stderr)
             source = _replay([c async for c in source])
-        options = RequestOptions(settings.endpoint, model, args.ignore_eos, args.temperature, args.timeout)
+        options = RequestOptions(settings.endpoint, model, args.ignore_eos, args.temperature, args.timeout,
+                                 settings.response_format)
         watcher = MetricsWatcher(http, args.metrics_interval) if args.server_metrics else None
         if watcher is not None:
             await watcher.start()
@@ -267,6 +287,7 @@ async def run(args: argparse.Namespace, settings: RunSettings) -> dict:
               "prompt_source": prompts.source, "spec": asdict(spec),
               "shape": dict(asdict(shape), request_rate=None if math.isinf(shape.request_rate) else shape.request_rate),
               "ignore_eos": args.ignore_eos, "temperature": args.temperature, "command": settings.command,
+              "response_format": settings.response_format,
               "client": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
               "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
     samples = watcher.samples_since(t0) if watcher is not None else []

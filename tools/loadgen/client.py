@@ -29,6 +29,7 @@ class RequestOptions:
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 600.0
+    response_format: dict | None = None  # OpenAI's field, sent as given (e.g. a json_schema)
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ def request_body(conversation: Conversation, turn: int, options: RequestOptions)
         body["min_tokens"] = current.output_len
     if conversation.thinking_budget is not None:
         body["thinking_budget"] = conversation.thinking_budget
+    if options.response_format is not None:
+        body["response_format"] = options.response_format
     if options.endpoint == "chat":
         messages = [{"role": "system", "content": conversation.system.text}] if conversation.system else []
         for past, reply in zip(conversation.turns[:turn], conversation.replies):

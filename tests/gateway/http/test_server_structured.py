@@ -112,10 +112,13 @@ def test_json_object_regex_choice_and_the_older_fields(client):
 
 
 @pytest.mark.slow
-def test_a_schema_the_library_refuses_is_a_400_naming_it(client):
+def test_a_schema_the_library_refuses_is_a_400_naming_it_streamed_or_not(client):
     with pytest.raises(openai.BadRequestError, match='Unsupported type \\\\?"objekt'):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, response_format=json_schema_format(
             0, {"type": "objekt"}))
+    with pytest.raises(openai.BadRequestError, match='Unsupported type \\\\?"objekt'):  # streamed: the same 400
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, stream=True,
+                                       response_format=json_schema_format(0, {"type": "objekt"}))
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10,
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})

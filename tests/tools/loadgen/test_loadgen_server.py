@@ -143,3 +143,26 @@ def test_multi_turn_history_grows_and_is_found_in_the_cache(run):
             assert after["prompt_tokens"] > before["prompt_tokens"] + 16
             assert after["cached_tokens"] >= 16 * (before["prompt_tokens"] // 16)
             assert after["start_s"] >= before["start_s"] + before["e2e_s"]
+
+
+# An array of at least 200 words cannot close within 6 tokens: every answer runs to its length.
+LONG_SCHEMA = {"type": "object", "properties": {"words": {"type": "array", "minItems": 200,
+                                                          "items": {"type": "string", "minLength": 4}}},
+               "required": ["words"]}
+
+
+def test_json_schema_holds_every_answer_and_a_refused_one_is_a_4xx(server_url, tmp_path):
+    schema, output = tmp_path / "schema.json", tmp_path / "results.json"
+    schema.write_text(json.dumps(LONG_SCHEMA))
+    base = ["--url", server_url, "--no-progress", "--concurrency", "2", "--num-requests", "4", "--input-len", "16",
+            "--output-len", "6", "--endpoint", "chat", "--no-ignore-eos", "--seed", "106"]
+    assert main([*base, "--json-schema", str(schema), "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert results["config"]["response_format"]["json_schema"]["schema"] == LONG_SCHEMA
+    assert results["summary"]["num_ok"] == 4 and results["summary"]["errors"] == {}
+    assert [r["output_tokens"] for r in results["requests"]] == [6] * 4
+    schema.write_text(json.dumps({"type": "objekt"}))
+    assert main([*base, "--json-schema", str(schema), "--output", str(output)]) == 1  # nothing succeeded
+    results = json.loads(output.read_text())
+    assert results["summary"]["errors"] == {"http_4xx": 4}  # refused before the stream starts
+    assert all("objekt" in r["error"] for r in results["requests"])

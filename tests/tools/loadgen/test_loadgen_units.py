@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -142,3 +143,21 @@ def test_a_seed_fixes_the_plan_and_shared_prefixes_are_reused():
     planner = Planner(spec, 10_000)
     systems = {planner.plan().system for _ in range(40)}
     assert systems == set(planner.prefixes) and len(systems) == 3
+
+
+def test_a_json_schema_file_becomes_a_strict_response_format_and_a_bad_one_a_clear_error(tmp_path):
+    from spillway.tools.loadgen.cli import json_schema_format
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    good, listed, broken = tmp_path / "good.json", tmp_path / "listed.json", tmp_path / "broken.json"
+    good.write_text(json.dumps(schema))
+    listed.write_text("[1, 2]")
+    broken.write_text("{not json")
+    assert json_schema_format(str(good)) == {"type": "json_schema",
+                                             "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    with pytest.raises(ValueError, match="listed.json: a JSON schema is an object, not list"):
+        json_schema_format(str(listed))
+    with pytest.raises(ValueError, match="broken.json"):
+        json_schema_format(str(broken))
+    with pytest.raises(ValueError, match="missing.json"):
+        json_schema_format(str(tmp_path / "missing.json"))
