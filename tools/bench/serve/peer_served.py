@@ -9,9 +9,12 @@ Both servers get the same flags (`--load-format dummy --kv-cache-dtype ... --max
 --max-model-len INPUT+OUTPUT --gpu-memory-utilization ...`: vLLM's names, which Spillway
 shares) and the same load: `--num-requests` completions of `--input-len` prompt tokens (text
 measured by the server's own /tokenize), each asking exactly `--output-len` tokens with EOS
-ignored, all sent at once. Prints one JSON line (appended to `--results` too): output and total
-tok/s, requests failed, the loadgen summary's TTFT and TPOT medians; `--output-dir` keeps each
-run's loadgen JSON and server log. Run the two back to back on one machine and the same folder.
+ignored, all sent at once. `--rows free,structured` runs the load twice on one server: free, then
+held to a JSON schema (OpenAI's response_format, the long schema of
+tools/bench/engine/structured.py, which no answer closes within 2,000 tokens, so lengths stay
+exact with EOS not ignored). Prints one JSON line a row (appended to `--results` too): output
+and total tok/s, output tokens a request, requests failed, the loadgen summary's TTFT and TPOT
+medians; `--output-dir` keeps each run's loadgen JSON and server log. Run the two back to back on one machine and the same folder.
 vLLM runs from a temporary working directory: its model inspection starts a child with the
 working directory on its path, where this checkout's kernels/ would pass for another package.
 """
@@ -27,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from spillway.tools.bench.engine.structured import LONG_SCHEMA
 from spillway.tools.bench.serve.server_process import Server
 
 ENGINES = ("spillway", "vllm")
@@ -48,12 +52,19 @@ def serve_args(args) -> list[str]:
             "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
 
 
-def load(url: str, args, results: Path) -> dict:
+ROWS = ("free", "structured")
+
+
+def load(url: str, args, results: Path, row: str) -> dict:
     """tools/loadgen against `url`, all requests at once; its saved summary."""
     command = [sys.executable, "-m", "spillway.tools.loadgen", "--url", url, "--endpoint", "completions",
                "--workload", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--no-progress",
                "--timeout", str(args.timeout), "--output", str(results)]
+    if row == "structured":
+        schema = results.with_name("schema.json")
+        schema.write_text(json.dumps(LONG_SCHEMA))
+        command += ["--json-schema", str(schema), "--no-ignore-eos"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not results.is_file():
         raise SystemExit(f"loadgen failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
@@ -61,23 +72,40 @@ def load(url: str, args, results: Path) -> dict:
     return json.loads(results.read_text())["summary"]
 
 
-def run(args) -> dict:
+def run(args) -> list[dict]:
     if not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"--model {args.model!r} must be a folder holding config.json (both engines load it)")
     out_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="peer-served-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     program, env, cwd = server_command(args)
     started = time.perf_counter()
+    lines = []
     with Server(serve_args(args), args.startup_timeout, keep_log=out_dir / f"server-{args.engine}.log",
                 program=program, env=env, cwd=cwd) as server:
         ready_s = time.perf_counter() - started
-        summary = load(server.url, args, out_dir / f"loadgen-{args.engine}.json")
+        for row in args.rows:
+            summary = load(server.url, args, out_dir / f"loadgen-{args.engine}-{row}.json", row)
+            lines.append(_line(args, row, summary, ready_s))
+    return lines
+
+
+def _line(args, row: str, summary: dict, ready_s: float) -> dict:
     medians = {name: round(summary[name]["median"], 3) if summary.get(name) else None for name in ("ttft_ms", "tpot_ms")}
-    return dict(engine=args.engine, model=args.model, requests=args.num_requests, input_len=args.input_len,
+    ok = max(summary["num_ok"], 1)
+    return dict(engine=args.engine, row=row, model=args.model, requests=args.num_requests, input_len=args.input_len,
                 output_len=args.output_len, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 failed=summary["num_failed"], output_tok_s=round(summary["output_throughput"], 1),
                 total_tok_s=round(summary["total_token_throughput"], 1), duration_s=round(summary["duration_s"], 2),
+                output_tokens_per_request=round(summary["total_output_tokens"] / ok, 1),
                 startup_s=round(ready_s, 1), **{f"{name}_p50": value for name, value in medians.items()})
+
+
+def _rows(text: str) -> list[str]:
+    rows = [row for row in text.split(",") if row]
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown or not rows:
+        raise argparse.ArgumentTypeError(f"rows are {', '.join(ROWS)}; not {', '.join(unknown) or 'none'}")
+    return rows
 
 
 def main() -> None:
@@ -96,15 +124,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the server may take to start")
     parser.add_argument("--output-dir", help="keep the loadgen JSON and the server log here")
-    parser.add_argument("--results", help="append the JSON line here too")
+    parser.add_argument("--rows", type=_rows, default=["free"], help="free, structured or both (default free)")
+    parser.add_argument("--results", help="append the JSON lines here too")
     args = parser.parse_args()
     if min(args.num_requests, args.input_len, args.output_len, args.max_num_seqs) < 1:
         parser.error("--num-requests, --input-len, --output-len and --max-num-seqs must be positive")
-    line = json.dumps(run(args))
-    print(line, flush=True)
-    if args.results:
-        with open(args.results, "a") as out:
-            out.write(line + "\n")
+    for line in map(json.dumps, run(args)):
+        print(line, flush=True)
+        if args.results:
+            with open(args.results, "a") as out:
+                out.write(line + "\n")
 
 
 if __name__ == "__main__":
