@@ -204,6 +204,13 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     invariants_ok: bool | None = None
 
 
+class KvEvents(msgspec.Struct, frozen=True, array_like=True):
+    """Changes to the set of prefix blocks a worker holds (GPU pool or CPU tier), since its last report."""
+    stored: list[bytes]      # block hashes the worker now holds and did not before, in the order they were stored
+    removed: list[bytes]     # block hashes it no longer holds anywhere (evicted from the GPU pool and not in the CPU tier, or dropped from the tier and not on the GPU)
+    cleared: bool = False    # the cache was reset (reset_prefix_cache): everything reported before this report is gone; `stored` then lists what is held after the reset
+
+
 class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     step: int
     outputs: list[RequestDelta]
@@ -212,6 +219,7 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # loop has spent in its current stage (a wait for messages, or a step). None on the loop's
     # own messages.
     iteration_s: float | None = None
+    kv_events: KvEvents | None = None
 
 
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):

@@ -27,7 +27,8 @@ from spillway.gateway.http.file_handles import raise_open_file_limit
 from spillway.gateway.api.request_defaults import read_request_defaults
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS
 from spillway.gateway.http.serve_run import (
-    BannerServer, PortInUse, Stopped, bind_port, in_background, local_workers, serve_api_server, stop_on_sigterm,
+    BannerServer, PortInUse, Stopped, bind_port, in_background, local_replicas, local_workers, serve_api_server,
+    stop_on_sigterm,
     uvicorn_config,
 )
 from spillway.gateway.link.spec_args import speculative_config
@@ -49,6 +50,12 @@ def refusals(args: argparse.Namespace) -> list[str]:
     if getattr(args, "api_server_count", 1) > 1 and getattr(args, "worker_address", None) is not None:
         problems.append(f"--api-server-count {args.api_server_count} with --worker-address: not available yet "
                         "(a remote worker serves one gateway process)")
+    if getattr(args, "data_parallel_size", 1) > 1:
+        for flag, value in (("--api-server-count", getattr(args, "api_server_count", 1) > 1),
+                            ("--worker-address", getattr(args, "worker_address", None) is not None)):
+            if value:
+                problems.append(f"--data-parallel-size {args.data_parallel_size} with {flag}: not available yet "
+                                "(one API server routes over the replicas, each a local worker)")
     if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
         problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
                         "logprobs per token")
@@ -183,7 +190,10 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
         # an fp8 cache on the CPU) end the command with the worker's own message.
         try:
-            start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
+            if settings.data_parallel_size > 1:
+                start_worker = local_replicas(settings.worker, settings.data_parallel_size)
+            else:
+                start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
             if api_servers is not None:
                 api_servers.check()
         except (WorkerStartError, RuntimeError) as exc:
@@ -224,7 +234,7 @@ def _server_settings(args: argparse.Namespace):
         enable_reasoning=bool(args.enable_reasoning or args.reasoning_parser or reasoning_config is not None),
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
         tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,
-        tool_call_parser=_tool_call_parser(args),
+        tool_call_parser=_tool_call_parser(args), data_parallel_size=args.data_parallel_size, routing=args.routing,
     )
 
 

@@ -13,6 +13,7 @@ from spillway.gateway.link.engine_args import BLOCK_SIZES, DTYPES
 from spillway.gateway.http.http_protocol import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S, DEFAULT_TIMEOUT_REQUEST_BODY_S, DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 )
+from spillway.gateway.replicas.router import ROUTING_POLICIES
 from spillway.gateway.text.reasoning import PARSERS
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS, MAX_N
 from spillway.gateway.text.template_sandbox import DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_S
@@ -90,6 +91,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="accepted: Spillway never runs code shipped with a model")
     engine.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
     engine.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1)
+    engine.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                        help="engine replicas behind this server, each a worker of its own: on GPUs of their own "
+                             "when there are enough, else sharing one GPU's memory (default 1)")
+    engine.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
+                        help="how requests spread over the replicas: to the one holding the longest run of the "
+                             "prompt's prefix blocks unless it is loaded (prefix), to the least loaded (load), "
+                             "or in turn (round-robin) (default %(default)s)")
     engine.add_argument("--attention-backend", metavar="NAME",
                         help="a vLLM attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ...; for DeepSeek "
                              "V2/V3: FLASHMLA, TRITON_MLA, CUTLASS_MLA, TOKENSPEED_MLA, ...): a name that fits the "

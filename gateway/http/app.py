@@ -41,6 +41,8 @@ from spillway.gateway.http.stats_log import StatsLogger
 from spillway.gateway.text.template_sandbox import TemplateSandbox
 from spillway.gateway.text.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.link.worker_process import WorkerProcess
+from spillway.gateway.replicas.placement import place_replicas
+from spillway.gateway.replicas.replica_set import ReplicaSet
 from spillway.protocol.local import model_files
 
 logger = logging.getLogger("spillway.gateway")
@@ -110,8 +112,9 @@ def load_tokenizer(settings: ServerSettings):
 def build_app(settings: ServerSettings, start_worker=None,
               tokenizer_loader: Callable[[], object] | None = None) -> Starlette:
     """The Starlette app; `start_worker` replaces starting a local worker process (`spillway
-    serve` hands over the one it started first; tests give fakes); `tokenizer_loader` replaces
-    loading the tokenizer at start-up (`spillway serve` loads it while the worker loads)."""
+    serve` hands over the one it started first; tests give fakes), a list of them one per
+    replica with `data_parallel_size` > 1; `tokenizer_loader` replaces loading the tokenizer at
+    start-up (`spillway serve` loads it while the worker loads)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -121,17 +124,20 @@ def build_app(settings: ServerSettings, start_worker=None,
                                   settings.worker, link=settings.worker_link)
         elif settings.worker_address:
             remote = RemoteWorker(settings.worker_address, settings.worker, keys=settings.worker_keys)
-        factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
         metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
                                  else settings.worker.served_model_name or "model", settings.worker.max_model_len,
-                                 engine_stats=settings.api_server_index == 0)
+                                 engine_stats=settings.api_server_index == 0, num_engines=settings.data_parallel_size)
         if settings.worker_address:
             logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
                         settings.worker_address, settings.worker_address)
-        client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
-                              ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
-                              heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
-                              response_timeout_s=settings.response_timeout_s)
+        options = dict(ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
+                       heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
+                       response_timeout_s=settings.response_timeout_s)
+        if settings.data_parallel_size > 1:
+            client = _replica_set(settings, start_worker, metrics, options)
+        else:
+            factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
+            client = EngineClient(factory, metrics=metrics.engine(0), max_pending=settings.max_pending, **options)
         stats_log = None
         try:
             hf_tokenizer = tokenizer_loader() if tokenizer_loader is not None else load_tokenizer(settings)
@@ -175,6 +181,19 @@ def build_app(settings: ServerSettings, start_worker=None,
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+def _replica_set(settings: ServerSettings, start_workers, metrics: GatewayMetrics, options: dict) -> ReplicaSet:
+    """The replicas' client: `start_workers` (one per replica) or local workers where
+    `place_replicas` puts them. `max_pending` bounds each replica."""
+    placement = place_replicas(settings.worker, settings.data_parallel_size)
+    sequential = placement.sequential
+    if start_workers is None:
+        start_workers = [lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
+                         for launch in placement.launches]
+        logger.info("%s; routing by %s", placement.describe, settings.routing)
+    return ReplicaSet(start_workers, routing=settings.routing, max_num_seqs=settings.worker.max_num_seqs,
+                      metrics=metrics, sequential_start=sequential, max_pending=settings.max_pending, **options)
 
 
 # ---- routes -------------------------------------------------------------------------------
@@ -240,7 +259,12 @@ async def invocations(request: Request):
 
 
 async def health(request: Request) -> Response:
-    if _gateway(request).client.healthy:
+    """200 while the engine (any replica) can take requests; with replicas, their states too."""
+    client = _gateway(request).client
+    if client.healthy:
+        if isinstance(client, ReplicaSet):
+            return json_response({"replicas": [{"engine": str(index), "state": state}
+                                               for index, state in enumerate(client.replica_states())]})
         return Response(status_code=200)
     raise api.ApiError(503, "the engine is not ready (it is starting or restarting)", type="server_error",
                        code="engine_unavailable", retry_after=5)

@@ -147,11 +147,27 @@ def uvicorn_config(args: argparse.Namespace, app) -> uvicorn.Config:
                          timeout_request_body=args.timeout_request_body)
 
 
-def local_workers(config, extra_links: list[tuple[str, str]] | None = None):
+def local_replicas(config, data_parallel_size: int):
+    """Start every replica's worker where `place_replicas` puts them (one after another where
+    they share a GPU, else together) and wait until all are ready; returns their `start_worker`s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spillway.gateway.replicas.placement import place_replicas
+
+    placement = place_replicas(config, data_parallel_size)
+    logger.info("%s", placement.describe)
+    if placement.sequential:
+        return [local_workers(launch.config, env=launch.env) for launch in placement.launches]
+    with ThreadPoolExecutor(len(placement.launches)) as pool:
+        futures = [pool.submit(local_workers, launch.config, None, launch.env) for launch in placement.launches]
+        return [future.result() for future in futures]
+
+
+def local_workers(config, extra_links: list[tuple[str, str]] | None = None, env: dict[str, str] | None = None):
     """Start a worker (serving the other API servers' `extra_links` too) and wait until it is
     ready (WorkerStartError if it cannot start); returns the app's `start_worker`, which hands
     out that worker first, then new ones."""
-    worker = WorkerProcess(config, extra_links=extra_links)
+    worker = WorkerProcess(config, extra_links=extra_links, env=env)
     started = time.monotonic()
     last_report = started
 
@@ -167,7 +183,8 @@ def local_workers(config, extra_links: list[tuple[str, str]] | None = None):
         worker.close()
         raise
     started_workers = [worker]
-    return lambda: started_workers.pop() if started_workers else WorkerProcess(config, extra_links=extra_links)
+    return lambda: started_workers.pop() if started_workers else WorkerProcess(config, extra_links=extra_links,
+                                                                               env=env)
 
 
 def _has_uvloop() -> bool:

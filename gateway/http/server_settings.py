@@ -59,6 +59,10 @@ class ServerSettings:
     # Called (in a thread) once the app is ready, before the server listens: API servers 1..N-1
     # wait there for server 0, so that none answers /health before all do.
     serve_after: Callable[[], object] | None = None
+    # Engine replicas behind this gateway (`--data-parallel-size`), each a worker of its own, and
+    # how requests are spread over them (gateway/replicas/router.py).
+    data_parallel_size: int = 1
+    routing: str = "prefix"
 
     @property
     def reasoning(self) -> bool:

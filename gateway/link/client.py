@@ -28,6 +28,7 @@ from spillway.protocol.messages import (
     ControlCommand,
     FinishReason,
     Generate,
+    KvEvents,
     Ready,
     RequestDelta,
     Stats,
@@ -120,8 +121,16 @@ class EngineClient:
                  max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
                  heartbeat_timeout_s: float | None = None, step_timeout_s: float | None = None,
                  replace_lost_worker: bool = True,
-                 response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S) -> None:
+                 response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S,
+                 on_kv_events: Callable[[KvEvents], None] | None = None,
+                 on_request_done: Callable[[str], None] | None = None,
+                 on_worker_lost: Callable[[], None] | None = None) -> None:
+        """`on_kv_events`, `on_request_done` (a sub-request id, once its route is gone: finished,
+        aborted or failed) and `on_worker_lost`: what a replica set (gateway/replicas/) follows."""
         self._metrics = metrics
+        self._on_kv_events = on_kv_events
+        self._on_request_done = on_request_done
+        self._on_worker_lost = on_worker_lost
         self._response_timeout_s = response_timeout_s  # None: no bound
         self._sweeper: asyncio.Task | None = None
         self._max_pending = max_pending  # None: no bound (the offline API queues in the worker)
@@ -157,6 +166,16 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._routes)
 
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the last worker was lost, if one was."""
+        return self.link.lost_reason
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the worker last said anything (its heartbeats included)."""
+        return self.link.silent_s
+
     def submit(self, generates: list[Generate], num_samples: int = 1) -> RequestStream:
         """Send the sub-requests of one HTTP request, `num_samples` (its n) consecutive ones per
         prompt; their deltas arrive on the stream."""
@@ -186,6 +205,8 @@ class EngineClient:
             tracked.stream.open_ids.discard(request_id)
             self._record_finish(tracked, reason, now)
             self._pending_aborts.append(request_id)
+            if self._on_request_done is not None:
+                self._on_request_done(request_id)
         if self._pending_aborts and was_empty:
             asyncio.get_running_loop().call_soon(self._flush_aborts)
 
@@ -227,6 +248,8 @@ class EngineClient:
     # ---- called by the link -------------------------------------------------------------------
 
     def _on_step(self, msg: StepOutputs) -> None:
+        if msg.kv_events is not None and self._on_kv_events is not None:
+            self._on_kv_events(msg.kv_events)
         if msg.stats is not None:
             self.last_stats = msg.stats
             if self._metrics is not None:
@@ -261,6 +284,8 @@ class EngineClient:
             if delta.finish_reason is not None:
                 del self._routes[delta.request_id]
                 tracked.stream.open_ids.discard(delta.request_id)
+                if self._on_request_done is not None:
+                    self._on_request_done(delta.request_id)
                 if delta.finish_reason is not FinishReason.ERROR:
                     self._record_finish(tracked, delta.finish_reason.value, now)
             tracked.stream.put(delta)
@@ -275,13 +300,17 @@ class EngineClient:
         self._fail_all(reason)
         if self._metrics is not None:
             self._metrics.on_worker_lost()
+        if self._on_worker_lost is not None:
+            self._on_worker_lost()
 
     def _fail_all(self, reason: str) -> None:
         routes, self._routes = self._routes, {}
         self._pending_aborts.clear()
-        for tracked in routes.values():
+        for request_id, tracked in routes.items():
             tracked.stream.open_ids.clear()
             tracked.stream.put(WorkerLost(reason))
+            if self._on_request_done is not None:
+                self._on_request_done(request_id)
         waiters, self._stats_waiters = self._stats_waiters, []
         for waiter, _ in waiters:
             if not waiter.done():

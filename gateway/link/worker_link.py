@@ -108,6 +108,12 @@ class WorkerLink:
                 handle.close()
 
     @property
+    def silent_s(self) -> float:
+        """Seconds since the attached worker last said anything (0 before one is attached)."""
+        last = self._liveness.last_heard
+        return time.monotonic() - last if last else 0.0
+
+    @property
     def worker_pid(self) -> int | None:
         process = getattr(self._handle, "process", None)
         return process.pid if process is not None else None

@@ -67,7 +67,7 @@ class ChildProcess:
     """A started worker program, seen as multiprocessing shows a process: `pid`, `exitcode`,
     `is_alive()`, `join()`, `terminate()`, and `sentinel`, an FD readable once it has exited."""
 
-    def __init__(self, command: list[str], launch: WorkerLaunch) -> None:
+    def __init__(self, command: list[str], launch: WorkerLaunch, env: dict[str, str] | None = None) -> None:
         # The child holds the write end of this pipe and never writes: the read end turns
         # readable (EOF) when the child has exited, as multiprocessing's sentinel does.
         self.sentinel, child_end = os.pipe()
@@ -75,7 +75,7 @@ class ChildProcess:
             # A session of its own: a terminal's Ctrl-C, sent to the gateway's process group,
             # never reaches the worker (not even while it imports); its gateway stops it.
             self._popen = subprocess.Popen(command, stdin=subprocess.PIPE, pass_fds=(child_end,),
-                                           start_new_session=True)
+                                           start_new_session=True, env={**os.environ, **env} if env else None)
         finally:
             os.close(child_end)
         self.pid = self._popen.pid
@@ -134,9 +134,10 @@ class WorkerProcess:
 
     def __init__(self, config: WorkerConfig, ctx: zmq.Context | None = None,
                  command: list[str] | tuple[str, ...] = WORKER_COMMAND,
-                 extra_links: list[tuple[str, str]] | None = None) -> None:
+                 extra_links: list[tuple[str, str]] | None = None, env: dict[str, str] | None = None) -> None:
         """`extra_links`: (inbox, outbox) of the other API servers on this one's port, which the
-        worker serves too (gateway/http/api_servers.py)."""
+        worker serves too (gateway/http/api_servers.py); `env`: variables set for the worker
+        over this process's (a data-parallel replica's GPUs or threads)."""
         self.config = config
         self.ready: Ready | None = None
         self._ctx = ctx or zmq.Context.instance()
@@ -152,7 +153,7 @@ class WorkerProcess:
         self._decoder = worker_decoder()
         launch = WorkerLaunch(config=config, inbox=inbox, outbox=outbox, parent_pid=os.getpid(),
                               extra_links=list(extra_links or []))
-        self._child = ChildProcess(list(command), launch)
+        self._child = ChildProcess(list(command), launch, env)
         self.process = self._child
 
     def wait_ready(self, timeout_s: float = 600.0, on_wait=None) -> Ready:

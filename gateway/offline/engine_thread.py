@@ -21,12 +21,14 @@ the caller's thread alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
 
 from spillway.gateway.link.client import EngineClient
+from spillway.gateway.replicas.replica_set import ReplicaSet
 from spillway.gateway.generation.serving import Generation
 from spillway.protocol.messages import Ready, TokenLogprobs
 
@@ -92,13 +94,17 @@ class _Call:
 class EngineThread:
     """An EngineClient running on a private event loop in a daemon thread; blocking calls into it."""
 
-    def __init__(self, start_worker: Callable[[], object], ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, start_worker: Callable[[], object] | list[Callable[[], object]], ready_timeout_s: float = 600.0,
+                 *, routing: str = "prefix", max_num_seqs: int = 256, sequential_start: bool = False) -> None:
+        """`start_worker`: one worker, or a list, one per data-parallel replica (gateway/replicas/),
+        routed by `routing` and started one after another with `sequential_start`."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="spillway-offline-loop", daemon=True)
         self._thread.start()
-        self.client: EngineClient | None = None
-        self._start_worker = start_worker
+        self.client: EngineClient | ReplicaSet | None = None
+        self._start_workers = start_worker if isinstance(start_worker, list) else [start_worker]
         self._ready_timeout_s = ready_timeout_s
+        self._routing, self._max_num_seqs, self._sequential_start = routing, max_num_seqs, sequential_start
         self._workers: list[object] = []  # every worker handle started, for close's last resort
         self._closing = False
 
@@ -110,12 +116,18 @@ class EngineThread:
         # The worker is never replaced: a lost worker fails this LLM, as a crashed engine should.
         # No response bound: every prompt of a batch is queued in the worker at once, and the
         # last may rightly wait for hours; a local worker's death ends them all at once anyway.
-        self.client = EngineClient(self._recorded_worker, max_pending=None, ready_timeout_s=self._ready_timeout_s,
-                                   replace_lost_worker=False, response_timeout_s=None)
+        options = dict(max_pending=None, ready_timeout_s=self._ready_timeout_s, replace_lost_worker=False,
+                       response_timeout_s=None)
+        starts = [functools.partial(self._recorded_worker, start) for start in self._start_workers]
+        if len(starts) == 1:
+            self.client = EngineClient(starts[0], **options)
+        else:
+            self.client = ReplicaSet(starts, routing=self._routing, max_num_seqs=self._max_num_seqs,
+                                     sequential_start=self._sequential_start, **options)
         return await self.client.start()
 
-    def _recorded_worker(self):
-        handle = self._start_worker()
+    def _recorded_worker(self, start_worker: Callable[[], object]):
+        handle = start_worker()
         self._workers.append(handle)
         return handle
 

@@ -17,6 +17,8 @@ from tqdm import tqdm
 from spillway.gateway.api import openai as api
 from spillway.gateway.link.client import EngineUnavailable, WorkerLost
 from spillway.gateway.link import spec_args
+from spillway.gateway.replicas.placement import place_replicas
+from spillway.gateway.replicas.router import ROUTING_POLICIES
 from spillway.gateway.link.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.generation.jobs import Job
 from spillway.gateway.api.prompt_ids import Prompt
@@ -60,6 +62,8 @@ class LLM:
         cpu_offload_gb: float | None = None,
         kv_offloading_size: float | None = None,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        routing: str = "prefix",
         attention_backend: str | None = None,
         additional_config: str | dict | None = None,
         enforce_eager: bool = False,
@@ -83,6 +87,10 @@ class LLM:
         problems = refusals(unsupported, spell)
         if problems:
             raise ValueError("; ".join(problems))
+        if data_parallel_size < 1:
+            raise ValueError(f"LLM(data_parallel_size={data_parallel_size!r}): at least 1 replica")
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"LLM(routing={routing!r}): not one of {', '.join(ROUTING_POLICIES)}")
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
         self.config, files = engine_config(
@@ -123,7 +131,13 @@ class LLM:
                 raise ValueError("a reasoning parser needs the model's tokenizer")
             self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
         config = self.config
-        self._engine = EngineThread(lambda: WorkerProcess(config))
+        if data_parallel_size > 1:
+            placement = place_replicas(config, data_parallel_size)
+            self._engine = EngineThread([lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
+                                         for launch in placement.launches], routing=routing,
+                                        max_num_seqs=config.max_num_seqs, sequential_start=placement.sequential)
+        else:
+            self._engine = EngineThread(lambda: WorkerProcess(config))
         self._finalizer = weakref.finalize(self, self._engine.close)
         try:
             self.ready = self._engine.start()
@@ -222,7 +236,7 @@ class LLM:
         except WorkerLost as exc:
             raise RuntimeError(f"the engine stopped: {exc}") from None
         except EngineUnavailable:
-            reason = self._engine.client.link.lost_reason or "it is not running"
+            reason = self._engine.client.lost_reason or "it is not running"
             raise RuntimeError(f"the engine cannot take requests: {reason}") from None
         except api.ApiError as exc:  # the worker refused a request
             raise ValueError(exc.message) from None

@@ -1,0 +1,2 @@
+"""Data-parallel replicas behind one gateway: where each worker runs, what its prefix cache
+holds, and which replica takes each request."""
