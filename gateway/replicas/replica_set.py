@@ -109,10 +109,12 @@ class ReplicaSet:
     # ---- routing ---------------------------------------------------------------------------
 
     def _send(self, generates: list[Generate], num_samples: int, excluded: frozenset[int]) -> tuple[int, RequestStream]:
-        eligible = [r not in excluded and replica.healthy and replica.silent_s < ROUTING_SILENCE_S
-                    for r, replica in enumerate(self.replicas)]
-        if not any(eligible):
-            raise EngineUnavailable("the engine is not ready: no replica's worker is running and answering")
+        ready = [r not in excluded and replica.healthy for r, replica in enumerate(self.replicas)]
+        if not any(ready):
+            raise EngineUnavailable("the engine is not ready: no replica's worker is running")
+        eligible = [ok and replica.silent_s < ROUTING_SILENCE_S for ok, replica in zip(ready, self.replicas)]
+        if not any(eligible):  # workers that do not beat are silent while idle: all quiet is no sign
+            eligible = ready
         loads = [replica.num_in_flight for replica in self.replicas]
         replica, reason = self.router.choose(generates[0].block_hashes, loads, eligible)
         inner = self.replicas[replica].submit(generates, num_samples)

@@ -1,7 +1,8 @@
 """A stand-in worker process for gateway tests: speaks the real protocol over the real
 sockets, but "generates" by replaying a fixed token sequence, one token per step.
 
-Its KV usage is one block per running request, so tests can see usage return to zero. Steps
+Its KV usage is one block per running request, so tests can see usage return to zero. Every
+prompt block it is sent stays cached (reported as KvEvents when the config asks for them). Steps
 start `step_s` apart while requests run (a message arriving ends the wait early, as a real
 worker's poll does), so it also stands in for an engine of a known rate: every running request
 gets one token per step (tools/bench/serve/gateway_alone.py drives the gateway alone with it). With
@@ -33,6 +34,7 @@ from spillway.protocol.messages import (
     ControlCommand,
     FinishReason,
     Generate,
+    KvEvents,
     Ready,
     RequestDelta,
     Stats,
@@ -70,6 +72,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     queries = hits = 0
     checked = False  # a CHECK_INVARIANTS waits for the next report
     seen_hashes: set[bytes] = set()
+    stored: list[bytes] = []  # with config.kv_events: prompt blocks first seen since the last report
     # Each Generate's arrival (time.monotonic(), a line each): when a burst's requests got through the gateway.
     arrivals = open(arrivals_path, "a", buffering=1) if arrivals_path else None
     received: dict[str, float] = {}  # until the request's first step: its queue time
@@ -96,6 +99,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                         cached += config.block_size
                     queries += len(unpack_token_ids(msg.prompt_token_ids))
                     hits += cached
+                    if config.kv_events:
+                        stored += [h for h in msg.block_hashes if h not in seen_hashes]
                     seen_hashes.update(msg.block_hashes)
                     if not running:
                         hold_until = time.monotonic() + hold_s
@@ -157,7 +162,7 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
         now = time.monotonic()
         if was_busy and (not running or now - last_stats > 0.5):
             want_stats = True
-        if pending or want_stats:
+        if pending or want_stats or stored:
             stats = None
             if want_stats:
                 last_stats = now
@@ -166,7 +171,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                               prefix_cache_queries=queries, prefix_cache_hits=hits, num_steps=step,
                               invariants_ok=True if checked else None)
                 checked = False
-            out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats)))
+            events, stored = (KvEvents(stored=stored, removed=[]) if stored else None), []
+            out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats, kv_events=events)))
             step += 1
 
 
