@@ -59,7 +59,8 @@ def load(url: str, args, results: Path, row: str) -> dict:
     """tools/loadgen against `url`, all requests at once; its saved summary."""
     command = [sys.executable, "-m", "spillway.tools.loadgen", "--url", url, "--endpoint", "completions",
                "--workload", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--no-progress",
+               "--num-requests", str(args.num_requests), "--concurrency", str(args.num_requests),
+               "--seed", str(args.seed), "--no-progress",
                "--timeout", str(args.timeout), "--output", str(results)]
     if row == "structured":
         schema = results.with_name("schema.json")

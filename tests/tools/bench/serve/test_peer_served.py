@@ -54,3 +54,4 @@ def test_free_and_structured_rows_share_a_server_and_give_every_token_asked(tmp_
     config = json.loads((tmp_path / "loadgen-spillway-structured.json").read_text())["config"]
     assert config["response_format"]["json_schema"]["schema"]["properties"]["items"]["minItems"] == 1024
     assert config["ignore_eos"] is False
+    assert config["shape"]["concurrency"] == 4  # every request sent at once, not one after another
