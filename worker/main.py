@@ -11,6 +11,8 @@ needs the gateway's address (and, off loopback, the link's key: protocol/local/l
 With several API servers on one port (`--api-server-count`), each is a link of its own
 (worker/gateway_links.py). A message that does not decode is logged (rate-limited) and dropped.
 A thread beats to every link meanwhile, through long steps too (worker/heartbeat.py).
+With `WorkerConfig.kv_events`, each iteration's report of the prefix cache's changes
+(`Engine.take_kv_events`) reaches every link once, and a gateway attaching anew the whole set.
 """
 
 from __future__ import annotations
