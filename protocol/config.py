@@ -133,8 +133,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # by `worker_config_from_env`): taken, not refused.
     allow_long_max_model_len: bool = False
     settings_spelling: str = "arguments"  # one of SETTINGS_SPELLINGS, for the worker's messages
-    # Report the prefix blocks held as KvEvents in StepOutputs (a data-parallel replica's
-    # gateway routes by them); off: nothing collected.
+    # Report the prefix blocks held as `KvEvents` on the StepOutputs (a gateway routing between
+    # replicas by prefix needs them); off: nothing is recorded.
     kv_events: bool = False
 
     def setting(self, name: str) -> str:

@@ -205,10 +205,21 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KvEvents(msgspec.Struct, frozen=True, array_like=True):
-    """Changes to the set of prefix blocks a worker holds (GPU pool or CPU tier), since its last report."""
-    stored: list[bytes]      # block hashes the worker now holds and did not before, in the order they were stored
-    removed: list[bytes]     # block hashes it no longer holds anywhere (evicted from the GPU pool and not in the CPU tier, or dropped from the tier and not on the GPU)
-    cleared: bool = False    # the cache was reset (reset_prefix_cache): everything reported before this report is gone; `stored` then lists what is held after the reset
+    """Changes to the set of prefix blocks a worker holds (GPU pool or CPU tier), since its last report.
+
+    A consumer that applies every report in order, `if cleared: held = set()`, then
+    `held |= stored`, then `held -= removed`, holds the hashes the worker's prefix cache can find.
+    A block moving between the tiers is no change. A hash stored and removed between two
+    reports may appear in `removed` only (or in neither)."""
+
+    stored: list[bytes]  # block hashes the worker now holds and did not before, in the order they were stored
+    # Block hashes it no longer holds anywhere (evicted from the GPU pool and not in the CPU tier,
+    # or dropped from the tier and not on the GPU).
+    removed: list[bytes]
+    # The cache was reset (reset_prefix_cache), or this is the whole set for a gateway that
+    # attached anew (HELLO): everything reported before this report is gone; `stored` then lists
+    # what is held after the reset.
+    cleared: bool = False
 
 
 class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -219,6 +230,8 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # loop has spent in its current stage (a wait for messages, or a step). None on the loop's
     # own messages.
     iteration_s: float | None = None
+    # With WorkerConfig.kv_events: the prefix-cache changes since the report before, when there
+    # are any; every link hears each report once (worker/main.py). Never on a heartbeat.
     kv_events: KvEvents | None = None
 
 

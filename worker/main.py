@@ -11,6 +11,8 @@ needs the gateway's address (and, off loopback, the link's key: protocol/local/l
 With several API servers on one port (`--api-server-count`), each is a link of its own
 (worker/gateway_links.py). A message that does not decode is logged (rate-limited) and dropped.
 A thread beats to every link meanwhile, through long steps too (worker/heartbeat.py).
+With `WorkerConfig.kv_events`, each iteration's report of the prefix cache's changes
+(`Engine.take_kv_events`) reaches every link once, and a gateway attaching anew the whole set.
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
                         pending = _forget_link(engine, links, link, pending)
                         links.sessions[link] = session
                         links.outboxes[link].send(enc.encode(ready))
+                        if (snapshot := engine.kv_events_snapshot()) is not None:  # it heard none before
+                            links.outboxes[link].send(enc.encode(StepOutputs(step=step, outputs=[],
+                                                                             kv_events=snapshot)))
                 case Control(command=ControlCommand.RESET_PREFIX_CACHE):
                     engine.reset_prefix_cache()
                     want_stats = True
@@ -185,10 +190,14 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
         if was_busy and (not busy_before or now - last_stats >= STATS_INTERVAL_S):
             want_stats = True  # and a busy one from its first step on
         busy_before = engine.has_work
-        if pending:
-            for out, outputs in zip(links.outboxes, links.route(pending)):
-                if outputs:
-                    out.send(enc.encode(StepOutputs(step=step, outputs=outputs)))
+        # Every link hears each report of the prefix cache's changes once: with its outputs,
+        # else with the stats, else alone. Releasing the finished requests' blocks below
+        # changes no hash (they stay cached), so nothing is left for the next report.
+        kv_events = engine.take_kv_events()
+        routed = links.route(pending)
+        for out, outputs in zip(links.outboxes, routed):
+            if outputs or (kv_events is not None and not want_stats):
+                out.send(enc.encode(StepOutputs(step=step, outputs=outputs, kv_events=kv_events)))
         # The blocks of the requests that finished go back once their last tokens are on their
         # way, and before the stats count them.
         engine.release_finished()
@@ -196,9 +205,10 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
             stats = msgspec.structs.replace(engine.stats(check_invariants), iteration_tokens=iteration_tokens)
             iteration_tokens = []
             last_stats = now
-            for out in links.outboxes:  # every gateway hears the worker's stats
-                out.send(enc.encode(StepOutputs(step=step, outputs=[], stats=stats)))
-        if pending or want_stats:
+            for out, outputs in zip(links.outboxes, routed):  # every gateway hears the worker's stats
+                out.send(enc.encode(StepOutputs(step=step, outputs=[], stats=stats,
+                                                kv_events=None if outputs else kv_events)))
+        if pending or want_stats or kv_events is not None:
             step += 1
 
 

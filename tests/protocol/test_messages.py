@@ -2,7 +2,7 @@ import msgspec
 import pytest
 
 from spillway.protocol.messages import (
-    Abort, Control, ControlCommand, FinishReason, Generate, Ready, RequestDelta, SamplingParams,
+    Abort, Control, ControlCommand, FinishReason, Generate, KvEvents, Ready, RequestDelta, SamplingParams,
     StepOutputs, Stats, TokenLogprobs, WorkerError, encoder, gateway_decoder, worker_decoder,
 )
 
@@ -38,3 +38,39 @@ def test_worker_messages_round_trip():
 def test_a_message_on_the_wrong_socket_fails_loudly():
     with pytest.raises(msgspec.ValidationError):
         worker_decoder().decode(encoder().encode(Abort(["r1"])))
+
+
+class StepOutputsBeforeKvEvents(msgspec.Struct, frozen=True, tag="StepOutputs", kw_only=True):
+    """StepOutputs as a peer built before `kv_events` existed sends and reads it."""
+
+    step: int
+    outputs: list[RequestDelta]
+    stats: Stats | None = None
+    iteration_s: float | None = None
+
+
+def test_step_outputs_with_and_without_kv_events_round_trip():
+    enc, dec = encoder(), worker_decoder()
+    events = KvEvents(stored=[b"\x01" * 16, b"\x02" * 16], removed=[b"\x03" * 16])
+    msgs = [
+        StepOutputs(step=4, outputs=[RequestDelta(request_id="r1", new_token_ids=[5])], kv_events=events),
+        StepOutputs(step=5, outputs=[], stats=Stats(num_running=0),
+                    kv_events=KvEvents(stored=[], removed=[], cleared=True)),
+        StepOutputs(step=6, outputs=[RequestDelta(request_id="r1", new_token_ids=[6])]),
+    ]
+    for msg in msgs:
+        assert dec.decode(enc.encode(msg)) == msg
+    # Compact: a report is an array of [stored, removed, cleared], no field names.
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(events)) == [[b"\x01" * 16, b"\x02" * 16],
+                                                                      [b"\x03" * 16], False]
+
+
+def test_step_outputs_decode_across_peers_with_and_without_kv_events():
+    old = StepOutputsBeforeKvEvents(step=3, outputs=[RequestDelta(request_id="r1", new_token_ids=[5])],
+                                    stats=Stats(num_steps=3))
+    assert worker_decoder().decode(encoder().encode(old)) == StepOutputs(step=3, outputs=old.outputs,
+                                                                         stats=Stats(num_steps=3))
+    new = StepOutputs(step=3, outputs=old.outputs, kv_events=KvEvents(stored=[b"\x01" * 16], removed=[]))
+    # An older gateway reading a newer worker's message skips the field it does not know.
+    assert msgspec.msgpack.decode(encoder().encode(new), type=StepOutputsBeforeKvEvents) == \
+        StepOutputsBeforeKvEvents(step=3, outputs=old.outputs)

@@ -36,9 +36,9 @@ VOCAB = 50
 class TierHarness:
     def __init__(self, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, block_size: int = 4,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 64, max_model_len: int = 64,
-                 write_ahead_blocks: int = 0, land_delay: int = 0, seed: int = 0) -> None:
+                 write_ahead_blocks: int = 0, land_delay: int = 0, seed: int = 0, kv_events: bool = False) -> None:
         self.block_size = block_size
-        self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks)
+        self.manager = BlockManager(num_gpu_blocks, block_size, True, num_cpu_blocks, kv_events=kv_events)
         self.scheduler = Scheduler(self.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS],

@@ -27,6 +27,8 @@ once and its slot is reused before any cached one.
 
 Prefix cache: `hash -> block`, a bijection with the blocks whose `block_hash` is set.
 A block gets its hash when `commit` reports it full and computed, and loses it at eviction.
+With `kv_events`, those two moments (and `reset_prefix_cache`) are recorded for the gateway
+(worker/core/kv_events.py, `take_kv_events`); without, nothing is.
 
 The CPU tier (worker/core/cpu_slots.py, with `num_cpu_blocks`; without one the null tier of
 worker/core/tier.py, whose verbs do nothing) builds on the split of blocks from slots:
@@ -42,10 +44,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from spillway.protocol.messages import BlockHash
+from spillway.protocol.messages import BlockHash, KvEvents
 from spillway.worker.core.block_invariants import check_invariants
 from spillway.worker.core.block_lru import Block, BlockLRU, BlockTable
 from spillway.worker.core.cpu_slots import CpuTier
+from spillway.worker.core.kv_events import KvEventLog
 from spillway.worker.core.prefix_lookup import CachedPrefix, current_prefix, look_up
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.core.tier import KVTier, NullTier
@@ -61,7 +64,7 @@ class BlockManager:
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, kv_events: bool = False):
         if num_gpu_blocks <= 0 or block_size <= 0 or num_cpu_blocks < 0:
             raise ValueError(f"need blocks and a block size, got {num_gpu_blocks}, {block_size}, {num_cpu_blocks}")
         if num_cpu_blocks and not enable_prefix_caching:
@@ -81,6 +84,7 @@ class BlockManager:
         self._cached: dict[BlockHash, Block] = {}
         self._tables: dict[str, BlockTable] = {}
         self._version = 0  # counts allocations and releases: a `CachedPrefix` is valid between two
+        self._events = KvEventLog() if kv_events else None  # None: the hashes' comings and goings go unrecorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -217,11 +221,14 @@ class BlockManager:
         if len(block_hashes) > len(table.blocks):
             raise ValueError(f"{request_id}: {len(block_hashes)} hashes for {len(table.blocks)} blocks")
         if self.enable_prefix_caching:
+            events = self._events
             for i in range(table.num_committed, len(block_hashes)):
                 block = table.blocks[i]
                 if block.block_hash is None and block_hashes[i] not in self._cached:
                     block.block_hash = block_hashes[i]
                     self._cached[block.block_hash] = block
+                    if events is not None:
+                        events.stored(block.block_hash)
         table.num_committed = max(table.num_committed, len(block_hashes))
 
     def free(self, request_id: str) -> None:
@@ -256,7 +263,24 @@ class BlockManager:
             block.block_hash = None
             self._free_block(block)
         self._cached.clear()
+        if self._events is not None:
+            self._events.cleared()
         return True
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The changes to the hashes held since the last call; None when there are none or
+        when the manager records none (`kv_events` off)."""
+        return None if self._events is None else self._events.take()
+
+    def kv_events_snapshot(self) -> KvEvents:
+        """Every hash held, in the order stored, as a report that replaces whatever a consumer
+        held (`cleared`): for a gateway that attaches to a running worker. O(cached blocks)."""
+        return KvEvents(stored=list(self._cached), removed=[], cleared=True)
+
+    def held_block_hashes(self) -> set[BlockHash]:
+        """The hashes a lookup can find, read from the blocks themselves (on either tier).
+        O(blocks): for tests and debug mode, against a replay of the KV events."""
+        return {block.block_hash for block in self.blocks if block.block_hash is not None}
 
     def check_invariants(self) -> None:
         """Raise AssertionError on the first broken invariant (module doc). O(blocks): for
@@ -308,6 +332,8 @@ class BlockManager:
         """A cached block without a GPU slot lost (or never got) its CPU copy: forget it."""
         self._version += 1  # a lookup may hold it (write-back ahead drops outside `allocate`)
         del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events.removed(block.block_hash)
         block.block_hash = None
         self._free_block(block)
 

@@ -13,13 +13,14 @@ import torch
 
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
-from spillway.protocol.messages import FinishReason, Generate, Ready, RequestDelta, Stats
+from spillway.protocol.messages import FinishReason, Generate, KvEvents, Ready, RequestDelta, Stats
 from spillway.protocol.local import envs
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.attention_backends import backend_problem, uses_latent_attention
 from spillway.protocol.reasoning import forced_token
 from spillway.worker.attention.requested_backend import requested_backend_note
 from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.core.kv_events import KvEventReplay
 from spillway.worker.runner.device_settings import resolve_device_settings
 from spillway.worker.kv_tier.host_pool import check_host_memory, time_host_to_device
 from spillway.worker.runner.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
@@ -110,7 +111,8 @@ class Engine:
                                                 size_setting=config.setting("cpu_offload_gb"))
         if self.group is not None:
             self.executor.step_sender = self.group.send_step
-        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks,
+                                          kv_events=config.kv_events)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -128,6 +130,8 @@ class Engine:
         self.tier: TierDriver | NullTierDriver = NullTierDriver() if link is None else TierDriver(
             self.block_manager, self.scheduler, self.executor, self.timing.landing, link.idle_write_ahead_bytes)
         self.debug_invariants = envs.debug_invariants()
+        # In debug mode, a gateway's view of the KV events taken, checked against the cache at each take.
+        self._kv_replay = KvEventReplay() if config.kv_events and self.debug_invariants else None
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._readback = TokenReadback(config.max_num_seqs, self.device,
@@ -355,6 +359,21 @@ class Engine:
         return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
                              check_invariants=check_invariants or self.debug_invariants,
                              copier=self.executor.kv_copier, spec=None if self.spec is None else self.spec.metrics)
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix blocks stored and removed since the last call (worker/core/kv_events.py),
+        for the next StepOutputs; None when nothing changed or `WorkerConfig.kv_events` is off."""
+        events = self.block_manager.take_kv_events()
+        if self._kv_replay is not None:
+            self._kv_replay.apply(events)
+            if self.debug_invariants:
+                self._kv_replay.check(self.block_manager.held_block_hashes())
+        return events
+
+    def kv_events_snapshot(self) -> KvEvents | None:
+        """Every prefix block held, as one report that replaces a gateway's view (a gateway
+        attached anew); None when `WorkerConfig.kv_events` is off."""
+        return self.block_manager.kv_events_snapshot() if self.config.kv_events else None
 
     def idle_write_back(self) -> bool:
         """With no request to run, the CPU tier writes cached blocks back (`TierDriver`);

@@ -1,11 +1,13 @@
 """The block manager under random requests, growth, releases and resets (hypothesis state
-machine): prefix hits hold exactly the request's tokens, and no shared block is written."""
+machine): prefix hits hold exactly the request's tokens, no shared block is written, and the KV
+events reported now and then replay to exactly the hashes held."""
 
 from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_events_consumer import KvEventsConsumer
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, block_hashes, root_hash
 from spillway.worker.core.block_manager import BlockManager
@@ -24,7 +26,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(num_gpu_blocks=10, block_size=BLOCK_SIZE)
+        self.manager = BlockManager(num_gpu_blocks=10, block_size=BLOCK_SIZE, kv_events=True)
+        self.consumer = KvEventsConsumer()
         self.sequences: dict[str, list[int]] = {}  # live request -> its tokens
         self.num_computed: dict[str, int] = {}
         self.kv: dict[int, tuple[int, ...]] = {}
@@ -68,6 +71,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         assert self.manager.reset_prefix_cache() == (not self.sequences)
 
+    @rule()
+    def report(self) -> None:
+        self.consumer.take_from(self.manager)
+
     @invariant()
     def invariants_hold(self) -> None:
         self.manager.check_invariants()
@@ -77,6 +84,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.manager.free(request_id)
         self.manager.check_invariants()
         assert self.manager.num_free_blocks == 10
+        self.consumer.take_from(self.manager)
 
     def _compute(self, request_id: str, num_tokens: int) -> None:
         tokens, table = self.sequences[request_id], self.manager.slot_table(request_id)
