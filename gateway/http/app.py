@@ -128,7 +128,7 @@ def build_app(settings: ServerSettings, start_worker=None,
         if settings.worker_address:
             logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
                         settings.worker_address, settings.worker_address)
-        client = EngineClient(factory, metrics=metrics, max_pending=settings.max_pending,
+        client = EngineClient(factory, metrics=metrics.engine(0), max_pending=settings.max_pending,
                               ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
                               heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
                               response_timeout_s=settings.response_timeout_s)
