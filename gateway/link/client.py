@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from spillway.gateway.metrics.metrics import GatewayMetrics, observe_repeated
+from spillway.gateway.metrics.engine_metrics import EngineMetrics
+from spillway.gateway.metrics.metrics import observe_repeated
 from spillway.gateway.metrics.request_metrics import RequestTimes
 from spillway.gateway.link.worker_link import LinkState, WorkerLink
 from spillway.protocol.hashing import num_token_ids
@@ -117,7 +118,7 @@ class RequestStream:
 class EngineClient:
     """Multiplexes every HTTP request over one worker link."""
 
-    def __init__(self, start_worker: Callable[[], object], *, metrics: GatewayMetrics | None = None,
+    def __init__(self, start_worker: Callable[[], object], *, metrics: EngineMetrics | None = None,
                  max_pending: int | None = 1024, ready_timeout_s: float = 600.0,
                  heartbeat_timeout_s: float | None = None, step_timeout_s: float | None = None,
                  replace_lost_worker: bool = True,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram
+from spillway.gateway.metrics.families import EngineLabels
 
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -52,12 +52,11 @@ class RequestTimes:
 
 
 class RequestMetrics:
-    """The histograms observed once per request (and TTFT / inter-token gaps as they happen)."""
+    """One engine's histograms observed once per request (and TTFT / inter-token gaps as they
+    happen)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int | None = None) -> None:
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=registry).labels(model_name)
-
+    def __init__(self, labels: EngineLabels, max_model_len: int | None = None) -> None:
+        histogram = labels.histogram
         token_buckets = one_two_five_buckets(max_model_len or DEFAULT_MAX_MODEL_LEN)
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
                                              "Time from arrival to the first generated token.", TTFT_BUCKETS)

@@ -3,26 +3,25 @@ cumulative Stats."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
 
+from spillway.gateway.metrics.families import EngineLabels
 from spillway.protocol.messages import Stats
 
 
 class SpecDecodeMetrics:
-    """`vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+    """One engine's `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
     `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total{position}`."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
-
+    def __init__(self, labels: EngineLabels) -> None:
+        counter = labels.counter
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Verified requests that had draft tokens.")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self._per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                     "Draft tokens accepted, by their position in the draft.",
-                                     ["model_name", "position"], registry=registry)
-        self.model_name = model_name
+        self._per_position = labels.families.declare(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                                     "Draft tokens accepted, by their position in the draft.",
+                                                     ("position",))
+        self._labels = labels
 
     def on_stats(self, stats: Stats, last: Stats) -> None:
         """Add what changed since `last` (a fresh worker's counters start again at zero)."""
@@ -32,4 +31,4 @@ class SpecDecodeMetrics:
         before = last.spec_num_accepted_tokens_per_pos
         for position, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
             previous = before[position] if position < len(before) else 0
-            self._per_position.labels(self.model_name, str(position)).inc(max(count - previous, 0))
+            self._labels.child(self._per_position, str(position)).inc(max(count - previous, 0))

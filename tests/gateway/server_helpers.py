@@ -167,13 +167,16 @@ def kill_mid_stream(url: str, path: str, body: dict, pid_to_kill) -> tuple[list[
 
 
 def scrape(url: str) -> dict[str, float]:
-    """/metrics as {'name{label="value",...}': value}, model_name label left out."""
+    """/metrics as {'name{label="value",...}': value}, summed over the model_name and engine
+    labels (the whole server's figures)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())
+                              if k not in ("model_name", "engine"))
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            values[key] = values.get(key, 0.0) + sample.value
     return values
 
 

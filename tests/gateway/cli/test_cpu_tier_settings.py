@@ -86,19 +86,20 @@ def test_the_cli_reports_a_bad_size(capsys):
 
 
 def sample(metrics: GatewayMetrics, name: str, **labels) -> float:
-    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+    return metrics.registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
 
 def test_the_tiers_metrics_follow_the_worker_counters():
     metrics = GatewayMetrics("m")
-    metrics.on_stats(Stats(gpu_cache_usage=0.5, cpu_cache_usage=0.25, cached_tokens_gpu=32, cached_tokens_cpu=16,
-                           cpu_prefix_cache_queries=100, cpu_prefix_cache_hits=16,
-                           kv_offload_bytes_gpu_to_cpu=4096, kv_offload_bytes_cpu_to_gpu=1024,
-                           kv_offload_seconds_gpu_to_cpu=0.5, kv_offload_seconds_cpu_to_gpu=0.25))
-    metrics.on_stats(Stats(gpu_cache_usage=0.75, cpu_cache_usage=0.5, cached_tokens_gpu=48, cached_tokens_cpu=16,
-                           cpu_prefix_cache_queries=130, cpu_prefix_cache_hits=16,
-                           kv_offload_bytes_gpu_to_cpu=8192, kv_offload_bytes_cpu_to_gpu=1024,
-                           kv_offload_seconds_gpu_to_cpu=1.0, kv_offload_seconds_cpu_to_gpu=0.25))
+    engine = metrics.engine(0)
+    engine.on_stats(Stats(gpu_cache_usage=0.5, cpu_cache_usage=0.25, cached_tokens_gpu=32, cached_tokens_cpu=16,
+                          cpu_prefix_cache_queries=100, cpu_prefix_cache_hits=16,
+                          kv_offload_bytes_gpu_to_cpu=4096, kv_offload_bytes_cpu_to_gpu=1024,
+                          kv_offload_seconds_gpu_to_cpu=0.5, kv_offload_seconds_cpu_to_gpu=0.25))
+    engine.on_stats(Stats(gpu_cache_usage=0.75, cpu_cache_usage=0.5, cached_tokens_gpu=48, cached_tokens_cpu=16,
+                          cpu_prefix_cache_queries=130, cpu_prefix_cache_hits=16,
+                          kv_offload_bytes_gpu_to_cpu=8192, kv_offload_bytes_cpu_to_gpu=1024,
+                          kv_offload_seconds_gpu_to_cpu=1.0, kv_offload_seconds_cpu_to_gpu=0.25))
     assert sample(metrics, "vllm:gpu_cache_usage_perc") == 0.75
     assert sample(metrics, "vllm:cpu_cache_usage_perc") == 0.5
     assert sample(metrics, "spillway:cached_tokens_total", source="gpu") == 48
@@ -110,7 +111,7 @@ def test_the_tiers_metrics_follow_the_worker_counters():
     assert sample(metrics, "vllm:kv_offload_total_time_total", transfer_type="GPU_to_CPU") == 1.0
     assert sample(metrics, "vllm:kv_offload_total_time_total", transfer_type="CPU_to_GPU") == 0.25
     text = metrics.render().decode()
-    assert 'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 8192.0' in text
+    assert 'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 8192.0' in text
 
 
 def test_llm_starts_a_worker_with_the_tier_and_refuses_one_larger_than_the_host():

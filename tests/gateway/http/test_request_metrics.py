@@ -8,6 +8,7 @@ import logging
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from server_helpers import MODEL, scrape, server_in_thread
 from spillway.gateway.metrics.metrics import GatewayMetrics
@@ -62,13 +63,27 @@ def test_request_histograms_after_traffic(files, script):  # noqa: F811
     assert 'vllm:request_prompt_tokens_bucket{le="500.0"}' not in values  # max_model_len is 256
 
 
+def test_a_single_engine_server_labels_every_sample_engine_0(files, script):  # noqa: F811
+    app, _ = fake_app(files, script, step_s=STEP_S)
+    with server_in_thread(app) as url:
+        reply = httpx.post(url + "/v1/completions", timeout=30,
+                           json={"model": MODEL, "prompt": "one two three", "max_tokens": 4})
+        assert reply.status_code == 200
+        text = httpx.get(url + "/metrics", timeout=10).text
+    shown = [sample for family in text_string_to_metric_families(text) for sample in family.samples
+             if sample.name.startswith(("vllm:", "spillway:"))]
+    assert {(sample.labels["model_name"], sample.labels["engine"]) for sample in shown} == {(MODEL, "0")}
+    assert f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} ' in text
+    assert f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{MODEL}"}} 1.0' in text
+
+
 def test_request_times_split_as_vllm_splits_them():
     metrics = GatewayMetrics("m", max_model_len=1000)
     times = RequestTimes(arrival=10.0, num_prompt_tokens=5, first_token=10.5, last_token=12.5, queued_s=0.2,
                          num_generation_tokens=3)
-    metrics.requests.on_finished(times, now=13.0)
+    metrics.engine(0).requests.on_finished(times, now=13.0)
     value = metrics.registry.get_sample_value
-    labels = {"model_name": "m"}
+    labels = {"model_name": "m", "engine": "0"}
     expected = {"vllm:e2e_request_latency_seconds": 3.0, "vllm:request_queue_time_seconds": 0.2,
                 "vllm:request_prefill_time_seconds": 0.3, "vllm:request_decode_time_seconds": 2.0,
                 "vllm:request_inference_time_seconds": 2.3}
@@ -88,15 +103,15 @@ def test_the_stats_line_is_logged_while_busy_and_not_when_idle(caplog):
         last_stats = Stats(num_running=3, num_waiting=2, gpu_cache_usage=0.25)
 
     metrics = GatewayMetrics("m")
-    metrics.on_stats(Stats(prefix_cache_queries=100, prefix_cache_hits=40))
+    metrics.engine(0).on_stats(Stats(prefix_cache_queries=100, prefix_cache_hits=40))
     logger = logging.getLogger("test.stats")
     client = Client()
 
     async def run() -> None:
         stats_log = StatsLogger(client, metrics, logger, interval_s=0.05).start()
         await asyncio.sleep(0)  # it has read the totals
-        metrics.prompt_tokens.inc(100)
-        metrics.generation_tokens.inc(10)
+        metrics.engine(0).prompt_tokens.inc(100)
+        metrics.engine(0).generation_tokens.inc(10)
         await asyncio.sleep(0.08)  # one busy interval
         client.last_stats = Stats()
         await asyncio.sleep(0.2)  # idle ones

@@ -29,9 +29,9 @@ def iteration_tokens(metrics: GatewayMetrics) -> tuple[dict[str, float], float, 
 def test_each_step_of_a_report_is_observed_once_in_vllms_buckets():
     metrics = GatewayMetrics("m")
     assert iteration_tokens(metrics) == ({bound: 0.0 for bound in VLLM_BOUNDS}, 0.0, 0.0)
-    metrics.on_stats(Stats(iteration_tokens=[1, 1, 9, 129, 300]))
-    metrics.on_stats(Stats(num_running=2))  # a report with no steps since the one before
-    metrics.on_stats(Stats(iteration_tokens=[16, 20000]))
+    metrics.engine(0).on_stats(Stats(iteration_tokens=[1, 1, 9, 129, 300]))
+    metrics.engine(0).on_stats(Stats(num_running=2))  # a report with no steps since the one before
+    metrics.engine(0).on_stats(Stats(iteration_tokens=[16, 20000]))
 
     buckets, count, total = iteration_tokens(metrics)
     assert list(buckets) == VLLM_BOUNDS
@@ -41,5 +41,5 @@ def test_each_step_of_a_report_is_observed_once_in_vllms_buckets():
 
 def test_an_api_server_beside_the_first_observes_none():
     metrics = GatewayMetrics("m", engine_stats=False)
-    metrics.on_stats(Stats(iteration_tokens=[5, 6]))
+    metrics.engine(0).on_stats(Stats(iteration_tokens=[5, 6]))
     assert iteration_tokens(metrics)[1:] == (0.0, 0.0)

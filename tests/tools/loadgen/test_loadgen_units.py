@@ -61,16 +61,17 @@ def test_prometheus_text_is_summed_over_label_sets_and_comments_skipped():
                                       "vllm:num_requests_running": 2.0}
 
 
-def test_the_cpu_tiers_counters_are_read_by_direction_and_source():
+def test_the_cpu_tiers_counters_are_read_by_direction_and_source_over_every_engine():
     from spillway.tools.loadgen.server_metrics import COUNTERS
 
     text = ('# TYPE vllm:kv_offload_total_bytes counter\n'
-            'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 4096.0\n'
-            'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} 1024.0\n'
-            'vllm:kv_offload_total_bytes_created{model_name="m",transfer_type="CPU_to_GPU"} 1.7e9\n'
+            'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 4000.0\n'
+            'vllm:kv_offload_total_bytes_total{engine="1",model_name="m",transfer_type="GPU_to_CPU"} 96.0\n'
+            'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 1024.0\n'
+            'vllm:kv_offload_total_bytes_created{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 1.7e9\n'
             '# TYPE spillway:cached_tokens counter\n'
-            'spillway:cached_tokens_total{model_name="m",source="gpu"} 32.0\n'
-            'spillway:cached_tokens_total{model_name="m",source="cpu"} 288.0\n')
+            'spillway:cached_tokens_total{engine="0",model_name="m",source="gpu"} 32.0\n'
+            'spillway:cached_tokens_total{engine="0",model_name="m",source="cpu"} 288.0\n')
     values = parse_prometheus(text)
     read = {key: values.get(name) for key, name in COUNTERS.items()}
     assert read["offload_bytes_gpu_to_cpu"] == 4096 and read["offload_bytes_cpu_to_gpu"] == 1024
