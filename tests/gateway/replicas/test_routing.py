@@ -107,3 +107,14 @@ def test_merged_stats_add_counts_and_weigh_usage_by_blocks():
     assert merged.gpu_cache_usage == pytest.approx(0.125)
     assert merged.iteration_tokens == [3, 4] and merged.spec_num_accepted_tokens_per_pos == [6, 2]
     assert merged.invariants_ok is True and merged.cpu_cache_usage == 0.0
+
+
+def test_an_in_flight_prompt_counts_by_sampled_blocks_at_least_half_its_shared_prefix():
+    index = CacheIndex(2)
+    chain = [bytes([k]) * 16 for k in range(40, 60)]
+    index.route(1, chain[:10])  # records positions 0, 1, 3, 7 and 9
+    assert index.matched_blocks(chain[:12], 0b11) == [0, 8]  # the true 10, seen at position 7
+    assert index.matched_blocks(chain[:10], 0b11) == [0, 10]  # the same prompt: exact
+    assert index.matched_blocks(chain[:3], 0b11) == [0, 2]  # position 2 was not recorded: 2 of 3
+    index.unroute(1, chain[:10])
+    assert index.matched_blocks(chain[:12], 0b11) == [0, 0]
