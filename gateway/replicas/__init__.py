@@ -1,2 +1,6 @@
-"""Data-parallel replicas behind one gateway: where each worker runs, what its prefix cache
-holds, and which replica takes each request."""
+"""Data-parallel replicas behind one gateway: where each replica's worker runs (placement), what
+its prefix cache holds (cache_index, from the workers' KV events), which replica takes each
+request (router), and the client over them all (replica_set), with EngineClient's interface.
+
+May import: gateway/api, gateway/text, gateway/metrics, gateway/link, protocol/.
+"""

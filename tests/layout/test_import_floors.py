@@ -19,7 +19,7 @@ TOP_FOLDERS = {"protocol": "protocol", "gateway": "gateway", "worker": "worker",
 # Bottom up. A module sits on the floor of the longest prefix listed; the package's own
 # top-level modules (the process files) sit above every folder.
 WORKER_FLOORS = ["core", "kv_tier", "sample", "attention", "models", "runner", "tp", "speculative", "driver"]
-GATEWAY_FLOORS = ["api", "text", "metrics", "link", "generation", "offline", "http", "cli"]
+GATEWAY_FLOORS = ["api", "text", "metrics", "link", "replicas", "generation", "offline", "http", "cli"]
 
 # Imports across packages that a package may make (besides its own modules).
 MAY_IMPORT = {
