@@ -24,6 +24,8 @@ HONOURED = [
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], lambda s: s.tool_call_parser == "hermes"),
     (["--tool-call-parser", "hermes"], lambda s: s.tool_call_parser is None),  # "auto" still needs the switch
     ([], lambda s: s.tool_call_parser is None),
+    (["-dp", "2", "--routing", "load"], lambda s: (s.data_parallel_size, s.routing) == (2, "load")),
+    ([], lambda s: (s.data_parallel_size, s.routing) == (1, "prefix")),
 ]
 
 # (flags, the flag the message must name) for flags that are refused with exit status 2
@@ -42,7 +44,10 @@ REFUSED = [
     (["--enable-lora"], "--enable-lora"),
     (["-tp", "2"], "--tensor-parallel-size"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
-    (["--data-parallel-size", "2"], "--data-parallel-size"),  # unknown here: argparse names it
+    (["-dp", "2", "--api-server-count", "2"], "--data-parallel-size 2 with --api-server-count"),
+    (["-dp", "2", "--worker-address", "tcp://127.0.0.1:5999"], "--data-parallel-size 2 with --worker-address"),
+    (["-dp", "0"], "--data-parallel-size"),
+    (["--routing", "random"], "--routing"),
     (["--disable-log"], "--disable-log"),  # no abbreviation passes for another flag
 ]
 
