@@ -104,6 +104,10 @@ class Request:
     # report, no penalties over its history, no thinking budget, no grammar. With min_tokens reached, its
     # decode steps may run ahead of the host (worker/driver/pipeline.py). Fixed at arrival.
     samples_on_device: bool = field(init=False, default=False)
+    # The same, but under a grammar's mask, which the host fills once the token before is
+    # committed: its steps run ahead, their sampling launched after that commit
+    # (worker/driver/engine.py). Fixed at arrival.
+    samples_after_commit: bool = field(init=False, default=False)
     # The largest prompt id when known from the wire (packed ids: numpy found it in
     # microseconds); None: `refusal` scans the list.
     max_prompt_token_id: int | None = None
@@ -119,8 +123,9 @@ class Request:
         if self.thinking_policy is not None:
             self.thinking_state = initial_state(self.thinking_policy)
         params = self.params
-        self.samples_on_device = (params.logprobs is None and not has_penalties(params)
-                                  and self.thinking_policy is None and params.structured is None)
+        device_alone = params.logprobs is None and not has_penalties(params) and self.thinking_policy is None
+        self.samples_on_device = device_alone and params.structured is None
+        self.samples_after_commit = device_alone and params.structured is not None
 
     @classmethod
     def from_generate(cls, msg: Generate, arrival_index: int) -> Request:

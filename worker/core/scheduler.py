@@ -48,18 +48,23 @@ from spillway.worker.core.step_plan import ScheduledChunk, StepPlan, StepResult
 __all__ = ["Scheduler", "ScheduledChunk", "StepPlan", "StepResult"]
 
 
-def _may_run_ahead(chunks: list[ScheduledChunk]) -> bool:
-    """`StepPlan.run_ahead`: every token the step samples is chosen by the device alone
-    (decodes, and prompts whose last chunk runs); chunks that sample nothing (a prompt's
-    earlier chunks) never hold a plan back."""
+def _may_run_ahead(chunks: list[ScheduledChunk]) -> tuple[bool, bool]:
+    """(`StepPlan.run_ahead`, `StepPlan.samples_after_commit`): every token the step samples is
+    chosen by the device alone (decodes, and prompts whose last chunk runs), some of them under a
+    grammar's mask; chunks that sample nothing (a prompt's earlier chunks) never hold a plan back."""
+    after_commit = False
     for chunk in chunks:  # a plain loop: this runs every step, over every chunk
         if not chunk.sample:
             continue
         request = chunk.request
         min_tokens = request.params.min_tokens
-        if not request.samples_on_device or (min_tokens and request.num_output_tokens < min_tokens):
-            return False
-    return bool(chunks)
+        if min_tokens and request.num_output_tokens < min_tokens:
+            return False, False
+        if not request.samples_on_device:
+            if not request.samples_after_commit:
+                return False, False
+            after_commit = True
+    return bool(chunks), after_commit
 
 
 class Scheduler:
@@ -220,8 +225,9 @@ class Scheduler:
         if self.write_ahead_blocks:
             self.block_manager.write_back_ahead(self.write_ahead_blocks, 4 * self.write_ahead_blocks)
         chunks = list(step.chunks.values())
-        return StepPlan(chunks, self.max_num_batched_tokens - step.budget, _may_run_ahead(chunks),
-                        self.block_manager.take_copies())
+        run_ahead, after_commit = _may_run_ahead(chunks)
+        return StepPlan(chunks, self.max_num_batched_tokens - step.budget, run_ahead,
+                        self.block_manager.take_copies(), after_commit)
 
     def mark_in_flight(self, plan: StepPlan) -> None:
         """`plan` runs on the device and its tokens are not read yet (step_commits.mark_in_flight):

@@ -74,14 +74,18 @@ class StepPlan:
     """What one step computes: the scheduler's whole answer, as data.
 
     `run_ahead`: every token the step samples is one the device chooses alone
-    (`Request.samples_on_device`, min_tokens reached), so the step may be launched before the
-    tokens of the step before are read, and committed one step later (worker/driver/pipeline.py).
+    (`Request.samples_on_device`, min_tokens reached), or from a grammar's mask
+    (`Request.samples_after_commit`), so the step may be launched before the tokens of the step
+    before are read, and committed one step later (worker/driver/pipeline.py).
+    `samples_after_commit`: some of those rows take a mask, which the host fills once the step
+    before is committed: the step's forward is launched first, its sampling after that commit.
     """
 
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     run_ahead: bool = False
     kv_copies: KVCopies = NO_KV_COPIES
+    samples_after_commit: bool = False
 
     def drop_finished(self) -> None:
         """Leave out the chunks of requests that finished since the plan was made (by a

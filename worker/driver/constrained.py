@@ -8,8 +8,11 @@ naming what the library refused, or that the compile ran past `compile_timeout_s
 
 At each step the engine asks `masks` for the sampled rows: one bitmask row per request past
 its thinking (`Request.in_answer`) and not being forced, filled on the host while the device
-runs the step's forward, sent in one copy (worker/sample/token_masks.py). Such a request never
-runs ahead (`Request.samples_on_device`): its mask needs the token before it.
+runs the step's forward, sent in one copy (worker/sample/token_masks.py). Its mask needs the
+token before it: a step that runs ahead with such a request (`Request.samples_after_commit`)
+launches its forward, commits the step before (the grammars advance), then asks here and samples.
+A request that step finished (its grammar complete, or at a dead end) gets no mask: its row's
+token is dropped.
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ def _fill_after_drafts(bitmask, row: int, grammar: RequestGrammar, position: int
 
 
 def _masked(request: Request) -> bool:
-    return request.grammar is not None and request.in_answer  # a forced token is never in the answer
+    # A forced token is never in the answer.
+    return request.grammar is not None and request.in_answer and not request.is_finished
 
 
 def _refusal(request_id: str, error: str) -> RequestDelta:

@@ -26,6 +26,7 @@ from spillway.worker.kv_tier.host_pool import check_host_memory, time_host_to_de
 from spillway.worker.runner.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
 from spillway.worker.runner.kv_blocks import num_blocks_for_memory
 from spillway.worker.sample.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
+from spillway.worker.runner.executor import PackedStep
 from spillway.worker.runner.model_runner import ModelRunner
 from spillway.worker.models import loader
 from spillway.worker.driver.commit_order import (AFTER_LAUNCH, BEFORE_LAUNCH, BEFORE_PLAN, FINISHED, NEXT_CALL,
@@ -259,8 +260,15 @@ class Engine:
                 self.executor.copy_kv(plan.kv_copies)
             return deltas
         ahead = order.launched is NEXT_CALL
-        launched = self._launch(plan, previous if ahead else None, ahead)
-        deltas = self._commit_due(AFTER_LAUNCH, order, previous, launched, deltas)
+        if ahead and plan.samples_after_commit:
+            # The forward runs on the device while the step before is committed, whose tokens
+            # advance the grammars; then the masks are filled and the sampling launched.
+            forward = self._forward(plan, previous)
+            deltas = self._commit_due(AFTER_LAUNCH, order, previous, None, deltas)
+            launched = self._sample(plan, forward, ahead)
+        else:
+            launched = self._launch(plan, previous if ahead else None, ahead)
+            deltas = self._commit_due(AFTER_LAUNCH, order, previous, launched, deltas)
         if ahead:
             # After that commit, which settles the counts of the requests `plan` continues.
             self.scheduler.mark_in_flight(plan)
@@ -298,11 +306,21 @@ class Engine:
     def _launch(self, plan: StepPlan, previous: LaunchedStep | None, ahead: bool) -> LaunchedStep:
         """Inputs, execute, sample: everything up to the tokens, read by no host code.
         `ahead`: the step is committed one step later; `previous` feeds its pending tokens."""
+        return self._sample(plan, self._forward(plan, previous), ahead)
+
+    def _forward(self, plan: StepPlan, previous: LaunchedStep | None) -> tuple[PackedStep, torch.Tensor]:
+        """The step's inputs and forward, launched: the packed step and the sampled rows' logits."""
         packed = pack_step(plan, previous)
         logits = self.executor.execute(packed, previous.token_ids if packed.feed_rows else None)
         if packed.num_prompt_rows:
             record_prompt_logprobs(plan, logits[len(logits) - packed.num_prompt_rows:])
             logits = logits[:len(logits) - packed.num_prompt_rows]
+        return packed, logits
+
+    def _sample(self, plan: StepPlan, forward: tuple[PackedStep, torch.Tensor], ahead: bool) -> LaunchedStep:
+        """The tokens of a launched forward: drafts verified, or sampled under the masks of the
+        constrained rows (filled on the host now, while the device may still run the forward)."""
+        packed, logits = forward
         if not packed.sample_rows:
             return self._readback.start(plan, [], None, {}, ahead)
         requests = [plan.chunks[row].request for row in packed.sample_rows]
@@ -312,7 +330,6 @@ class Engine:
             launched.accepted = verified.accepted
             return launched
         inputs = [self._sampling_input(request) for request in requests]
-        # Filled while the device runs the forward; a plan with a constrained row never runs ahead.
         masks = self.constrained.masks(requests)
         token_ids = self.sampler.sample_ids(logits, inputs, masks)
         logprobs = {}

@@ -18,6 +18,11 @@ step N committed:
     host:    plan N | launch N | plan N+1 | launch N+1 | commit N | plan N+2 | ...
     device:         | ===== step N ===== | ===== step N+1 ===== | ...
 
+A plan whose rows take grammar masks (`StepPlan.samples_after_commit`) runs ahead too, with
+step N's commit between N+1's forward and its sampling: the masks need N's tokens.
+
+    host:    plan N+1 | forward N+1 | commit N | masks, sample N+1 | plan N+2 | ...
+
 A plan that may not run ahead waits: step N is committed first, then N+1 runs and is
 committed at once. A request that step N finishes (EOS, a stop token) wastes one row of
 N+1, whose token the commit drops; requests that N surely finishes by length are not

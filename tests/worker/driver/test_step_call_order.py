@@ -33,6 +33,7 @@ class Script:
     before_landing: bool = False
     hold: bool = False
     fed_by: str | None = None
+    record_forwards: bool = False  # the executor's forwards among the calls too
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Plan:
     computes: bool = True
     run_ahead: bool = False
     kv_copies: KVCopies = NO_KV_COPIES
+    samples_after_commit: bool = False  # a grammar's mask, filled once the step before is committed
     # Its every request finishes with a token of the step in flight: dropped by the commit.
     ends_with_previous: bool = False
     chunks: list[str] = field(init=False)
@@ -116,6 +118,8 @@ class Executor:
         self.script = script
 
     def execute(self, packed, feed) -> None:
+        if self.script.record_forwards:
+            self.script.calls.append(f"forward {self.script.plan.name}")
         return None
 
     def copy_kv(self, copies: KVCopies) -> None:
@@ -196,6 +200,22 @@ def test_a_plan_that_runs_ahead_is_launched_before_the_step_in_flight_is_committ
         ["finished? B", "schedule ahead", "commit B", "drop_finished C", "launch C", "commit C"], ["B", "C"])
     assert step(engine, script, "D", computes=False, kv_copies=LOADS) == (["schedule", "copy_kv"], [])
     assert engine.num_async_steps == 2 and engine._in_flight is None
+
+
+def test_a_plan_sampled_under_masks_runs_its_forward_ahead_and_samples_after_the_commit():
+    script = Script(record_forwards=True)
+    engine = make_engine(script)
+    assert step(engine, script, "A", run_ahead=True, samples_after_commit=True) == (
+        ["schedule", "forward A", "launch A ahead", "mark_in_flight A"], [])
+    # B's forward is fed by A's tokens on the device; A is committed (the grammars advance)
+    # before B's masks are filled and its sampling launched.
+    assert step(engine, script, "B", run_ahead=True, samples_after_commit=True) == (
+        ["finished? A", "schedule ahead", "forward B", "commit A", "launch B fed by A ahead", "mark_in_flight B"],
+        ["A"])
+    assert step(engine, script, "C", run_ahead=True) == (
+        ["finished? B", "schedule ahead", "forward C", "launch C fed by B ahead", "commit B", "mark_in_flight C"],
+        ["B"])
+    assert engine.num_async_steps == 3
 
 
 def test_a_plan_whose_requests_the_step_in_flight_ends_launches_nothing():

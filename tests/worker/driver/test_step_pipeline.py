@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED, root_hash
-from spillway.protocol.messages import Generate, SamplingParams
+from spillway.protocol.messages import Generate, SamplingParams, StructuredKind, StructuredOutput
 from spillway.protocol.reasoning import Phase, ThinkingPolicy
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.runner.executor import PackedStep
@@ -23,6 +23,8 @@ from spillway.worker.attention.step_inputs import StepInputs
 BLOCK = 4
 ROOT = root_hash(DEFAULT_HASH_SEED, "test-model")
 
+
+CHOICE = StructuredOutput(kind=StructuredKind.CHOICE, spec='["yes", "no"]')
 
 def make_scheduler(num_blocks: int = 32, max_model_len: int = 32, max_num_batched_tokens: int = 64) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BLOCK, True), max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
@@ -42,7 +44,7 @@ def prefill_then_plan(scheduler: Scheduler, *requests: Request):
     for request in requests:
         scheduler.add(request)
     plan = scheduler.schedule()
-    expected = all(r.samples_on_device and not r.params.min_tokens for r in requests)
+    expected = all((r.samples_on_device or r.samples_after_commit) and not r.params.min_tokens for r in requests)
     assert plan.run_ahead is expected  # a prompt's first token, like any other
     scheduler.update(plan, {chunk.request.request_id: 7 for chunk in plan.chunks})
     return scheduler.schedule()
@@ -56,17 +58,21 @@ def prefill_then_plan(scheduler: Scheduler, *requests: Request):
     ({"presence_penalty": 0.5}, None, False),
     ({"min_tokens": 3}, None, False),  # one output so far
     ({}, ThinkingPolicy(start_token_ids=(5,), end_token_ids=(6,), budget=4), False),
+    ({"structured": CHOICE}, None, True),  # under a mask filled after the commit before
+    ({"structured": CHOICE, "logprobs": 1}, None, False),
 ])
 def test_a_decode_plan_runs_ahead_only_when_the_device_chooses_every_token_alone(params, thinking, expected):
     scheduler = make_scheduler()
     plain = make_request("plain", [1, 2, 3], 0)
     other = make_request("other", [4, 5, 6, 7, 8], 1, thinking, **params)
-    assert other.samples_on_device == (not params.keys() & {"logprobs", "repetition_penalty",
-                                                             "presence_penalty"} and thinking is None)
+    device_alone = not params.keys() & {"logprobs", "repetition_penalty", "presence_penalty"} and thinking is None
+    assert other.samples_on_device == (device_alone and "structured" not in params)
+    assert other.samples_after_commit == (device_alone and "structured" in params)
     plan = prefill_then_plan(scheduler, plain, other)
     assert [(c.request.request_id, c.num_tokens, c.sample) for c in plan.chunks] == [("plain", 1, True),
                                                                                       ("other", 1, True)]
     assert plan.run_ahead is expected
+    assert plan.samples_after_commit is (expected and "structured" in params)
 
 
 def test_min_tokens_reached_lets_the_plan_run_ahead():
