@@ -21,6 +21,10 @@ import msgspec
 from spillway.protocol.config import WorkerConfig
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+# Where the workers run, by vLLM's `--distributed-executor-backend` names: "mp", processes of this
+# host as placed here ("uni", vLLM's one-process executor, runs the same); "ray", on a Ray
+# cluster (ray_replicas.py).
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 
 
 @dataclass(frozen=True, slots=True)

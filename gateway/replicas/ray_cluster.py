@@ -1,0 +1,89 @@
+"""The Ray cluster the replicas run on (`--distributed-executor-backend ray`): joining it, and
+what one replica reserves there.
+
+    a cluster running (`ray start`), RAY_ADDRESS, or this process already in one   join it
+    none                                                                          start a local one
+
+    CUDA (device cuda*, or auto with GPUs in the cluster)   one bundle {"GPU": tp} a replica
+    CPU  (device cpu, or auto with none)                    one bundle {"CPU": 1} a replica
+
+A replica's bundle is the whole of its placement group: a worker's tensor-parallel ranks are one
+process tree on one host, so its GPUs are on one node. Ray is an optional dependency, imported
+only here and only when asked for.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+
+from spillway.protocol.config import WorkerConfig
+
+INSTALL_HINT = "pip install ray"
+
+
+class RayMissing(ImportError):
+    """`ray` is not installed; the message says how to install it."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing(f"the ray backend needs Ray, which is not installed: {INSTALL_HINT}") from None
+    return ray
+
+
+def ray_installed() -> bool:
+    try:
+        import_ray()
+    except RayMissing:
+        return False
+    return True
+
+
+def join_cluster():
+    """The `ray` module, connected: to the running cluster (`ray start`, RAY_ADDRESS, or one this
+    process joined already), else to a local one started here and ended with this process."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    try:
+        try:
+            ray.init(address="auto")
+        except ConnectionError:  # no cluster to join (with RAY_ADDRESS set, ray.init() fails alike)
+            ray.init()
+    finally:
+        if on_main_thread:
+            # ray.init takes SIGTERM for a plain exit; `spillway serve` stops in order on it.
+            signal.signal(signal.SIGTERM, previous)
+    return ray
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaBundle:
+    resources: dict[str, float]  # the placement group's one bundle
+    env: dict[str, str]  # set in the worker's environment (Ray sets CUDA_VISIBLE_DEVICES itself)
+
+    @property
+    def on_gpus(self) -> bool:
+        return "GPU" in self.resources
+
+    def describe(self, data_parallel_size: int) -> str:
+        what = (f"{self.resources['GPU']:g} GPU{'s' if self.resources['GPU'] != 1 else ''}" if self.on_gpus
+                else f"{self.resources['CPU']:g} CPU")
+        return f"{data_parallel_size} replicas on the Ray cluster, {what} each"
+
+
+def replica_bundle(config: WorkerConfig, cluster_resources: dict[str, float]) -> ReplicaBundle:
+    """What one replica reserves on a cluster of `cluster_resources` (ray.cluster_resources())."""
+    gpus = cluster_resources.get("GPU", 0)
+    on_cpu = config.device == "cpu" or (config.device == "auto" and gpus == 0)
+    if on_cpu:
+        return ReplicaBundle({"CPU": 1.0}, {"OMP_NUM_THREADS": "1"})
+    if gpus == 0:
+        raise RuntimeError(f"the Ray cluster has no GPUs for {config.spell('device', config.device)}")
+    return ReplicaBundle({"GPU": float(config.tensor_parallel_size)}, {})
