@@ -1,8 +1,8 @@
 """The Ray cluster the replicas run on (`--distributed-executor-backend ray`): joining it, and
 what one replica reserves there.
 
-    a cluster running (`ray start`), RAY_ADDRESS, or this process already in one   join it
-    none                                                                          start a local one
+    this process in one already, RAY_ADDRESS, or this host's `ray start`   join that cluster
+    none of these                                                          start a local one
 
     CUDA (device cuda*, or auto with GPUs in the cluster)   one bundle {"GPU": tp} a replica
     CPU  (device cpu, or auto with none)                    one bundle {"CPU": 1} a replica
@@ -44,18 +44,17 @@ def ray_installed() -> bool:
 
 
 def join_cluster():
-    """The `ray` module, connected: to the running cluster (`ray start`, RAY_ADDRESS, or one this
-    process joined already), else to a local one started here and ended with this process."""
+    """The `ray` module, connected: to the cluster this process is in already, else RAY_ADDRESS's,
+    else the one this host last joined with `ray start`, else a local one started here and ended
+    with this process. Not ray.init(address="auto"), which also joins any other process's
+    local instance it finds running on this host (another script's throwaway cluster)."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     try:
-        try:
-            ray.init(address="auto")
-        except ConnectionError:  # no cluster to join (with RAY_ADDRESS set, ray.init() fails alike)
-            ray.init()
+        ray.init()
     finally:
         if on_main_thread:
             # ray.init takes SIGTERM for a plain exit; `spillway serve` stops in order on it.

@@ -99,10 +99,16 @@ class WorkerHost:
                 self._exit_codes[generation] = child.exitcode
                 self._changed.notify_all()
             quick_exits = quick_exits + 1 if time.monotonic() - started < MAX_RESTART_DELAY_S else 0
-            delay = min(RESTART_DELAY_S * 2 ** max(quick_exits - 1, 0), MAX_RESTART_DELAY_S)
+            delay = restart_delay(quick_exits)
             if not self._stopping:
                 logger.warning("the worker (pid %d) %s; starting another in %.0f s", child.pid,
                                describe_exit(child.exitcode), delay)
             child.release()
             with self._changed:
                 self._changed.wait_for(lambda: self._stopping, delay)
+
+
+def restart_delay(quick_exits: int) -> float:
+    """Seconds before the next start, after `quick_exits` workers in a row lived less than
+    MAX_RESTART_DELAY_S: 1 s after a worker that ran, then doubling while they keep failing."""
+    return min(RESTART_DELAY_S * 2 ** max(quick_exits - 1, 0), MAX_RESTART_DELAY_S)
