@@ -42,7 +42,8 @@ class ActorWorkerProcess:
         try:
             self.exitcode = answer.result()
         except Exception as exc:
-            logger.warning("the Ray actor of the worker (pid %d) is gone: %s", self.pid, exc)
+            if self.sentinel >= 0:  # not at the gateway's close, which kills the actors
+                logger.warning("the Ray actor of the worker (pid %d) is gone: %s", self.pid, exc)
         with self._lock:
             self._exited = True
             if self._write_end >= 0:

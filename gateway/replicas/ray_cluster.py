@@ -5,7 +5,7 @@ what one replica reserves there.
     none of these                                                          start a local one
 
     CUDA (device cuda*, or auto with GPUs in the cluster)   one bundle {"GPU": tp} a replica
-    CPU  (device cpu, or auto with none)                    one bundle {"CPU": 1} a replica
+    CPU  (device cpu, or auto with none)                    one bundle {"CPU": tp} a replica
 
 A replica's bundle is the whole of its placement group: a worker's tensor-parallel ranks are one
 process tree on one host, so its GPUs are on one node. Ray is an optional dependency, imported
@@ -67,22 +67,26 @@ class ReplicaBundle:
     resources: dict[str, float]  # the placement group's one bundle
     env: dict[str, str]  # set in the worker's environment (Ray sets CUDA_VISIBLE_DEVICES itself)
 
-    @property
-    def on_gpus(self) -> bool:
-        return "GPU" in self.resources
-
     def describe(self, data_parallel_size: int) -> str:
-        what = (f"{self.resources['GPU']:g} GPU{'s' if self.resources['GPU'] != 1 else ''}" if self.on_gpus
-                else f"{self.resources['CPU']:g} CPU")
-        return f"{data_parallel_size} replicas on the Ray cluster, {what} each"
+        (name, count), = self.resources.items()
+        return (f"{_counted(data_parallel_size, 'replica')} on the Ray cluster, "
+                f"{_counted(count, name)} {'each' if data_parallel_size > 1 else 'reserved'}")
+
+
+def _counted(count: float, noun: str) -> str:
+    return f"{count:g} {noun}{'s' if count != 1 else ''}"
 
 
 def replica_bundle(config: WorkerConfig, cluster_resources: dict[str, float]) -> ReplicaBundle:
     """What one replica reserves on a cluster of `cluster_resources` (ray.cluster_resources())."""
     gpus = cluster_resources.get("GPU", 0)
+    ranks = float(config.tensor_parallel_size)
     on_cpu = config.device == "cpu" or (config.device == "auto" and gpus == 0)
-    if on_cpu:
-        return ReplicaBundle({"CPU": 1.0}, {"OMP_NUM_THREADS": "1"})
+    if on_cpu:  # a rank's process a core, one thread each
+        return ReplicaBundle({"CPU": ranks}, {"OMP_NUM_THREADS": "1"})
+    if ":" in config.device:
+        raise RuntimeError(f"{config.spell('device', config.device)}: Ray gives each replica its GPUs; "
+                           f"name none ({config.spell('device', 'cuda')})")
     if gpus == 0:
         raise RuntimeError(f"the Ray cluster has no GPUs for {config.spell('device', config.device)}")
-    return ReplicaBundle({"GPU": float(config.tensor_parallel_size)}, {})
+    return ReplicaBundle({"GPU": ranks}, {})

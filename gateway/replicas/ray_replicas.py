@@ -64,18 +64,19 @@ class RayReplicas:
         from ray.util.placement_group import placement_group
 
         ray = self._ray
-        self._groups = [placement_group([self.bundle.resources], strategy="PACK")
-                        for _ in range(data_parallel_size)]
+        for _ in range(data_parallel_size):  # appended one by one: `close` undoes what was made
+            self._groups.append(placement_group([self.bundle.resources], strategy="PACK"))
         self._wait_placed(ready_timeout_s)
         secret = secrets.token_hex(32)  # this run's link key: the actors hand it to their workers
         keys = LinkKeys.from_secret(secret.encode())
         node_ip = ray.util.get_node_ip_address()
-        self._links = [bind_link(node_ip, config, keys) for _ in range(data_parallel_size)]
+        for _ in range(data_parallel_size):
+            self._links.append(bind_link(node_ip, config, keys))
         host = ray.remote(WorkerHost)
         encoded = msgspec.msgpack.encode(config)
-        self._actors = [host.options(**self._actor_options(group)).remote(
-                            encoded, *worker_addresses(link.address), secret, self.bundle.env)
-                        for group, link in zip(self._groups, self._links)]
+        for group, link in zip(self._groups, self._links):
+            self._actors.append(host.options(**self._actor_options(group)).remote(
+                encoded, *worker_addresses(link.address), secret, self.bundle.env))
         logger.info("%s; the gateway's links on %s", self.bundle.describe(data_parallel_size), node_ip)
 
     def _actor_options(self, group) -> dict:
@@ -105,13 +106,16 @@ class RayReplicas:
         from ray.util.placement_group import remove_placement_group
 
         ray = self._ray
-        stops = [actor.stop.remote() for actor in self._actors]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
-        for actor in self._actors:
-            ray.kill(actor)  # its worker, should one remain, exits at its launch pipe's EOF
-        for group in self._groups:
-            remove_placement_group(group)
+        # At interpreter exit Ray may have disconnected first: then the cluster has ended this
+        # job's actors and placement groups itself.
+        if ray.is_initialized():
+            stops = [actor.stop.remote() for actor in self._actors]
+            if stops:
+                ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+            for actor in self._actors:
+                ray.kill(actor)  # its worker, should one remain, exits at its launch pipe's EOF
+            for group in self._groups:
+                remove_placement_group(group)
         for link in self._links:
             link.shutdown()
         self._actors, self._groups, self._links = [], [], []

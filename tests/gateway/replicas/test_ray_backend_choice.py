@@ -32,7 +32,7 @@ def test_a_worker_is_not_given_the_ray_backend(capsys):
 
 @pytest.mark.parametrize("device, tensor_parallel_size, cluster, bundle, env", [
     ("auto", 1, {"CPU": 4.0}, {"CPU": 1.0}, {"OMP_NUM_THREADS": "1"}),  # no GPUs in the cluster
-    ("cpu", 2, {"CPU": 4.0, "GPU": 8.0}, {"CPU": 1.0}, {"OMP_NUM_THREADS": "1"}),
+    ("cpu", 2, {"CPU": 4.0, "GPU": 8.0}, {"CPU": 2.0}, {"OMP_NUM_THREADS": "1"}),  # a core a rank
     ("auto", 2, {"CPU": 64.0, "GPU": 8.0}, {"GPU": 2.0}, {}),
     ("cuda", 1, {"CPU": 64.0, "GPU": 8.0}, {"GPU": 1.0}, {}),
 ])
@@ -45,6 +45,11 @@ def test_a_replica_reserves_its_gpus_or_one_cpu(device, tensor_parallel_size, cl
 def test_cuda_on_a_cluster_without_gpus_is_refused_by_the_setting_as_given():
     with pytest.raises(RuntimeError, match="the Ray cluster has no GPUs for --device cuda"):
         replica_bundle(WorkerConfig(device="cuda", settings_spelling="flags"), {"CPU": 8.0})
+
+
+def test_a_numbered_gpu_is_refused_since_ray_assigns_them():
+    with pytest.raises(RuntimeError, match=r"device='cuda:1': Ray gives each replica its GPUs"):
+        replica_bundle(WorkerConfig(device="cuda:1"), {"CPU": 8.0, "GPU": 2.0})
 
 
 @pytest.fixture
