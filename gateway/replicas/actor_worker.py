@@ -79,7 +79,7 @@ class ActorWorker:
         # one's Ready tells the link it restarted.
         generation, pid, node = self._host.worker.remote().future().result(ACTOR_CALL_TIMEOUT_S)
         self.process = ActorWorkerProcess(self._host, generation, pid)
-        logger.info("replica %d's worker is pid %d on %s", self._replica, pid, node)
+        logger.info("replica %d: worker pid %d on %s", self._replica, pid, node)
         return ready
 
     @property

@@ -41,7 +41,7 @@ def replica_states(url: str) -> list[str]:
 def worker_pids(log: str) -> dict[int, list[int]]:
     """Each replica's worker pids in the order they attached, from the gateway's log."""
     pids: dict[int, list[int]] = {}
-    for replica, pid in re.findall(r"replica (\d+)'s worker is pid (\d+)", log):
+    for replica, pid in re.findall(r"replica (\d+): worker pid (\d+)", log):
         pids.setdefault(int(replica), []).append(int(pid))
     return pids
 
