@@ -1,9 +1,12 @@
 """Which replica takes a request (`--routing prefix|load|round-robin`).
 
     prefix        the replica holding the longest run of the prompt's leading blocks (held or
-                  being computed: cache_index.py), unless it carries more than `slack` requests
-                  beyond the least loaded one: then the least loaded (a hot prefix spreads once
-                  its replica is loaded, and the next replica caches it too); no match: least loaded
+                  being computed: cache_index.py), unless it carries more requests beyond the
+                  least loaded one than the blocks it would save there (at most `slack`): then
+                  the least loaded; no match: the least loaded. So a shared system prompt of a
+                  few blocks spreads to the next replica once its first is a few requests ahead
+                  (both then hold it, and new conversations go by load), while a long history
+                  keeps its conversation in place under a real imbalance
     load          the replica with the fewest requests in flight (vLLM's data-parallel balancer
                   weighs queue lengths the same way)
     round-robin   each eligible replica in turn
@@ -32,10 +35,9 @@ class Reason(str, enum.Enum):
 
 
 def balance_slack(max_num_seqs: int) -> int:
-    """Requests a prefix's replica may carry beyond the least loaded one before the next request
-    goes elsewhere: a quarter of a replica's batch. Less, and a conversation leaves its cache as
-    soon as a neighbour idles; more, and a hot prefix queues on one replica while another has
-    room for a whole batch."""
+    """The most requests a prefix's replica may carry beyond the least loaded one before the next
+    request goes elsewhere, however long its match: a quarter of a replica's batch. More, and a
+    hot prefix queues on one replica while another has room for a whole batch."""
     return max(1, max_num_seqs // 4)
 
 
@@ -62,7 +64,9 @@ class Router:
         mask = sum(1 << r for r in candidates)
         runs = self.index.matched_blocks(block_hashes, mask)
         best = max(candidates, key=lambda r: (runs[r], -loads[r]))
-        if runs[best] == 0 or loads[best] - loads[least] > self.slack:
+        # Each block the best replica saves over the least loaded buys one request of imbalance.
+        allowed = min(runs[best] - runs[least], self.slack)
+        if runs[best] == 0 or loads[best] - loads[least] > allowed:
             return self._take(least, Reason.LOAD)
         return self._take(best, Reason.PREFIX)
 

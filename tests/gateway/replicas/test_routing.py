@@ -46,7 +46,7 @@ def test_forgetting_a_replica_keeps_the_others():
     assert index.matched_blocks([A, B], 0b11) == [0, 2]
 
 
-def test_prefix_routing_follows_the_cache_until_the_load_gap_passes_the_slack():
+def test_prefix_routing_follows_the_cache_until_the_load_gap_passes_the_blocks_saved_or_the_slack():
     router = Router("prefix", 2, max_num_seqs=8)
     assert router.slack == balance_slack(8) == 2
     router.index.apply(1, KvEvents(stored=[A, B], removed=[]))
@@ -63,7 +63,9 @@ def test_the_longer_match_wins_and_equal_matches_go_to_the_less_loaded():
     router.index.apply(0, KvEvents(stored=[A], removed=[]))
     router.index.apply(1, KvEvents(stored=[A, B], removed=[]))
     router.index.apply(2, KvEvents(stored=[A, B], removed=[]))
-    assert router.choose([A, B, C], [0, 5, 3], [True] * 3) == (2, Reason.PREFIX)
+    assert router.choose([A, B, C], [2, 5, 3], [True] * 3) == (2, Reason.PREFIX)
+    # One block more than replica 0 buys one request of imbalance, not three.
+    assert router.choose([A, B, C], [0, 5, 3], [True] * 3) == (0, Reason.LOAD)
 
 
 def test_load_and_round_robin_spread_and_ties_take_turns():
@@ -118,3 +120,17 @@ def test_an_in_flight_prompt_counts_by_sampled_blocks_at_least_half_its_shared_p
     assert index.matched_blocks(chain[:3], 0b11) == [0, 2]  # position 2 was not recorded: 2 of 3
     index.unroute(1, chain[:10])
     assert index.matched_blocks(chain[:12], 0b11) == [0, 0]
+
+
+def test_a_short_shared_prefix_spreads_and_a_long_history_stays_under_imbalance():
+    router = Router("prefix", 2, max_num_seqs=256)
+    system = [bytes([k]) * 16 for k in range(100, 102)]  # two blocks shared by every chat
+    router.index.apply(0, KvEvents(stored=system, removed=[]))
+    new_chat = system + [bytes([200]) * 16]
+    assert router.choose(new_chat, [2, 0], [True, True]) == (0, Reason.PREFIX)
+    assert router.choose(new_chat, [3, 0], [True, True]) == (1, Reason.LOAD)  # 3 ahead, 2 blocks saved
+    history = system + [bytes([k]) * 16 for k in range(110, 150)]  # a 42-block conversation on replica 0
+    router.index.apply(0, KvEvents(stored=history, removed=[]))
+    router.index.apply(1, KvEvents(stored=system, removed=[]))
+    assert router.choose(history + [bytes([201]) * 16], [30, 0], [True, True]) == (0, Reason.PREFIX)
+    assert router.choose(history + [bytes([201]) * 16], [70, 0], [True, True]) == (1, Reason.LOAD)  # past the slack (64)
