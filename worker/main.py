@@ -30,8 +30,8 @@ import zmq
 
 from spillway.protocol.config import WorkerConfig, exit_when_gateway_closes, read_launch
 from spillway.protocol.local.drop_log import DropLog
-from spillway.protocol.local.envs import step_trace_path
-from spillway.protocol.local.link_auth import LinkKeys
+from spillway.protocol.local.envs import step_trace_path, worker_key
+from spillway.protocol.local.link_auth import LinkKeyError, LinkKeys, read_worker_key, require_key_off_loopback
 from spillway.protocol.messages import (
     Abort,
     Control,
@@ -64,13 +64,30 @@ LANDING_POLL_MS = 1
 
 def local_main() -> int:
     """`python -m spillway.worker`: a worker started by a gateway or `LLM` on this host
-    (gateway/link/worker_process.py). Its configuration arrives on stdin as msgpack, never pickled;
-    the pipe's EOF (the gateway gone) ends the process, even mid-load."""
+    (gateway/link/worker_process.py), or by a Ray replica's actor on any node
+    (gateway/replicas/worker_host.py). Its configuration arrives on stdin as msgpack, never
+    pickled; the pipe's EOF (its starter gone) ends the process, even mid-load."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     launch = read_launch(sys.stdin.fileno())
     exit_when_gateway_closes(sys.stdin.fileno())
-    return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid,
+    try:
+        keys = link_keys(launch.inbox)
+    except LinkKeyError as exc:
+        logger.error("worker failed to start: %s", exc)
+        return 1
+    return run_worker(launch.config, launch.inbox, launch.outbox, launch.parent_pid, keys=keys,
                       extra_links=launch.extra_links)
+
+
+def link_keys(inbox: str) -> LinkKeys | None:
+    """An ipc:// link, in the gateway's 0700 folder, is not keyed. A tcp:// one reaches a gateway
+    on another host (a Ray replica's actor started this worker there): keyed by
+    SPILLWAY_WORKER_KEY, as `spillway worker --connect` is, and refused off loopback without it."""
+    if not inbox.startswith("tcp://"):
+        return None
+    keys = read_worker_key(None, worker_key())
+    require_key_off_loopback(inbox, keys)
+    return keys
 
 
 def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | None = None,

@@ -33,6 +33,7 @@ from spillway.gateway.http.serve_run import (
 )
 from spillway.gateway.link.spec_args import speculative_config
 from spillway.gateway.link.worker_process import WorkerStartError
+from spillway.gateway.replicas.ray_cluster import INSTALL_HINT, ray_installed
 from spillway.protocol.local import envs, model_files
 from spillway.protocol.local.link_auth import read_worker_key, require_key_off_loopback
 
@@ -56,10 +57,29 @@ def refusals(args: argparse.Namespace) -> list[str]:
             if value:
                 problems.append(f"--data-parallel-size {args.data_parallel_size} with {flag}: not available yet "
                                 "(one API server routes over the replicas, each a local worker)")
+    problems += _executor_backend_refusals(args)
     if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
         problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
                         "logprobs per token")
     problems += _tool_flag_refusals(args)
+    return problems
+
+
+def _executor_backend_refusals(args: argparse.Namespace) -> list[str]:
+    """`--distributed-executor-backend ray`: for `spillway serve` alone, with Ray installed."""
+    if getattr(args, "distributed_executor_backend", "mp") != "ray":
+        return []
+    flag = "--distributed-executor-backend ray"
+    if args.command == "worker":
+        return [f"{flag}: a worker does not place workers; give it to `spillway serve`"]
+    problems = []
+    for other, given in (("--api-server-count", getattr(args, "api_server_count", 1) > 1),
+                         ("--worker-address", getattr(args, "worker_address", None) is not None)):
+        if given:
+            problems.append(f"{flag} with {other}: not available yet (one API server routes over the "
+                            "replicas, each placed by Ray)")
+    if not ray_installed():
+        problems.append(f"{flag} needs Ray, which is not installed: {INSTALL_HINT}")
     return problems
 
 
@@ -174,6 +194,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
 def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
     """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
     from spillway.gateway.http.app import build_app, load_tokenizer
+    from spillway.gateway.replicas.ray_replicas import RayReplicas
 
     try:
         settings = _server_settings(args)
@@ -185,23 +206,32 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
                                                              api_servers.wait_serving,
                                                              api_servers.connections.slot(index)))
     tokenizer = in_background(load_tokenizer, settings)  # while the worker loads the model
-    start_worker = None
+    start_worker = ray_placed = None
     if args.worker_address is None:
         # The first worker starts before the server: settings its device cannot run (no CUDA,
         # an fp8 cache on the CPU) end the command with the worker's own message.
         try:
-            if settings.data_parallel_size > 1:
+            if args.distributed_executor_backend == "ray":
+                ray_placed = RayReplicas(settings.worker, settings.data_parallel_size)
+                start_worker = ray_placed.start_workers
+                if settings.data_parallel_size == 1:
+                    start_worker = start_worker[0]
+            elif settings.data_parallel_size > 1:
                 start_worker = local_replicas(settings.worker, settings.data_parallel_size)
             else:
                 start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
             if api_servers is not None:
                 api_servers.check()
-        except (WorkerStartError, RuntimeError) as exc:
+        except (WorkerStartError, RuntimeError, ConnectionError) as exc:
             print(f"spillway serve: {exc}", file=sys.stderr)
             return 1
-    server = BannerServer(uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
-                          settings.served_model_names[0], api_servers)
-    server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
+    try:
+        server = BannerServer(uvicorn_config(args, build_app(settings, start_worker, tokenizer.result)),
+                              settings.served_model_names[0], api_servers)
+        server.run(sockets=[sock])  # uvicorn raises the signal that stopped it again once it has shut down
+    finally:
+        if ray_placed is not None:  # after the app closed its links
+            ray_placed.close()
     return 0 if server.started else 1
 
 

@@ -13,6 +13,7 @@ from spillway.gateway.link.engine_args import BLOCK_SIZES, DTYPES
 from spillway.gateway.http.http_protocol import (
     DEFAULT_TIMEOUT_KEEP_ALIVE_S, DEFAULT_TIMEOUT_REQUEST_BODY_S, DEFAULT_TIMEOUT_REQUEST_HEAD_S,
 )
+from spillway.gateway.replicas.placement import EXECUTOR_BACKENDS
 from spillway.gateway.replicas.router import ROUTING_POLICIES
 from spillway.gateway.text.reasoning import PARSERS
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS, MAX_N
@@ -94,6 +95,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                         help="engine replicas behind this server, each a worker of its own: on GPUs of their own "
                              "when there are enough, else sharing one GPU's memory (default 1)")
+    engine.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+                        help="where the replicas' workers run: processes of this host (mp; uni is the same), or "
+                             "a Ray cluster (ray: the one this host joined with `ray start`, else a local one), "
+                             "each replica in a placement group of its own (default %(default)s)")
     engine.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
                         help="how requests spread over the replicas: to the one holding the longest run of the "
                              "prompt's prefix blocks unless it is loaded (prefix), to the least loaded (load), "

@@ -184,13 +184,15 @@ def build_app(settings: ServerSettings, start_worker=None,
 
 
 def _replica_set(settings: ServerSettings, start_workers, metrics: GatewayMetrics, options: dict) -> ReplicaSet:
-    """The replicas' client: `start_workers` (one per replica) or local workers where
-    `place_replicas` puts them. `max_pending` bounds each replica."""
-    placement = place_replicas(settings.worker, settings.data_parallel_size)
-    sequential = placement.sequential
+    """The replicas' client: `start_workers` (one per replica: workers `spillway serve` started or
+    placed on Ray, tests' fakes), or local workers where `place_replicas` puts them, started one
+    after another where they share a GPU. `max_pending` bounds each replica."""
+    sequential = False
     if start_workers is None:
+        placement = place_replicas(settings.worker, settings.data_parallel_size)
         start_workers = [lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
                          for launch in placement.launches]
+        sequential = placement.sequential
         logger.info("%s; routing by %s", placement.describe, settings.routing)
     return ReplicaSet(start_workers, routing=settings.routing, max_num_seqs=settings.worker.max_num_seqs,
                       metrics=metrics, sequential_start=sequential, max_pending=settings.max_pending, **options)

@@ -157,13 +157,16 @@ def local_replicas(config, data_parallel_size: int):
     placement = place_replicas(config, data_parallel_size)
     logger.info("%s", placement.describe)
     if placement.sequential:
-        return [local_workers(launch.config, env=launch.env) for launch in placement.launches]
+        return [local_workers(launch.config, env=launch.env, log_prefix=f"replica {r}: ")
+                for r, launch in enumerate(placement.launches)]
     with ThreadPoolExecutor(len(placement.launches)) as pool:
-        futures = [pool.submit(local_workers, launch.config, None, launch.env) for launch in placement.launches]
+        futures = [pool.submit(local_workers, launch.config, None, launch.env, f"replica {r}: ")
+                   for r, launch in enumerate(placement.launches)]
         return [future.result() for future in futures]
 
 
-def local_workers(config, extra_links: list[tuple[str, str]] | None = None, env: dict[str, str] | None = None):
+def local_workers(config, extra_links: list[tuple[str, str]] | None = None, env: dict[str, str] | None = None,
+                  log_prefix: str = ""):
     """Start a worker (serving the other API servers' `extra_links` too) and wait until it is
     ready (WorkerStartError if it cannot start); returns the app's `start_worker`, which hands
     out that worker first, then new ones."""
@@ -175,7 +178,7 @@ def local_workers(config, extra_links: list[tuple[str, str]] | None = None, env:
         nonlocal last_report
         if time.monotonic() - last_report >= 5.0:
             last_report = time.monotonic()
-            logger.info("waiting for the worker to load the model (%.0f s)", last_report - started)
+            logger.info("%swaiting for the worker to load the model (%.0f s)", log_prefix, last_report - started)
 
     try:
         worker.wait_ready(on_wait=on_wait)

@@ -125,7 +125,7 @@ class EngineClient:
                  response_timeout_s: float | None = DEFAULT_RESPONSE_TIMEOUT_S,
                  on_kv_events: Callable[[KvEvents], None] | None = None,
                  on_request_done: Callable[[str], None] | None = None,
-                 on_worker_lost: Callable[[], None] | None = None) -> None:
+                 on_worker_lost: Callable[[], None] | None = None, log_prefix: str = "") -> None:
         """`on_kv_events`, `on_request_done` (a sub-request id, once its route is gone: finished,
         aborted or failed) and `on_worker_lost`: what a replica set (gateway/replicas/) follows."""
         self._metrics = metrics
@@ -141,7 +141,8 @@ class EngineClient:
         self.last_stats: Stats | None = None
         self.link = WorkerLink(start_worker, on_step=self._on_step, on_lost=self._on_lost,
                                ready_timeout_s=ready_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                               step_timeout_s=step_timeout_s, replace_lost_worker=replace_lost_worker)
+                               step_timeout_s=step_timeout_s, replace_lost_worker=replace_lost_worker,
+                               log_prefix=log_prefix)
 
     async def start(self) -> Ready:
         ready = await self.link.start()

@@ -64,8 +64,10 @@ class WorkerLink:
     def __init__(self, start_worker: Callable[[], object], *, on_step: Callable[[StepOutputs], None],
                  on_lost: Callable[[str], None], ready_timeout_s: float = 600.0,
                  heartbeat_timeout_s: float | None = None, step_timeout_s: float | None = None,
-                 replace_lost_worker: bool = True) -> None:
+                 replace_lost_worker: bool = True, log_prefix: str = "") -> None:
+        """`log_prefix` leads this link's log lines (a replica's: "replica 1: ")."""
         self._start_worker = start_worker
+        self._log_prefix = log_prefix
         self._replace_lost_worker = replace_lost_worker  # False: a lost worker closes the link
         self._on_step = on_step
         self._on_lost = on_lost
@@ -181,7 +183,7 @@ class WorkerLink:
                 self._lose(handle, f"the worker failed: {msg.message}")
                 return False
             case WorkerError():
-                logger.warning("worker error: %s", msg.message)
+                logger.warning("%sworker error: %s", self._log_prefix, msg.message)
             case Ready() if msg.worker_session and msg.worker_session == self.ready.worker_session:
                 pass  # the attached worker answering a HELLO sent while this link waited for it
             case Ready():
@@ -254,13 +256,13 @@ class WorkerLink:
         if hung and hasattr(handle, "kill"):
             handle.kill()
         if not self._replace_lost_worker:
-            logger.error("%s; in-flight requests fail", reason)
+            logger.error("%s%s; in-flight requests fail", self._log_prefix, reason)
             self.state = LinkState.CLOSED
             old = self._detach()
             self._on_lost(reason)
             self._restarter = asyncio.create_task(asyncio.to_thread(old.close), name="spillway-worker-close")
             return
-        logger.error("%s; in-flight requests fail and a new worker is starting", reason)
+        logger.error("%s%s; in-flight requests fail and a new worker is starting", self._log_prefix, reason)
         self.state = LinkState.RESTARTING
         old = self._detach()
         self._on_lost(reason)
@@ -275,7 +277,7 @@ class WorkerLink:
             except _StopWaiting:
                 return
             except Exception as exc:
-                logger.error("the new worker did not start: %s; retrying in %.0f s", exc, delay)
+                logger.error("%sthe new worker did not start: %s; retrying in %.0f s", self._log_prefix, exc, delay)
                 try:
                     await asyncio.wait_for(self._closed.wait(), delay)
                 except asyncio.TimeoutError:
@@ -297,15 +299,15 @@ class WorkerLink:
             now = time.monotonic()
             if now - last_report >= PROGRESS_INTERVAL_S:
                 last_report = now
-                logger.info("waiting for the worker to load the model (%.0f s)", now - started)
+                logger.info("%swaiting for the worker to load the model (%.0f s)", self._log_prefix, now - started)
 
         try:
             ready = await asyncio.to_thread(handle.wait_ready, self._ready_timeout_s, on_wait)
         except BaseException:
             await asyncio.to_thread(handle.close)
             raise
-        logger.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, in %.1f s",
-                    ready.model, ready.device, ready.dtype, ready.num_gpu_blocks, ready.block_size,
+        logger.info("%sworker ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, in %.1f s",
+                    self._log_prefix, ready.model, ready.device, ready.dtype, ready.num_gpu_blocks, ready.block_size,
                     ready.max_model_len, time.monotonic() - started)
         return handle, ready
 

@@ -17,7 +17,9 @@ from tqdm import tqdm
 from spillway.gateway.api import openai as api
 from spillway.gateway.link.client import EngineUnavailable, WorkerLost
 from spillway.gateway.link import spec_args
-from spillway.gateway.replicas.placement import place_replicas
+from spillway.gateway.replicas.placement import EXECUTOR_BACKENDS, place_replicas
+from spillway.gateway.replicas.ray_cluster import INSTALL_HINT, ray_installed
+from spillway.gateway.replicas.ray_replicas import RayReplicas
 from spillway.gateway.replicas.router import ROUTING_POLICIES
 from spillway.gateway.link.engine_args import ALWAYS_ON_NAMES, NOT_YET_NAMES, engine_config, refusals
 from spillway.gateway.generation.jobs import Job
@@ -32,6 +34,7 @@ from spillway.gateway.text.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.link.worker_process import WorkerProcess, WorkerStartError
 from spillway.protocol.local import model_files
 from spillway.protocol.messages import Stats
+
 
 class LLM:
     """An engine for offline batch generation.
@@ -63,6 +66,7 @@ class LLM:
         kv_offloading_size: float | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         routing: str = "prefix",
         attention_backend: str | None = None,
         additional_config: str | dict | None = None,
@@ -89,6 +93,13 @@ class LLM:
             raise ValueError("; ".join(problems))
         if data_parallel_size < 1:
             raise ValueError(f"LLM(data_parallel_size={data_parallel_size!r}): at least 1 replica")
+        backend = distributed_executor_backend or "mp"
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"LLM(distributed_executor_backend={distributed_executor_backend!r}): not one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}")
+        if backend == "ray" and not ray_installed():
+            raise ValueError(f"LLM(distributed_executor_backend='ray') needs Ray, which is not installed: "
+                             f"{INSTALL_HINT}")
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"LLM(routing={routing!r}): not one of {', '.join(ROUTING_POLICIES)}")
         if tokenizer is not None and tokenizer != model:
@@ -130,15 +141,8 @@ class LLM:
             if self._hf_tokenizer is None:
                 raise ValueError("a reasoning parser needs the model's tokenizer")
             self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
-        config = self.config
-        if data_parallel_size > 1:
-            placement = place_replicas(config, data_parallel_size)
-            self._engine = EngineThread([lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
-                                         for launch in placement.launches], routing=routing,
-                                        max_num_seqs=config.max_num_seqs, sequential_start=placement.sequential)
-        else:
-            self._engine = EngineThread(lambda: WorkerProcess(config))
-        self._finalizer = weakref.finalize(self, self._engine.close)
+        self._engine, ray_placed = _engine_thread(self.config, data_parallel_size, backend, routing)
+        self._finalizer = weakref.finalize(self, _close, self._engine, ray_placed)
         try:
             self.ready = self._engine.start()
         except WorkerStartError as exc:
@@ -295,3 +299,26 @@ class LLM:
             job.prompts.append(Prompt(token_ids, text))
         return jobs, placement
 
+
+def _engine_thread(config, data_parallel_size: int, backend: str, routing: str):
+    """The engine over its replicas' workers (local processes, or on Ray: then also the
+    `RayReplicas` to close after it)."""
+    if backend == "ray":
+        placed = RayReplicas(config, data_parallel_size)
+        starts = placed.start_workers
+        return EngineThread(starts if data_parallel_size > 1 else starts[0], routing=routing,
+                            max_num_seqs=config.max_num_seqs), placed
+    if data_parallel_size > 1:
+        placement = place_replicas(config, data_parallel_size)
+        return EngineThread([lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
+                             for launch in placement.launches], routing=routing,
+                            max_num_seqs=config.max_num_seqs, sequential_start=placement.sequential), None
+    return EngineThread(lambda: WorkerProcess(config)), None
+
+
+def _close(engine: EngineThread, ray_placed) -> None:
+    try:
+        engine.close()
+    finally:
+        if ray_placed is not None:
+            ray_placed.close()

@@ -21,6 +21,10 @@ import msgspec
 from spillway.protocol.config import WorkerConfig
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+# Where the workers run, by vLLM's `--distributed-executor-backend` names: "mp", processes of this
+# host as placed here ("uni", vLLM's one-process executor, runs the same); "ray", on a Ray
+# cluster (ray_replicas.py).
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,7 @@ def place_replicas(config: WorkerConfig, data_parallel_size: int, gpus: list[str
     if on_cpu:
         threads = max(1, (num_cores or os.cpu_count() or 1) // dp)
         launches = [ReplicaLaunch(config, {"OMP_NUM_THREADS": str(threads)}) for _ in range(dp)]
-        return Placement(launches, False, f"{dp} replicas on the CPU, {threads} threads each")
+        return Placement(launches, False, f"{dp} replicas on the CPU, {threads} thread{'s' if threads > 1 else ''} each")
     if len(gpus) >= dp * tp:
         launches = [ReplicaLaunch(config, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[r * tp:(r + 1) * tp])})
                     for r in range(dp)]

@@ -42,7 +42,7 @@ class ReplicaSet:
         self.replicas = [
             EngineClient(start, metrics=self._metrics[r], on_kv_events=functools.partial(self._on_events, r),
                          on_request_done=self._on_request_done, on_worker_lost=functools.partial(self._on_lost, r),
-                         **client_options)
+                         log_prefix=f"replica {r}: ", **client_options)
             for r, start in enumerate(start_workers)]
 
     # ---- the EngineClient interface ------------------------------------------------------------

@@ -47,6 +47,11 @@ REFUSED = [
     (["-dp", "2", "--api-server-count", "2"], "--data-parallel-size 2 with --api-server-count"),
     (["-dp", "2", "--worker-address", "tcp://127.0.0.1:5999"], "--data-parallel-size 2 with --worker-address"),
     (["-dp", "0"], "--data-parallel-size"),
+    (["--distributed-executor-backend", "ray", "--api-server-count", "2"],
+     "--distributed-executor-backend ray with --api-server-count"),
+    (["-dp", "2", "--distributed-executor-backend", "ray", "--worker-address", "tcp://127.0.0.1:5999"],
+     "--distributed-executor-backend ray with --worker-address"),
+    (["--distributed-executor-backend", "external_launcher"], "--distributed-executor-backend"),
     (["--routing", "random"], "--routing"),
     (["--disable-log"], "--disable-log"),  # no abbreviation passes for another flag
 ]
