@@ -81,6 +81,15 @@ def _positive(kind):
     return parse
 
 
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.loadgen",
                                      description="Load generator for OpenAI-compatible LLM servers (Spillway, vLLM).")
@@ -117,6 +126,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
                       help="multi-turn: turns per conversation (default 4)")
     work.add_argument("--num-users", type=_positive(int), metavar="N",
                       help="multi-turn: conversations open at once (default: --concurrency, else 16)")
+    work.add_argument("--think-time", type=_non_negative(float), default=0.0, metavar="S",
+                      help="multi-turn: a user's mean wait in seconds after a reply before the next turn, drawn "
+                      "exponentially (default 0: at once); meanwhile the slot serves other users")
     work.add_argument("--thinking-budget", type=_positive(int), metavar="TOKENS",
                       help="reasoning: thinking_budget sent (default 128)")
     work.add_argument("--seed", type=int, default=0)
@@ -170,14 +182,16 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         output_len=args.output_len or Lengths.parse(defaults["output_len"]),
         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, document_len=args.document_len,
         num_turns=args.num_turns or int(defaults.get("num_turns", 1)),
-        thinking_budget=args.thinking_budget or int(defaults.get("thinking_budget", 0)) or None, seed=args.seed)
+        thinking_budget=args.thinking_budget or int(defaults.get("thinking_budget", 0)) or None, seed=args.seed,
+        think_time_s=args.think_time)
 
 
 def describe_workload(spec: WorkloadSpec) -> str:
     io = f"input {spec.input_len}, output {spec.output_len} tokens"
     extra = {"shared-prefix": f"{spec.num_prefixes} system prompts of {spec.prefix_len} tokens; questions: ",
              "document-qa": f"one document of {spec.document_len} tokens; questions: ",
-             "multi-turn": f"{spec.num_turns} turns per conversation; each turn: ",
+             "multi-turn": f"{spec.num_turns} turns per conversation"
+                           f"{f', think time {spec.think_time_s:g} s' if spec.think_time_s else ''}; each turn: ",
              "reasoning": f"thinking_budget {spec.thinking_budget}; "}.get(spec.name, "")
     return f"{spec.name}, seed {spec.seed}: {extra}{io}"
 
@@ -213,6 +227,8 @@ class RunSettings:
 def resolve(args: argparse.Namespace, argv: list[str]) -> RunSettings:
     """The settings of a run; ValueError names what is wrong on the command line."""
     spec = workload_spec(args)
+    if spec.think_time_s and spec.name != "multi-turn":
+        raise ValueError("--think-time is the wait between a conversation's turns: --workload multi-turn only")
     dataset = None
     if args.dataset:
         if args.workload != "random":

@@ -8,8 +8,10 @@ Load shapes:
 A run ends by itself: after `num_requests` requests, or when `duration_s` has passed (no new
 request starts after it; those in flight finish, each bounded by its own timeout).
 
-A conversation's next turn is ready only when its previous turn has finished; at most
-`max_open_conversations` conversations are between turns at once (the users of multi-turn).
+A conversation's next turn is ready only when its previous turn has finished and, with a think
+time, that turn's wait has passed (meanwhile the slot takes whatever else is ready, or opens
+another conversation); at most `max_open_conversations` conversations are between turns at once
+(the users of multi-turn).
 """
 
 from __future__ import annotations
@@ -123,12 +125,21 @@ class Dispatcher:
         return Pending(self.issued - 1, conversation, turn)
 
     def finished(self, pending: Pending, reply: str) -> None:
-        conversation = pending.conversation
+        conversation, following = pending.conversation, pending.turn + 1
         conversation.replies.append(reply)
-        if pending.turn + 1 < len(conversation.turns):
-            self.ready.append((conversation, pending.turn + 1))
-        elif len(conversation.turns) > 1:
+        if following < len(conversation.turns):
+            think_s = conversation.turns[following].think_s
+            if think_s > 0:
+                asyncio.get_running_loop().call_later(think_s, self._make_ready, conversation, following)
+            else:
+                self._make_ready(conversation, following)
+            return
+        if len(conversation.turns) > 1:
             self.open -= 1
+        self.changed.set()
+
+    def _make_ready(self, conversation: Conversation, turn: int) -> None:
+        self.ready.append((conversation, turn))
         self.changed.set()
 
 

@@ -4,7 +4,8 @@ Every workload is a stream of conversations; all but `multi-turn` have one turn 
 
     random         a fresh prompt per request (no shared prefix)
     shared-prefix  one of N system prompts, then a different question each time
-    multi-turn     users whose history (their messages and the server's replies) grows turn by turn
+    multi-turn     users whose history (their messages and the server's replies) grows turn by turn;
+                   with a think time, each user waits (exponentially, that mean) before the next turn
     document-qa    one long document, then a different question each time
     reasoning      a question with a `thinking_budget`
 
@@ -62,6 +63,7 @@ class WorkloadSpec:
     num_turns: int = 1
     thinking_budget: int | None = None
     seed: int = 0
+    think_time_s: float = 0.0  # multi-turn: a user's mean wait after a reply before the next turn
 
     @property
     def turns_per_conversation(self) -> int:
@@ -89,6 +91,7 @@ class SegmentPlan:
 class Turn:
     user: Segment
     output_len: int
+    think_s: float = 0.0  # seconds its user waits after the previous turn's reply before sending it
 
 
 @dataclass(slots=True)
@@ -107,6 +110,7 @@ class ConversationPlan:
     index: int
     system: SegmentPlan | None
     turns: list[tuple[SegmentPlan, int]]  # (user segment, output length)
+    think_s: list[float] = field(default_factory=list)  # per turn (the first 0.0); empty: none
 
 
 class Planner:
@@ -127,6 +131,14 @@ class Planner:
         user = self._segment(self.spec.input_len, lead)
         return user, self.spec.output_len.draw(self.rng)
 
+    def _thinks(self) -> list[float]:
+        """Each turn's wait before it is sent; drawn only with a think time, so that a plan without
+        one draws as before."""
+        mean = self.spec.think_time_s
+        if mean <= 0:
+            return []
+        return [0.0] + [self.rng.expovariate(1 / mean) for _ in range(self.spec.num_turns - 1)]
+
     def plan(self) -> ConversationPlan:
         name, index = self.spec.name, self.next_index
         self.next_index += 1
@@ -136,7 +148,7 @@ class Planner:
             system = self.prefixes[self.rng.randrange(len(self.prefixes))]
             return ConversationPlan(index, system, [self._turn(QUESTION_LEAD)])
         if name == "multi-turn":
-            return ConversationPlan(index, None, [self._turn("") for _ in range(self.spec.num_turns)])
+            return ConversationPlan(index, None, [self._turn("") for _ in range(self.spec.num_turns)], self._thinks())
         if name == "document-qa":
             return ConversationPlan(index, self.document, [self._turn(QUESTION_LEAD)])
         if name == "reasoning":
@@ -147,7 +159,8 @@ class Planner:
 async def build(plan: ConversationPlan, prompts, thinking_budget: int | None) -> Conversation:
     system = await prompts.segment(*_args(plan.system)) if plan.system is not None else None
     users = await asyncio.gather(*(prompts.segment(*_args(user)) for user, _ in plan.turns))
-    turns = [Turn(user, output_len) for user, (_, output_len) in zip(users, plan.turns)]
+    thinks = plan.think_s or [0.0] * len(plan.turns)
+    turns = [Turn(user, output_len, think) for user, (_, output_len), think in zip(users, plan.turns, thinks)]
     return Conversation(plan.index, system, turns, thinking_budget)
 
 

@@ -6,11 +6,13 @@ import itertools
 import json
 from collections import defaultdict
 
+import pytest
 from test_loadgen_fake import FakeServer, run_loadgen
 
-from spillway.tools.loadgen.cli import main
+from spillway.tools.loadgen.cli import build_parser, main, workload_spec
+from spillway.tools.loadgen.corpus import stdlib_words
 from spillway.tools.loadgen.runner import arrival_gaps
-from spillway.tools.loadgen.workloads import DOCUMENT_LEAD, QUESTION_LEAD
+from spillway.tools.loadgen.workloads import DOCUMENT_LEAD, QUESTION_LEAD, Planner
 
 
 def test_multi_turn_sends_each_turn_after_the_last_with_the_servers_replies_in_the_history(capsys, tmp_path):
@@ -35,6 +37,32 @@ def test_multi_turn_sends_each_turn_after_the_last_with_the_servers_replies_in_t
         assert [r["turn"] for r in turns] == [0, 1, 2]
         for before, after in itertools.pairwise(turns):
             assert after["start_s"] >= before["start_s"] + before["e2e_s"]
+
+
+def test_a_user_who_thinks_lets_the_slot_serve_another_user_and_sends_the_next_turn_after_the_wait(capsys,
+                                                                                                      tmp_path):
+    args = ["--workload", "multi-turn", "--num-turns", "3", "--num-users", "2", "--num-requests", "6",
+            "--concurrency", "1", "--input-len", "12", "--output-len", "3"]
+    with FakeServer(ttfts_s=[0.02], itls_s=[0.01]) as server:
+        _, at_once, _ = run_loadgen(capsys, tmp_path, server.url, *args)
+        code, thinking, printed = run_loadgen(capsys, tmp_path, server.url, *args, "--think-time", "0.2")
+    assert code == 0 and "think time 0.2 s" in printed
+    assert [r["conversation"] for r in at_once["requests"]] == [0, 0, 0, 1, 1, 1]  # one slot, one user at a time
+    assert [r["conversation"] for r in thinking["requests"]][:2] == [0, 1]  # user 0 thinks: the slot opens user 1
+    spec = workload_spec(build_parser().parse_args(["--url", "x", *args, "--think-time", "0.2"]))
+    planner = Planner(spec, len(stdlib_words()))
+    waits = {c: planner.plan().think_s for c in (0, 1)}
+    for conversation in (0, 1):
+        turns = sorted((r for r in thinking["requests"] if r["conversation"] == conversation), key=lambda r: r["turn"])
+        for before, after in itertools.pairwise(turns):
+            replied = before["start_s"] + before["e2e_s"]
+            assert after["start_s"] >= replied + waits[conversation][after["turn"]] - 0.005  # the timer's grain
+
+
+def test_think_time_is_refused_for_single_turn_workloads(capsys):
+    with pytest.raises(SystemExit):
+        main(["--url", "http://127.0.0.1:9", "--workload", "random", "--think-time", "1"])
+    assert "--workload multi-turn only" in capsys.readouterr().err
 
 
 def test_reasoning_sends_the_thinking_budget_and_times_the_first_reasoning_token(capsys, tmp_path):

@@ -146,6 +146,18 @@ def test_a_seed_fixes_the_plan_and_shared_prefixes_are_reused():
     assert systems == set(planner.prefixes) and len(systems) == 3
 
 
+def test_think_times_are_drawn_per_turn_after_the_first_and_leave_plans_without_them_as_they_were():
+    plain = WorkloadSpec("multi-turn", Lengths(8, 64), Lengths(1, 9), num_turns=3, seed=7)
+    thinking = WorkloadSpec("multi-turn", Lengths(8, 64), Lengths(1, 9), num_turns=3, seed=7, think_time_s=2.0)
+    first_plain, first_thinking = Planner(plain, 10_000).plan(), Planner(thinking, 10_000).plan()
+    assert first_plain.think_s == [] and first_thinking.turns == first_plain.turns
+    assert first_thinking.think_s[0] == 0.0 and len(first_thinking.think_s) == 3
+    assert [Planner(thinking, 10_000).plan().think_s for _ in range(2)] == [first_thinking.think_s] * 2  # seeded
+    planner = Planner(thinking, 10_000)
+    waits = [wait for _ in range(1000) for wait in planner.plan().think_s[1:]]
+    assert min(waits) > 0 and statistics.mean(waits) == pytest.approx(2.0, rel=0.1)  # exponential, mean 2 s
+
+
 def test_a_json_schema_file_becomes_a_strict_response_format_and_a_bad_one_a_clear_error(tmp_path):
     from spillway.tools.loadgen.cli import json_schema_format
 

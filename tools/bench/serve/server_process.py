@@ -10,6 +10,7 @@ has the default GGUF, for one that has not.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.metadata
 import json
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -152,15 +154,37 @@ def tree_env(tree: Path | None) -> dict[str, str] | None:
     return env
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child SIGKILLed when the thread that started it ends, the
+    process killed outright included (Linux; None elsewhere). A gateway's workers follow it
+    (they exit when its pipe closes), so nothing it started outlives the caller."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class Server:
     """`spillway serve` with the given arguments, on a free port. `program` is what runs
     `serve ARGS` (default: this interpreter's `spillway.gateway.cli.main`; another engine's CLI
     with the same `serve` flags works too); `env` its environment (`tree_env`: another source
-    tree's spillway); `cwd` its working directory."""
+    tree's spillway); `cwd` its working directory; `die_with_parent`: killed when the thread
+    that starts it ends (`parent_death_signal`: start it from the main thread)."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float, keep_log: Path | None = None,
                  program: list[str] | None = None, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, die_with_parent: bool = False) -> None:
         self.keep_log = keep_log  # the server's output is appended there when it stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -169,7 +193,8 @@ class Server:
         command = [*program, "serve", "--port", str(self.port), "--uvicorn-log-level", "warning", *serve_args]
         # Own process group: stopping it reaches the worker even if the gateway hangs.
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env=env, cwd=cwd)
+                                        env=env, cwd=cwd,
+                                        preexec_fn=parent_death_signal() if die_with_parent else None)
         try:
             self._wait_healthy(startup_timeout_s)
         except BaseException:

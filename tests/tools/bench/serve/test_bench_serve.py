@@ -1,15 +1,18 @@
 """tools/bench/serve/serve.py: its SSE timing parser on canned events, its command-line pieces, and one
-end-to-end run on the CPU (smollm2-135m shape, dummy weights, a few requests of a few tokens)."""
+end-to-end run on the CPU (smollm2-135m shape, dummy weights, a few requests of a few tokens);
+server_process.py's process bookkeeping (grandchildren, the parent-death signal)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -238,6 +241,30 @@ def test_stop_waits_for_the_grandchildren():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_child_with_the_parent_death_signal_dies_with_its_starter_killed_outright():
+    starter = textwrap.dedent("""
+        import subprocess, sys, time
+        from spillway.tools.bench.serve.server_process import parent_death_signal
+        for armed in (True, False):
+            child = subprocess.Popen(["sleep", "60"], start_new_session=True,
+                                     preexec_fn=parent_death_signal() if armed else None)
+            print(child.pid, flush=True)
+        time.sleep(60)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True)
+    armed, unarmed = (int(process.stdout.readline()) for _ in range(2))
+    try:
+        process.kill()  # no clean-up of its own can run
+        process.wait(10)
+        wait_gone([armed], 10)
+        with open(f"/proc/{unarmed}/stat") as stat:  # the one started without it still runs
+            assert stat.read().rsplit(")", 1)[1].split()[0] in "RS"
+    finally:
+        for pid in (armed, unarmed):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_export_tokenizer_writes_the_files(tmp_path):
