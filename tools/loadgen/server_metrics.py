@@ -46,19 +46,26 @@ IDENTITY_LABELS = frozenset({"model_name", "engine"})
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name -> value, summed over label sets (one server may label several models); a
-    sample with other labels also under `name{label="value",...}` (sorted), summed over the
-    identity labels alone. NaN samples are left out."""
+    """Sample name -> value, summed over label sets (one server may label several models or
+    engines); a fraction (a `*_perc` gauge, such as each engine's KV cache usage) is their
+    mean instead. A sample with other labels is also under `name{label="value",...}` (sorted),
+    combined over the identity labels alone. NaN samples are left out."""
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if math.isnan(sample.value):
                 continue
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            keys = [sample.name]
             labels = sorted((k, v) for k, v in sample.labels.items() if k not in IDENTITY_LABELS)
             if labels:
-                key = sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+                keys.append(sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}")
+            for key in keys:
                 values[key] = values.get(key, 0.0) + sample.value
+                counts[key] = counts.get(key, 0) + 1
+    for key, count in counts.items():
+        if count > 1 and key.partition("{")[0].endswith("_perc"):
+            values[key] /= count
     return values
 
 

@@ -61,6 +61,16 @@ def test_prometheus_text_is_summed_over_label_sets_and_comments_skipped():
                                       "vllm:num_requests_running": 2.0}
 
 
+def test_fractions_are_averaged_over_engines_and_counts_summed():
+    text = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+            'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
+    assert parse_prometheus(text) == pytest.approx({"vllm:kv_cache_usage_perc": 0.6, "vllm:num_requests_running": 7.0,
+                                                    "vllm:gpu_cache_usage_perc": 0.25})
+
+
 def test_the_cpu_tiers_counters_are_read_by_direction_and_source_over_every_engine():
     from spillway.tools.loadgen.server_metrics import COUNTERS
 
