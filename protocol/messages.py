@@ -235,6 +235,11 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     kv_events: KvEvents | None = None
 
 
+# How often a worker beats (worker/heartbeat.py): four times a second, since the gateway's bounds
+# on silence are seconds and a beat is ~20 bytes of msgpack. The gateway counts missed beats.
+HEARTBEAT_INTERVAL_S = 0.25
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     message: str
     fatal: bool = True

@@ -24,11 +24,9 @@ from collections.abc import Sequence
 import zmq
 
 from spillway.protocol.local.link_auth import LinkKeys
-from spillway.protocol.messages import StepOutputs, encoder
+from spillway.protocol.messages import HEARTBEAT_INTERVAL_S, StepOutputs, encoder
 
-# Four beats a second: the gateway's bounds (gateway/link/worker_link.py) are seconds, and a beat
-# is ~20 bytes of msgpack.
-BEAT_INTERVAL_S = 0.25
+BEAT_INTERVAL_S = HEARTBEAT_INTERVAL_S  # the protocol's: the gateway counts missed beats
 
 
 class Heartbeat:

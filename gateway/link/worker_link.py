@@ -38,8 +38,11 @@ from spillway.protocol.messages import Control, ControlCommand, Ready, StepOutpu
 
 logger = logging.getLogger("spillway.gateway")
 
-PROGRESS_INTERVAL_S = 5.0
+PROGRESS_INTERVAL_S = 5.0  # between "waiting for ..." log lines
 WATCH_INTERVAL_S = 0.5
+# A replacement that fails to start is tried again after FIRST_RESTART_DELAY_S, doubling up to
+# MAX_RESTART_DELAY_S: a failing worker is not restarted in a tight loop.
+FIRST_RESTART_DELAY_S = 1.0
 MAX_RESTART_DELAY_S = 30.0
 
 
@@ -270,7 +273,7 @@ class WorkerLink:
 
     async def _restart(self, old) -> None:
         await asyncio.to_thread(old.close)
-        delay = 1.0
+        delay = FIRST_RESTART_DELAY_S
         while self.state is LinkState.RESTARTING:
             try:
                 handle, ready = await self._launch()

@@ -34,6 +34,9 @@ from spillway.protocol.messages import (
 )
 
 WORKER_COMMAND = (sys.executable, "-m", "spillway.worker")
+# How long a worker told to stop (SHUTDOWN, or its launch pipe closed) may take to exit before it
+# is killed: it closes its sockets and leaves with os._exit, well under a second.
+EXIT_WAIT_S = 5.0
 
 
 class WorkerStartError(RuntimeError):
@@ -122,7 +125,7 @@ def _stop(popen: subprocess.Popen, sentinel: int) -> None:
     except OSError:  # the worker is gone, its pipe broken
         pass
     try:
-        popen.wait(5)
+        popen.wait(EXIT_WAIT_S)
     except subprocess.TimeoutExpired:
         popen.kill()
         popen.wait()
@@ -212,10 +215,10 @@ class WorkerProcess:
                 self.to_worker.send(self._encoder.encode(Control(ControlCommand.SHUTDOWN)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.process.join(5)
+            self.process.join(EXIT_WAIT_S)
             if self.process.is_alive():
                 self.process.terminate()
-                self.process.join(5)
+                self.process.join(EXIT_WAIT_S)
         self._child.release()
         self.to_worker.close()
         self.from_worker.close()

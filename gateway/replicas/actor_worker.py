@@ -17,12 +17,14 @@ import logging
 import os
 import threading
 
+from spillway.gateway.link.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from spillway.gateway.link.remote_worker import RemoteWorker
 from spillway.protocol.messages import Ready
 
 logger = logging.getLogger("spillway.gateway")
 
-ACTOR_CALL_TIMEOUT_S = 60.0  # a bound on an answer from a live actor, which answers at once
+# An actor that does not answer within the link's bound on a silent worker is as lost as one.
+ACTOR_ANSWER_S = DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
 class ActorWorkerProcess:
@@ -77,7 +79,7 @@ class ActorWorker:
         ready = self._remote.wait_ready(timeout_s, on_wait)
         # The worker that answered is the actor's current one; if it died meanwhile, the next
         # one's Ready tells the link it restarted.
-        generation, pid, node = self._host.worker.remote().future().result(ACTOR_CALL_TIMEOUT_S)
+        generation, pid, node = self._host.worker.remote().future().result(ACTOR_ANSWER_S)
         self.process = ActorWorkerProcess(self._host, generation, pid)
         logger.info("replica %d: worker pid %d on %s", self._replica, pid, node)
         return ready

@@ -26,7 +26,9 @@ import msgspec
 import zmq
 
 from spillway.gateway.link.remote_worker import RemoteWorker, worker_addresses
-from spillway.gateway.replicas.actor_worker import ActorWorker
+from spillway.gateway.link.worker_link import PROGRESS_INTERVAL_S
+from spillway.gateway.link.worker_process import EXIT_WAIT_S
+from spillway.gateway.replicas.actor_worker import ACTOR_ANSWER_S, ActorWorker
 from spillway.gateway.replicas.ray_cluster import join_cluster, replica_bundle
 from spillway.gateway.replicas.worker_host import WorkerHost
 from spillway.protocol.config import WorkerConfig
@@ -34,12 +36,12 @@ from spillway.protocol.local.link_auth import LinkKeys
 
 logger = logging.getLogger("spillway.gateway")
 
-PROGRESS_INTERVAL_S = 10.0
 BIND_ATTEMPTS = 20  # ports taken between finding them free and binding them
 # Calls in flight on one actor: a wait for each worker's exit the gateway watches (the current
 # one, and old ones that answer at once), the current worker's pid, a kill and the stop.
 ACTOR_CONCURRENCY = 8
-STOP_TIMEOUT_S = 10.0  # the actor closes its worker's pipe and waits 5 s before killing it
+# The actor closes its worker's pipe and waits EXIT_WAIT_S before killing it; then it answers.
+STOP_TIMEOUT_S = EXIT_WAIT_S + ACTOR_ANSWER_S
 
 
 class RayReplicas:

@@ -7,7 +7,7 @@
                        replica when nothing of them had come back; its link starts a new worker
 
 A replica is routed to while its link is ready and its worker has been heard within
-`ROUTING_SILENCE_S` (it beats four times a second, worker/heartbeat.py): one that stops
+`ROUTING_SILENCE_S` (`MISSED_BEATS` of its heartbeats, worker/heartbeat.py): one that stops
 answering leaves routing at once, long before its heartbeat timeout gives it up.
 """
 
@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from spillway.gateway.link.client import EngineClient, EngineUnavailable, RequestStream, WorkerLost
 from spillway.gateway.replicas.merged_stats import merge_stats
 from spillway.gateway.replicas.router import Router
-from spillway.protocol.messages import Generate, KvEvents, Ready, Stats
+from spillway.protocol.messages import HEARTBEAT_INTERVAL_S, Generate, KvEvents, Ready, Stats
 
 logger = logging.getLogger("spillway.gateway")
 
-ROUTING_SILENCE_S = 2.0  # eight missed heartbeats
+# A worker that misses this many beats in a row (HEARTBEAT_INTERVAL_S apart) leaves routing.
+MISSED_BEATS = 8
+ROUTING_SILENCE_S = MISSED_BEATS * HEARTBEAT_INTERVAL_S
 
 
 def _engine_metrics(metrics, index: int):

@@ -26,13 +26,13 @@ import time
 
 import msgspec
 
+from spillway.gateway.link.worker_link import FIRST_RESTART_DELAY_S, MAX_RESTART_DELAY_S
 from spillway.gateway.link.worker_process import WORKER_COMMAND, ChildProcess, describe_exit
 from spillway.protocol.config import WorkerConfig, WorkerLaunch
 
 logger = logging.getLogger("spillway.gateway")
 
-RESTART_DELAY_S = 1.0
-MAX_RESTART_DELAY_S = 30.0  # a worker that lived this long was not failing to start: the delay resets
+# The link's backoff (a worker that lived MAX_RESTART_DELAY_S was not failing to start: it resets).
 
 
 class WorkerHost:
@@ -111,4 +111,4 @@ class WorkerHost:
 def restart_delay(quick_exits: int) -> float:
     """Seconds before the next start, after `quick_exits` workers in a row lived less than
     MAX_RESTART_DELAY_S: 1 s after a worker that ran, then doubling while they keep failing."""
-    return min(RESTART_DELAY_S * 2 ** max(quick_exits - 1, 0), MAX_RESTART_DELAY_S)
+    return min(FIRST_RESTART_DELAY_S * 2 ** max(quick_exits - 1, 0), MAX_RESTART_DELAY_S)
