@@ -190,8 +190,7 @@ def _replica_set(settings: ServerSettings, start_workers, metrics: GatewayMetric
     sequential = False
     if start_workers is None:
         placement = place_replicas(settings.worker, settings.data_parallel_size)
-        start_workers = [lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
-                         for launch in placement.launches]
+        start_workers = placement.start_workers()
         sequential = placement.sequential
         logger.info("%s; routing by %s", placement.describe, settings.routing)
     return ReplicaSet(start_workers, routing=settings.routing, max_num_seqs=settings.worker.max_num_seqs,

@@ -310,8 +310,7 @@ def _engine_thread(config, data_parallel_size: int, backend: str, routing: str):
                             max_num_seqs=config.max_num_seqs), placed
     if data_parallel_size > 1:
         placement = place_replicas(config, data_parallel_size)
-        return EngineThread([lambda launch=launch: WorkerProcess(launch.config, env=launch.env)
-                             for launch in placement.launches], routing=routing,
+        return EngineThread(placement.start_workers(), routing=routing,
                             max_num_seqs=config.max_num_seqs, sequential_start=placement.sequential), None
     return EngineThread(lambda: WorkerProcess(config)), None
 

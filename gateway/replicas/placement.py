@@ -13,11 +13,13 @@ GPUs are counted from CUDA_VISIBLE_DEVICES when set, else from the driver's /pro
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import msgspec
 
+from spillway.gateway.link.worker_process import WorkerProcess
 from spillway.protocol.config import WorkerConfig
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
@@ -38,6 +40,10 @@ class Placement:
     launches: list[ReplicaLaunch]
     sequential: bool  # start one after another (they share a GPU's memory)
     describe: str
+
+    def start_workers(self) -> list:
+        """Each replica's `start_worker`: a local worker process where this placement puts it."""
+        return [functools.partial(WorkerProcess, launch.config, env=launch.env) for launch in self.launches]
 
 
 def visible_gpus(environ=os.environ, driver_dir: str = NVIDIA_GPUS) -> list[str]:
