@@ -20,6 +20,7 @@ import threading
 import msgspec
 
 from spillway.protocol.hashing import DEFAULT_HASH_SEED
+from spillway.protocol.kv_transfer import KvTransferConfig
 
 # "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -136,6 +137,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Report the prefix blocks held as `KvEvents` on the StepOutputs (a gateway routing between
     # replicas by prefix needs them); off: nothing is recorded.
     kv_events: bool = False
+    # Disaggregated prefill and decode (protocol/kv_transfer.py): this worker's role, and where its
+    # KV server listens when it produces. None: no transfers.
+    kv_transfer: KvTransferConfig | None = None
 
     def setting(self, name: str) -> str:
         """The setting `name` (a field's name) as the caller spells it: `--max-model-len` or

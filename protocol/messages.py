@@ -78,6 +78,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.temperature < 1e-5
 
 
+class KvSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a consumer worker pulls a prefilled request's blocks from (protocol/kv_transfer.py)."""
+
+    address: str  # the producer's KV server: its Ready.kv_address
+
+
 class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     request_id: str
     # A list, or the ids packed as little-endian uint32 (`pack_token_ids`), as the gateway
@@ -97,6 +103,9 @@ class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # to: the worker shares its KV pool and steps between client requests (worker/core/fair_share.py).
     # Empty: it stands alone.
     parent_id: str = ""
+    # Disaggregated decode: the prompt was prefilled by the producer named here; the worker
+    # pulls the prompt's blocks it lacks from it before running the request. None: no transfer.
+    kv_source: KvSource | None = None
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -137,6 +146,10 @@ class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     # Random per worker process: a Ready with the attached worker's session is that worker
     # answering a HELLO again, not a restart.
     worker_session: bytes = b""
+    # A producer's KV server, where consumers pull its blocks (protocol/kv_transfer.py); "": none.
+    kv_address: str = ""
+    # The worker's --kv-transfer-config role ("kv_producer", "kv_consumer", "kv_both"); "": none.
+    kv_role: str = ""
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -199,6 +212,14 @@ class Stats(msgspec.Struct, frozen=True, kw_only=True):
     # Tokens of each engine step since the report before (prompt tokens computed plus tokens
     # generated), for vLLM's vllm:iteration_tokens_total; only this report carries them.
     iteration_tokens: list[int] = []
+    # Disaggregated prefill and decode, cumulative: KV bytes pulled into this worker and served
+    # from it, the seconds they took (a pull's from asking to its blocks taken; a serve's
+    # gathering and sending), and pulls that failed (kv_load_failure_policy applied).
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_seconds_received: float = 0.0
+    kv_transfer_seconds_sent: float = 0.0
+    kv_transfer_failures: int = 0
     # Whether the block manager's invariants held; None: not checked for this report (they
     # are checked on CHECK_INVARIANTS and, in debug mode, always: the walk is O(blocks)).
     invariants_ok: bool | None = None
