@@ -83,7 +83,7 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale.float().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.product = fp8_linear_scaled_mm if self._runs_scaled_mm() else fp8_linear_reference
+        self.aligned = self.in_features % SCALED_MM_ALIGNMENT == 0 and self.out_features % SCALED_MM_ALIGNMENT == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -94,12 +94,14 @@ class Fp8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, dtype)
 
+    @property
+    def product(self):
+        """`_scaled_mm` on CUDA where cuBLASLt takes the shape; the plain-torch reference otherwise
+        (decided per call: the module may move between devices)."""
+        return fp8_linear_scaled_mm if self.weight.is_cuda and self.aligned else fp8_linear_reference
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.weight, self.weight_scale, self.bias)
-
-    def _runs_scaled_mm(self) -> bool:
-        aligned = self.in_features % SCALED_MM_ALIGNMENT == 0 and self.out_features % SCALED_MM_ALIGNMENT == 0
-        return self.weight.device.type == "cuda" and aligned
 
     def extra_repr(self) -> str:
         path = "scaled_mm" if self.product is fp8_linear_scaled_mm else "reference"
