@@ -14,7 +14,7 @@ import zmq
 from kv_transfer_pair import BLOCK, generate, run, tokens
 
 from spillway.protocol.kv_transfer import KvBlocks, KvPull, kv_link_decoder
-from spillway.protocol.messages import FinishReason
+from spillway.protocol.messages import FinishReason, StructuredKind, StructuredOutput
 
 # 40 tokens: two full blocks and a part; 48: three full blocks, whose last is computed anyway (its
 # last token's logits give the first output); 100: six full blocks and a part.
@@ -78,6 +78,27 @@ def test_a_consumer_pulls_only_the_blocks_it_lacks_and_none_when_it_holds_them(p
     again = run(engine, generate(engine, "again", prompt, 2, producer_links.address), links, producer_links)
     assert tokens(again) == tokens(first) and again[0].num_cached_tokens == usable_blocks(prompt) * BLOCK
     assert producer_engine.stats().kv_transfer_bytes_sent == before_sent
+
+
+def test_a_constrained_request_compiles_its_grammar_once_its_blocks_are_pulled(producer, consumer,
+                                                                                recomputing_consumer):
+    (producer_engine, producer_links), (engine, links) = producer, consumer
+    prompt = PROMPTS[100]
+    choice = StructuredOutput(kind=StructuredKind.CHOICE, spec='["yes", "no", "maybe"]')
+
+    def constrained(target, request_id, source=None):
+        msg = generate(target, request_id, prompt, 8, source)
+        return msgspec.structs.replace(msg, params=msgspec.structs.replace(msg.params, ignore_eos=False,
+                                                                           structured=choice))
+
+    alone = recomputing_consumer[0]
+    assert alone.reset_prefix_cache()
+    expected = tokens(run(alone, constrained(alone, "alone")))
+    assert producer_engine.reset_prefix_cache() and engine.reset_prefix_cache()
+    prefill(producer_engine, prompt)
+    deltas = run(engine, constrained(engine, "decode", producer_links.address), links, producer_links)
+    assert tokens(deltas) == expected and deltas[-1].finish_reason == FinishReason.STOP
+    assert deltas[0].num_cached_tokens == usable_blocks(prompt) * BLOCK
 
 
 def test_blocks_the_producer_evicted_are_computed(producer, consumer, recomputing_consumer):
