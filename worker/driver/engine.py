@@ -323,6 +323,8 @@ class Engine:
                 self.executor.copy_kv(copies)
             index = {block_hash: position for position, block_hash in enumerate(answer.block_hashes)}
             self.executor.write_kv_blocks(payload, [(index[block_hash], slot) for block_hash, slot in adopted])
+            if self.debug_invariants:
+                self.block_manager.check_invariants()
         self.kv_counters.received(len(payload), time.monotonic() - pending.sent)
         return self._release_or_refuse(pending.request)
 

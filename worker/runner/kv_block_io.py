@@ -54,9 +54,11 @@ def write_blocks(pool: torch.Tensor, payload: memoryview | bytes, pairs: Sequenc
     if not pairs:
         return
     block_bytes = pool[0].nbytes
-    num_blocks = len(payload) // block_bytes
-    host = torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
-    # One copy into writable memory: torch would warn on a tensor over the message's read-only bytes.
-    host.view(torch.uint8).numpy().reshape(-1)[:] = np.frombuffer(payload, dtype=np.uint8,
-                                                                  count=num_blocks * block_bytes)
-    copy_blocks(host, pool, pairs)
+    staged = torch.empty((len(pairs), *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+    # The blocks taken, gathered in one pass into writable memory: torch would warn on a tensor
+    # over the message's read-only bytes.
+    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
+    # (mode "clip": unbuffered, straight into `out`; the indexes lie in the payload, checked by the caller)
+    np.take(blocks.reshape(-1, block_bytes), [index for index, _ in pairs], axis=0, mode="clip",
+            out=staged.view(torch.uint8).numpy().reshape(len(pairs), block_bytes))
+    copy_blocks(staged, pool, [(position, slot) for position, (_, slot) in enumerate(pairs)])
