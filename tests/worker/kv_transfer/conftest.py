@@ -1,6 +1,6 @@
-"""One producer and two consumers (kv_load_failure_policy "fail" and "recompute") on the default
-model, built once for the KV transfer tests (an engine takes seconds to start on the CPU), each
-with its KV sockets over ipc:// in a private folder."""
+"""One producer and two consumers (kv_load_failure_policy "fail" and "recompute", the latter with
+a CPU tier) on the default model, built once for the KV transfer tests (an engine takes seconds to
+start on the CPU), each with its KV sockets over ipc:// in a private folder."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def producer(ctx, folder):
     engine.close()
 
 
-def _consumer(ctx, policy: str):
-    engine = kv_engine("kv_consumer", num_blocks=CONSUMER_BLOCKS, policy=policy)
+def _consumer(ctx, policy: str, num_cpu_blocks: int = 0):
+    engine = kv_engine("kv_consumer", num_blocks=CONSUMER_BLOCKS, policy=policy, num_cpu_blocks=num_cpu_blocks)
     return engine, KvLinks(ctx, engine, None, None)
 
 
@@ -53,7 +53,8 @@ def consumer(ctx):
 
 @pytest.fixture(scope="package")
 def recomputing_consumer(ctx):
-    engine, links = _consumer(ctx, "recompute")
+    # A CPU tier of 2 blocks: full after a few steps, so an eviction writes back a block that has no copy yet.
+    engine, links = _consumer(ctx, "recompute", num_cpu_blocks=2)
     yield engine, links
     links.close()
     engine.close()

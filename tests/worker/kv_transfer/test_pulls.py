@@ -10,6 +10,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 from kv_transfer_pair import BLOCK, generate, run, tokens
 
@@ -115,6 +116,36 @@ def test_blocks_the_producer_evicted_are_computed(producer, consumer, recomputin
     now = engine.stats()
     assert now.kv_transfer_bytes_received == before.kv_transfer_bytes_received
     assert now.kv_transfer_failures == before.kv_transfer_failures  # an empty answer is no failure
+
+
+def test_blocks_evicted_for_pulled_ones_reach_the_cpu_tier_before_their_slots_are_overwritten(
+        producer, consumer, recomputing_consumer):
+    (producer_engine, producer_links), (engine, links) = producer, recomputing_consumer
+    prompts = {"first": PROMPTS[100], "second": [(17 * i) % 2500 + 200 for i in range(100)],
+               "pulled": [(11 * i) % 2000 + 300 for i in range(120)]}
+    expected = reference(consumer[0], prompts["pulled"])
+    assert producer_engine.reset_prefix_cache() and engine.reset_prefix_cache()
+    prefill(producer_engine, prompts["pulled"])
+    for name in ("first", "second"):
+        run(engine, generate(engine, name, prompts[name], 6))
+    manager, pool = engine.block_manager, engine.runner.kv_cache
+    # What the cached blocks without a CPU copy hold: an eviction writes that back.
+    uncopied = {block.block_id: pool[block.gpu_slot].clone() for block in manager.blocks
+                if block.block_hash is not None and block.gpu_slot is not None and block.cpu_slot is None}
+    assert engine.add_request(generate(engine, "pulled", prompts["pulled"], 6, producer_links.address)) is None
+    stored = engine.stats().kv_offload_bytes_gpu_to_cpu
+    links.send_pulls()
+    assert producer_links.handle(5000) and links.handle(5000) and links.take_deltas() == []
+    written_back = [block for block in manager.blocks if block.block_id in uncopied and block.cpu_slot is not None]
+    assert written_back and engine.stats().kv_offload_bytes_gpu_to_cpu > stored
+    cpu_pool = engine.executor.kv_copier.cpu_pool
+    for block in written_back:  # the block's own KV, not the pulled block's now in its old slot
+        assert torch.equal(cpu_pool[block.cpu_slot], uncopied[block.block_id])
+    deltas = []
+    while engine.has_work:
+        deltas += engine.step()
+    assert tokens(deltas) == expected and deltas[0].num_cached_tokens == usable_blocks(prompts["pulled"]) * BLOCK
+    manager.check_invariants()
 
 
 class FakeProducer:
