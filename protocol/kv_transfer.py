@@ -20,7 +20,7 @@ KV block. The consumer checks the model, the layout and the byte count before ta
 
 Every connector name vLLM users pass is taken; the blocks travel through host memory over
 ZeroMQ whatever the name (the NCCL and NIXL transports are not built), and the worker's log
-says so once. This module imports only msgspec and the standard library.
+says so once. This module imports only msgspec, the standard library and the wire's messages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ import json
 
 import msgspec
 
+from spillway.protocol.messages import WORKER_SILENCE_TIMEOUT_S
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# How long a consumer waits for a pull's answer before `kv_load_failure_policy` applies. A producer
+# answers between two of its steps, and beats meanwhile; one that has not answered for as long as
+# a gateway waits on a silent worker before it takes it for lost is taken for gone the same way.
+KV_PULL_TIMEOUT_S = WORKER_SILENCE_TIMEOUT_S
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 # vLLM's connector names that move KV between instances, and the transport each names there.

@@ -259,6 +259,9 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 # How often a worker beats (worker/heartbeat.py): four times a second, since the gateway's bounds
 # on silence are seconds and a beat is ~20 bytes of msgpack. The gateway counts missed beats.
 HEARTBEAT_INTERVAL_S = 0.25
+# A worker silent this long (no beat, no message) is stopped or frozen: a gateway's default bound
+# (`--worker-heartbeat-timeout`); it leaves room for a pause of the whole host (swap, a debugger).
+WORKER_SILENCE_TIMEOUT_S = 60.0
 
 
 class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):

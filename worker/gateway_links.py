@@ -7,12 +7,16 @@ Every link is a pair of ZeroMQ sockets the gateway binds (inbox PULL, outbox PUS
 request belongs to the link its Generate came in on: its deltas go back there alone, and a
 new HELLO session on a link aborts that link's requests only. What concerns every gateway (a
 Ready at start, the worker's Stats, a fatal error) goes to every link.
+
+Other sockets the busy loop waits on (a producer's KV server, a consumer's pull sockets:
+worker/kv_transfer/) are polled with the links (`watch`), each with its handler, so a message on
+any of them ends the wait; the handler takes it in place.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import zmq
 
@@ -21,11 +25,12 @@ from spillway.protocol.messages import RequestDelta
 
 
 def take_messages(poller: zmq.Poller, socks: Sequence[zmq.Socket], timeout_ms: int, busy: Callable[[], bool],
-                  budget_s: float, ready: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
+                  budget_s: float, ready: Callable[[], bool] | None = None,
+                  watched: Mapping[zmq.Socket, Callable[[], None]] | None = None) -> Iterator[tuple[int, bytes]]:
     """(link, message) of the messages waiting on `socks`, the first awaited up to `timeout_ms`,
     the links taken in turn; while `busy()`, only those taken within `budget_s` and, with
     `ready`, before `ready()` says a step has work (the rest stay queued for the next
-    iteration)."""
+    iteration). A `watched` socket the poller finds ready is handed to its handler instead."""
     index = {sock: link for link, sock in enumerate(socks)}
     deadline = None
     while events := poller.poll(timeout_ms):
@@ -35,7 +40,11 @@ def take_messages(poller: zmq.Poller, socks: Sequence[zmq.Socket], timeout_ms: i
             deadline = deadline or now + budget_s
             if (now > deadline or (ready is not None and ready())) and busy():
                 return
-            yield index[sock], sock.recv()
+            link = index.get(sock)
+            if link is None:
+                watched[sock]()
+            else:
+                yield link, sock.recv()
 
 
 class GatewayLinks:
@@ -54,6 +63,7 @@ class GatewayLinks:
         for inp in self.inboxes:
             self.poller.register(inp, zmq.POLLIN)
         self.sessions: list[bytes | None] = [None] * len(addresses)  # each link's last HELLO session
+        self._watched: dict[zmq.Socket, Callable[[], None]] = {}
         self._owners: dict[str, int] = {}  # request id -> its link, with more than one link
 
     def __len__(self) -> int:
@@ -61,7 +71,12 @@ class GatewayLinks:
 
     def take(self, timeout_ms: int, busy: Callable[[], bool], budget_s: float,
              ready: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
-        return take_messages(self.poller, self.inboxes, timeout_ms, busy, budget_s, ready)
+        return take_messages(self.poller, self.inboxes, timeout_ms, busy, budget_s, ready, self._watched)
+
+    def watch(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+        """Poll `sock` with the links from now on; `handler()` takes in what it has (module doc)."""
+        self.poller.register(sock, zmq.POLLIN)
+        self._watched[sock] = handler
 
     def admit(self, request_id: str, link: int) -> None:
         """A request that came in on `link` (its outputs go back there)."""

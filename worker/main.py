@@ -13,12 +13,17 @@ With several API servers on one port (`--api-server-count`), each is a link of i
 A thread beats to every link meanwhile, through long steps too (worker/heartbeat.py).
 With `WorkerConfig.kv_events`, each iteration's report of the prefix cache's changes
 (`Engine.take_kv_events`) reaches every link once, and a gateway attaching anew the whole set.
+With `WorkerConfig.kv_transfer` (disaggregated prefill and decode), the worker's KV sockets
+(worker/kv_transfer/) are polled with the links: a producer answers pulls between its steps,
+idle or not; a consumer sends the pulls of the requests it received after each intake, and while
+only pulls are awaited waits in the poll, up to the first pull's deadline.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import sys
 import time
@@ -49,6 +54,8 @@ from spillway.worker.driver.engine import Engine
 from spillway.worker.gateway_links import GatewayLinks
 from spillway.worker.heap import HeapTrimmer
 from spillway.worker.heartbeat import Heartbeat
+from spillway.worker.kv_transfer.links import KvLinks
+from spillway.worker.kv_transfer.setup import kv_server_address, start_note
 from spillway.worker.driver.stats import step_tokens
 from spillway.worker.step_trace import StepTrace
 
@@ -97,8 +104,11 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     ctx = zmq.Context()
     links = GatewayLinks(ctx, [(inbox, outbox), *extra_links], keys)
     enc = encoder()
+    kv: KvLinks | None = None
     try:
         engine = Engine(config, defer_release=True)  # freed after the sends (Engine.release_finished)
+        if config.kv_transfer is not None:
+            kv = kv_links(ctx, engine, config, inbox, keys, links)
     except Exception as exc:  # report why, then exit: the gateway raises it to the user
         if isinstance(exc, ValueError):  # a setting the model or the device cannot take: the message says it
             logger.error("worker failed to start: %s", exc)
@@ -111,13 +121,13 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
     # of the collector's reach, so a collection mid-run scans only what steps allocate.
     gc.collect()
     gc.freeze()
-    ready = msgspec.structs.replace(engine.ready(), worker_session=os.urandom(8))
+    ready = msgspec.structs.replace(engine.ready(kv.address if kv is not None else ""), worker_session=os.urandom(8))
     if engine.device.type == "cuda":
         log_late_compiles()
     links.send_all(enc.encode(ready))
     beat = Heartbeat(ctx, links.outbox_addresses, links.keys).start()
     try:
-        _busy_loop(engine, ready, links, parent_pid, beat)
+        _busy_loop(engine, ready, links, parent_pid, beat, kv)
     except Exception as exc:
         logger.exception("worker step failed")
         links.send_all(enc.encode(WorkerError(message=f"worker failed: {exc}", fatal=True,
@@ -125,12 +135,41 @@ def run_worker(config: WorkerConfig, inbox: str, outbox: str, parent_pid: int | 
         return 1
     finally:
         beat.stop()
+        if kv is not None:
+            kv.close()
         engine.close()
         ctx.destroy(linger=2000)
     return 0
 
 
-def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: int | None, beat: Heartbeat) -> None:
+def kv_links(ctx: zmq.Context, engine: Engine, config: WorkerConfig, inbox: str, keys: LinkKeys | None,
+             links: GatewayLinks) -> KvLinks:
+    """The worker's KV sockets, polled with `links`: its server bound when it produces. Over
+    tcp:// they are keyed by the worker link's secret, or by SPILLWAY_WORKER_KEY for a worker
+    whose own link is not keyed (a local one)."""
+    kv = config.kv_transfer
+    if keys is None:
+        keys = read_worker_key(None, worker_key())
+    server_address = kv_server_address(kv, inbox) if kv.produces else None
+    links_kv = KvLinks(ctx, engine, server_address, keys, watch=links.watch)
+    logger.info(start_note(kv, links_kv.address))
+    return links_kv
+
+
+def _poll_timeout_ms(engine: Engine) -> int:
+    """How long the busy loop waits for messages before its next step."""
+    if not engine.has_work:
+        # Idle: the CPU tier writes cached blocks back meanwhile, a batch per poll.
+        return LANDING_POLL_MS if engine.idle_write_back() else IDLE_POLL_MS
+    if engine.waits_for_loads:
+        return LANDING_POLL_MS
+    if engine.waits_for_pulls:  # an answer ends the wait; its deadline, at the latest
+        return math.ceil(min(IDLE_POLL_MS, engine.kv_pull_wait_s() * 1000))
+    return 0
+
+
+def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: int | None, beat: Heartbeat,
+               kv: KvLinks | None = None) -> None:
     enc, dec = encoder(), gateway_decoder()
     step = 0
     last_stats = 0.0
@@ -145,11 +184,7 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
         pending: list[RequestDelta] = []
         want_stats = check_invariants = False
         received = 0
-        if not engine.has_work:
-            # Idle: the CPU tier writes cached blocks back meanwhile, a batch per poll.
-            timeout = LANDING_POLL_MS if engine.idle_write_back() else IDLE_POLL_MS
-        else:
-            timeout = LANDING_POLL_MS if engine.waits_for_loads else 0
+        timeout = _poll_timeout_ms(engine)
         landing = engine.waits_for_loads
         budget = engine.timing.landing_drain_budget_s if landing else engine.timing.drain_budget_s
         landed = engine.awaited_load_landed if landing else None  # a landing ends the intake at once
@@ -186,6 +221,9 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
                     want_stats = check_invariants = True
                 case Control():
                     want_stats = True
+        if kv is not None:
+            kv.send_pulls()  # of the requests just received: their deadlines start
+            pending.extend(kv.take_deltas())
         if parent_pid is not None and os.getppid() != parent_pid:
             logger.warning("the gateway process is gone; worker exiting")
             return

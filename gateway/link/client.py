@@ -34,6 +34,7 @@ from spillway.protocol.messages import (
     RequestDelta,
     Stats,
     StepOutputs,
+    WORKER_SILENCE_TIMEOUT_S,
 )
 
 
@@ -55,8 +56,8 @@ class WorkerTimeout(WorkerLost):
 
 DEFAULT_RESPONSE_TIMEOUT_S = 1800.0  # vLLM has no bound: this one lets a long queue wait and a long prefill run
 # A worker that beats four times a second (worker/heartbeat.py) and is silent this long is
-# stopped or frozen; the bound leaves room for a pause of the whole host (swap, a debugger).
-DEFAULT_HEARTBEAT_TIMEOUT_S = 60.0
+# stopped or frozen (the protocol's bound: worker-to-worker waits follow it too).
+DEFAULT_HEARTBEAT_TIMEOUT_S = WORKER_SILENCE_TIMEOUT_S
 # One step this long is stuck: it is far past a prefill of a full token budget on a CPU, or the
 # first step of a model whose kernels compile (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S is 60 s).
 DEFAULT_STEP_TIMEOUT_S = 600.0

@@ -18,7 +18,8 @@ TOP_FOLDERS = {"protocol": "protocol", "gateway": "gateway", "worker": "worker",
 
 # Bottom up. A module sits on the floor of the longest prefix listed; the package's own
 # top-level modules (the process files) sit above every folder.
-WORKER_FLOORS = ["core", "kv_tier", "sample", "attention", "models", "runner", "tp", "speculative", "driver"]
+WORKER_FLOORS = ["core", "kv_tier", "sample", "attention", "models", "runner", "tp", "speculative", "driver",
+                 "kv_transfer"]
 GATEWAY_FLOORS = ["api", "text", "metrics", "link", "replicas", "generation", "offline", "http", "cli"]
 
 # Imports across packages that a package may make (besides its own modules).

@@ -26,7 +26,8 @@ prefix survives longest. A released block without a hash can never be hit: it is
 once and its slot is reused before any cached one.
 
 Prefix cache: `hash -> block`, a bijection with the blocks whose `block_hash` is set.
-A block gets its hash when `commit` reports it full and computed, and loses it at eviction.
+A block gets its hash when `commit` reports it full and computed, or when `adopt` takes it in
+cached from another worker (disaggregated prefill), and loses it at eviction.
 With `kv_events`, those two moments (and `reset_prefix_cache`) are recorded for the gateway
 (worker/core/kv_events.py, `take_kv_events`); without, nothing is.
 
@@ -60,7 +61,9 @@ class BlockManager:
     API: `look_up` (no refs) -> `can_allocate` / `allocate` (refs on the
     hits, new blocks in free or evicted slots) -> `commit` (register hashes of full computed
     blocks) -> `free` (release tail-first). A request's slot table covers its tokens in
-    order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`.
+    order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`. Between
+    workers: `readable_prefix` (a producer's blocks to send) and `adopt` (a consumer's blocks
+    received, taken in cached).
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -246,6 +249,54 @@ class BlockManager:
                 self._free_block(block)
             else:
                 self._lru.append(block)
+
+    def adopt(self, block_hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """Take blocks that arrive from another worker (disaggregated prefill: worker/driver/kv_pulls.py)
+        into the prefix cache: `block_hashes` in prompt order (a chain). Each one not cached yet
+        gets a GPU slot as a new block would (a free slot, else the LRU head's, whose block is
+        evicted; never a referenced block's, nor one adopted by this call) and is registered
+        under its hash, cached and evictable; stops at the first that finds no slot. Returns
+        the (hash, GPU slot) pairs taken, in order: the caller writes their KV into those slots
+        before any step reads them.
+
+        The adopted blocks enter the LRU's tail as a released request's do, last block first,
+        so the deepest is evicted first. `num_free_blocks` is unchanged: a cached block's slot
+        counts as free."""
+        if not self.enable_prefix_caching:
+            return []
+        adopted: list[Block] = []
+        cached = self._cached
+        # The free slots and the LRU as they were on entry: an adopted block joins the LRU
+        # only at the end, so no slot taken below is one of this call's.
+        for block_hash in block_hashes:
+            if block_hash in cached:
+                continue  # held already (on the GPU or the CPU tier): its KV is the same
+            if not self._free_slots and not self._lru:
+                break
+            slot = self._take_gpu_slot()
+            block = self.blocks[self._free_block_ids.pop()]
+            block.gpu_slot, block.block_hash = slot, block_hash
+            cached[block_hash] = block
+            if self._events is not None:
+                self._events.stored(block_hash)
+            adopted.append(block)
+        if adopted:
+            self._version += 1  # evictions above may have dropped a looked-up hit
+            for block in reversed(adopted):
+                self._lru.append(block)
+        return [(block.block_hash, block.gpu_slot) for block in adopted]
+
+    def readable_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """The GPU slots of the longest prefix of `block_hashes` whose KV can be read from the
+        GPU pool now (to serve it to another worker): cached, in a GPU slot, and with no load
+        from the CPU tier planned or on its way into it. Stops at the first block cached on the
+        CPU only or still loading. Takes no refs: read the slots before the next step."""
+        slots = []
+        for block in self.look_up(block_hashes).blocks:
+            if block.gpu_slot is None or block.load_batch:
+                break
+            slots.append(block.gpu_slot)
+        return slots
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing changed) while blocks are in use."""

@@ -171,11 +171,16 @@ class Scheduler:
         if self._finished_holding:  # the id may be a finished request's whose blocks are still held
             self.release_finished()
         if self.block_manager.enable_prefix_caching:
-            self._commits.hash_full_blocks(request)  # when the sender did not hash the prompt
+            self.hash_prompt(request)
         insort(self.waiting, request, key=queue_key)
         self._requests[request.request_id] = request
         self._parent_sizes[request.parent_id] += 1
         self.last_received = max(self.last_received, request.received)
+
+    def hash_prompt(self, request: Request) -> None:
+        """Extend the request's block hashes over its full blocks, where the sender did not hash
+        them all (the same chain: protocol/hashing.py)."""
+        self._commits.hash_full_blocks(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         """Finish the known ones among `request_ids` as aborted, releasing their blocks now."""

@@ -3,16 +3,26 @@
 One step takes one path, plan -> inputs -> execute -> sample -> commit (worker/driver/pipeline.py);
 the executor (worker/runner/executor.py) owns the model, the KV pool and the graphs. No sockets
 here (see main.py).
+
+Disaggregated prefill and decode (protocol/kv_transfer.py) meet the engine in four verbs: a
+producer's `serve_kv_pull` reads the blocks a consumer asks for out of its pool; a consumer holds
+a request with `Generate.kv_source` apart (`KvPulls`, worker/driver/kv_pulls.py) until
+`take_kv_blocks` brings its answer, whose blocks it adopts into its prefix cache and pool, or
+until its pull fails (`fail_kv_pull`, or no answer in time); `take_kv_pulls` hands out the pulls
+to send. The process's KV links (worker/kv_transfer/) carry them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
+import numpy as np
 import torch
 
 from spillway.kernels.utils import use_programmatic_launch
 from spillway.protocol.hashing import root_hash
+from spillway.protocol.kv_transfer import KV_PULL_TIMEOUT_S, KvBlocks, KvPull
 from spillway.protocol.messages import FinishReason, Generate, KvEvents, Ready, RequestDelta, Stats
 from spillway.protocol.local import envs
 from spillway.protocol.config import WorkerConfig
@@ -32,8 +42,10 @@ from spillway.worker.models import loader
 from spillway.worker.driver.commit_order import (AFTER_LAUNCH, BEFORE_LAUNCH, BEFORE_PLAN, FINISHED, NEXT_CALL,
                                                  NOTHING, RUNNING, Commit, CommitOrder, commit_order)
 from spillway.worker.driver.constrained import ConstrainedRequests
+from spillway.worker.driver.kv_pulls import (KvPulls, KvTransferCounters, PendingPull, answer_problem,
+                                             kv_transfer_refusal)
 from spillway.worker.driver.pipeline import LaunchedStep, TokenReadback, pack_step
-from spillway.worker.core.request import Request
+from spillway.worker.core.request import Request, refusal
 from spillway.worker.sample.grammars import GrammarCompiler
 from spillway.worker.sample.sampler import Sampler, SamplingInput
 from spillway.worker.core.scheduler import Scheduler
@@ -52,10 +64,14 @@ class Engine:
     """Owns the scheduler, the sampler and the requests of one worker; drives its executor.
 
     `defer_release`: finished requests' blocks are freed by `release_finished` (the busy loop
-    calls it once their deltas are sent), not when their last token is committed."""
+    calls it once their deltas are sent), not when their last token is committed.
+    `kv_pull_timeout_s`: how long a consumer waits for a pull's answer (module doc)."""
 
-    def __init__(self, config: WorkerConfig, *, defer_release: bool = False) -> None:
+    def __init__(self, config: WorkerConfig, *, defer_release: bool = False,
+                 kv_pull_timeout_s: float = KV_PULL_TIMEOUT_S) -> None:
         self.config = config
+        if problem := kv_transfer_refusal(config):  # before the model loads
+            raise ValueError(problem)
         if config.cpu_offload_gb and config.num_cpu_blocks_override is None:
             # Refused before the model loads.
             check_host_memory(int(config.cpu_offload_gb * 2**30), config.setting("cpu_offload_gb"))
@@ -95,6 +111,9 @@ class Engine:
                 draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
         num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
+        self.kv_layout = self.executor.kv_layout()  # what another worker's blocks must match
+        self.kv_pulls = KvPulls(kv_pull_timeout_s)
+        self.kv_counters = KvTransferCounters()
         # The deadlines and budgets scale with the model's step as this device runs it, the CPU
         # tier's write-back with its link (worker/driver/timing.py).
         decode_step_s = finish_start(self.executor, config)
@@ -156,10 +175,12 @@ class Engine:
         return num_blocks_for_memory(hf_config, self.block_size, self.kv_cache_dtype,
                                      int(config.cpu_offload_gb * 2**30))
 
-    def ready(self) -> Ready:
+    def ready(self, kv_address: str = "") -> Ready:
+        """`kv_address`: where this producer's KV server listens ("": none)."""
         return ready_message(self.config, self.block_manager, model=self.model_name, max_model_len=self.max_model_len,
                              max_num_batched_tokens=self.max_num_batched_tokens, vocab_size=self.vocab_size,
-                             eos_token_ids=self.eos_token_ids, device=str(self.device), dtype=str(self.dtype))
+                             eos_token_ids=self.eos_token_ids, device=str(self.device), dtype=str(self.dtype),
+                             kv_address=kv_address)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -169,14 +190,21 @@ class Engine:
         self._arrivals += 1
         try:
             request = Request.from_generate(msg, self._arrivals)
-            if request.params.structured is not None:  # joins the scheduler once its grammar compiled
-                self.constrained.add(request)
+            if msg.kv_source is not None:  # prefilled elsewhere: its blocks come first
+                self._hold_for_blocks(request, msg.kv_source.address)
             else:
-                self.scheduler.add(request)
+                self._release(request)
         except ValueError as exc:
-            return RequestDelta(request_id=msg.request_id, new_token_ids=[],
-                                finish_reason=FinishReason.ERROR, error=str(exc))
+            return _error(msg.request_id, str(exc))
         return None
+
+    def _release(self, request: Request) -> None:
+        """Into the scheduler, or, with a grammar, the constrained queue (it joins the scheduler
+        once its grammar compiled); ValueError for a request refused."""
+        if request.params.structured is not None:
+            self.constrained.add(request)
+        else:
+            self.scheduler.add(request)
 
     def _admit_compiled(self) -> list[RequestDelta]:
         """Constrained requests whose grammar compiled join the scheduler; the deltas of those
@@ -193,7 +221,8 @@ class Engine:
         return refused
 
     def abort(self, request_ids: list[str]) -> list[RequestDelta]:
-        aborted = self.constrained.abort(request_ids) + self.scheduler.abort(request_ids)
+        aborted = (self.kv_pulls.abort(request_ids) + self.constrained.abort(request_ids)
+                   + self.scheduler.abort(request_ids))
         for request in aborted:
             self._forget(request.request_id)
         return [RequestDelta(request_id=r.request_id, new_token_ids=[],
@@ -201,12 +230,24 @@ class Engine:
 
     def abort_all(self) -> int:
         """Abort every request without reporting them (their gateway is gone); how many."""
-        return len(self.abort(self.scheduler.request_ids() + self.constrained.request_ids()))
+        return len(self.abort(self.scheduler.request_ids() + self.constrained.request_ids()
+                              + self.kv_pulls.request_ids()))
 
     @property
     def has_work(self) -> bool:
         return (self.scheduler.has_unfinished or self._in_flight is not None
-                or self.constrained.num_compiling > 0)
+                or self.constrained.num_compiling > 0 or len(self.kv_pulls) > 0)
+
+    @property
+    def waits_for_pulls(self) -> bool:
+        """Nothing to compute, nothing compiling, and requests wait for their KV pulls: the busy
+        loop then waits for messages (an answer among them) up to `kv_pull_wait_s`."""
+        return (len(self.kv_pulls) > 0 and not self.scheduler.has_unfinished and self._in_flight is None
+                and not self.constrained.num_compiling)
+
+    def kv_pull_wait_s(self) -> float:
+        """Seconds until the first pull's deadline (inf while none has been sent)."""
+        return max(0.0, self.kv_pulls.seconds_to_deadline(time.monotonic()))
 
     @property
     def waits_for_loads(self) -> bool:
@@ -222,6 +263,117 @@ class Engine:
         next step computes (the busy loop stops taking arrivals in to run it)."""
         return self.tier.awaited_load_landed()
 
+    # ---- KV transfer between workers (module doc) ------------------------------------------
+
+    def _hold_for_blocks(self, request: Request, address: str) -> None:
+        """Hold a request prefilled by the producer at `address` until the prompt blocks this
+        worker lacks have been pulled from it; released at once when it lacks none.
+        ValueError for a request refused."""
+        kv = self.config.kv_transfer
+        if kv is None or not kv.consumes:
+            role = "none" if kv is None else kv.kv_role
+            raise ValueError(f"the request names a KV source ({address}), and this worker is no KV consumer "
+                             f"(its kv_role: {role})")
+        in_use = (self.scheduler.has_request(request.request_id) or request.request_id in self.kv_pulls
+                  or request.request_id in self.constrained.request_ids())
+        if problem := refusal(request, max_model_len=self.max_model_len, block_size=self.block_size,
+                              vocab_size=self.vocab_size, in_use=in_use):
+            raise ValueError(problem)
+        self.scheduler.hash_prompt(request)
+        missing = self._missing_blocks(request)
+        if missing:
+            self.kv_pulls.add(request, address, missing)
+        else:
+            self._release(request)
+
+    def _missing_blocks(self, request: Request) -> list[bytes]:
+        """The prompt's block hashes a prefix lookup could use and this worker does not hold,
+        from the first it lacks. The last prompt token is always computed (its logits give the
+        first output), so a prompt of whole blocks uses all but its last; one that asks for
+        prompt logprobs reads no cache at all (worker/core/admission.py)."""
+        if request.params.prompt_logprobs is not None:
+            return []
+        usable = request.block_hashes[:(request.num_prompt_tokens - 1) // self.block_size]
+        return usable[len(self.block_manager.look_up(usable)):]
+
+    def take_kv_pulls(self) -> list[tuple[str, KvPull]]:
+        """(producer address, pull) for each request held since the last call: to send now,
+        their deadlines start."""
+        return self.kv_pulls.take_outgoing(time.monotonic()) if self.kv_pulls else []
+
+    def take_kv_blocks(self, answer: KvBlocks, payload: memoryview | bytes | None) -> list[RequestDelta]:
+        """A producer's answer to a pull, with `payload`, the frame after it (None when the
+        answer came with another number of frames). Checked, its blocks this worker lacks are
+        adopted into the prefix cache and written into their slots before any later step, and
+        the request is released to run; a failed check applies kv_load_failure_policy. An answer
+        no request waits for (aborted, failed, answered) is dropped. Returns error deltas."""
+        pending = self.kv_pulls.answered(answer.transfer_id)
+        if pending is None:
+            logger.debug("a KV answer for %r, which no request waits for: dropped", answer.transfer_id)
+            return []
+        problem = answer_problem(answer, pending.block_hashes, None if payload is None else len(payload),
+                                 self.model_name, self.kv_layout)
+        if problem is not None:
+            return self._kv_pull_failed(pending, problem)
+        adopted = self.block_manager.adopt(answer.block_hashes)
+        if adopted:
+            # The slots taken may have evicted cached blocks whose write-back to the CPU tier
+            # reads them: those copies go first (the payload's write is queued behind them).
+            if (copies := self.block_manager.take_copies()) is not NO_KV_COPIES:
+                self.executor.copy_kv(copies)
+            index = {block_hash: position for position, block_hash in enumerate(answer.block_hashes)}
+            self.executor.write_kv_blocks(payload, [(index[block_hash], slot) for block_hash, slot in adopted])
+            if self.debug_invariants:
+                self.block_manager.check_invariants()
+        self.kv_counters.received(len(payload), time.monotonic() - pending.sent)
+        return self._release_or_refuse(pending.request)
+
+    def fail_kv_pull(self, transfer_id: str, problem: str) -> list[RequestDelta]:
+        """The pull `transfer_id` cannot be sent or answered (`problem`): kv_load_failure_policy."""
+        pending = self.kv_pulls.answered(transfer_id)
+        return [] if pending is None else self._kv_pull_failed(pending, problem)
+
+    def _expire_kv_pulls(self) -> list[RequestDelta]:
+        deltas = []
+        for pending in self.kv_pulls.expired(time.monotonic()):
+            deltas += self._kv_pull_failed(pending, f"no answer within {self.kv_pulls.timeout_s:g} s")
+        return deltas
+
+    def _kv_pull_failed(self, pending: PendingPull, problem: str) -> list[RequestDelta]:
+        """"fail": the request ends with an error naming the producer and why; "recompute": it
+        runs, computing the blocks it lacks."""
+        self.kv_counters.failures += 1
+        error = f"the KV transfer from {pending.address} failed: {problem}"
+        if self.config.kv_transfer.kv_load_failure_policy == "fail":
+            return [_error(pending.request.request_id, error)]
+        self.kv_pulls.warn(f"{error}; the prompt is computed instead (kv_load_failure_policy recompute)")
+        return self._release_or_refuse(pending.request)
+
+    def _release_or_refuse(self, request: Request) -> list[RequestDelta]:
+        try:
+            self._release(request)
+        except ValueError as exc:
+            return [_error(request.request_id, str(exc))]
+        return []
+
+    def serve_kv_pull(self, pull: KvPull) -> tuple[KvBlocks, np.ndarray | bytes]:
+        """A producer's answer to `pull` and its payload: the longest run of the hashes asked,
+        from the first, whose blocks this worker's pool holds and may read now
+        (`BlockManager.readable_prefix`; it stops at a block cached on the CPU tier only),
+        read into host memory after every step launched so far."""
+        slots = self.block_manager.readable_prefix(pull.block_hashes)
+        payload = self.executor.read_kv_blocks(slots) if slots else b""
+        return self._kv_answer(pull.transfer_id, pull.block_hashes[:len(slots)]), payload
+
+    def kv_refusal(self, transfer_id: str, error: str) -> KvBlocks:
+        """The answer to a pull that cannot be served (`error`), with no blocks."""
+        return self._kv_answer(transfer_id, [], error)
+
+    def _kv_answer(self, transfer_id: str, block_hashes: list[bytes], error: str = "") -> KvBlocks:
+        layout = self.kv_layout
+        return KvBlocks(transfer_id=transfer_id, block_hashes=block_hashes, model=self.model_name,
+                        dtype=layout.dtype, block_shape=list(layout.block_shape), error=error)
+
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
@@ -231,10 +383,16 @@ class Engine:
         `_commit_due`. A plan that runs ahead (asynchronous scheduling) is launched before the
         step in flight is committed, and is itself committed by the next call."""
         compiled = self._admit_compiled()
-        if self.constrained.num_compiling and not self.scheduler.has_unfinished and self._in_flight is None:
+        if self.kv_pulls:
+            compiled = self._expire_kv_pulls() + compiled
+        if ((self.constrained.num_compiling or self.kv_pulls) and not self.scheduler.has_unfinished
+                and self._in_flight is None):
             # Nothing to run until a grammar compiles: wait for one as long as the busy loop
-            # would take messages in, so arrivals and aborts are not held back.
-            self.constrained.wait(self.timing.drain_budget_s)
+            # would take messages in, so arrivals and aborts are not held back. (Pulls are
+            # waited for by the busy loop, whose poll an answer ends.)
+            if self.constrained.num_compiling:
+                self.constrained.wait(self.timing.drain_budget_s)
+            self.last_plan = None  # no step: nothing for the step trace or the iteration counts
             return compiled
         return compiled + self._step() if compiled else self._step()
 
@@ -375,7 +533,8 @@ class Engine:
         """Counters for the gateway (worker/driver/stats.py); the invariants only when asked or in debug mode."""
         return collect_stats(self.block_manager, self.scheduler, num_steps=self.num_steps,
                              check_invariants=check_invariants or self.debug_invariants,
-                             copier=self.executor.kv_copier, spec=None if self.spec is None else self.spec.metrics)
+                             copier=self.executor.kv_copier, spec=None if self.spec is None else self.spec.metrics,
+                             kv_transfer=self.kv_counters)
 
     def take_kv_events(self) -> KvEvents | None:
         """The prefix blocks stored and removed since the last call (worker/core/kv_events.py),
@@ -418,3 +577,7 @@ class Engine:
         self.constrained.close()
         if self.group is not None:
             self.group.stop()
+
+
+def _error(request_id: str, error: str) -> RequestDelta:
+    return RequestDelta(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error)

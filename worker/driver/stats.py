@@ -15,6 +15,7 @@ from spillway.protocol.messages import PROTOCOL_VERSION, Ready, RequestDelta, St
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.core.scheduler import Scheduler
 from spillway.worker.core.step_plan import StepPlan
+from spillway.worker.driver.kv_pulls import KvTransferCounters
 from spillway.worker.kv_tier.copier import KVCopier
 from spillway.worker.speculative.decoder import SpecMetrics
 
@@ -23,8 +24,9 @@ logger = logging.getLogger(__name__)
 
 def ready_message(config: WorkerConfig, block_manager: BlockManager, *, model: str, max_model_len: int,
                   max_num_batched_tokens: int, vocab_size: int, eos_token_ids: Iterable[int], device: str,
-                  dtype: str) -> Ready:
-    """What the worker tells a gateway at the start: the settings it runs with, as resolved."""
+                  dtype: str, kv_address: str = "") -> Ready:
+    """What the worker tells a gateway at the start: the settings it runs with, as resolved;
+    `kv_address`: where its KV server listens, when it produces (protocol/kv_transfer.py)."""
     return Ready(
         protocol_version=PROTOCOL_VERSION,
         model=model,
@@ -40,13 +42,17 @@ def ready_message(config: WorkerConfig, block_manager: BlockManager, *, model: s
         device=device,
         dtype=dtype.removeprefix("torch."),
         enable_prefix_caching=config.enable_prefix_caching,
+        kv_address=kv_address,
+        kv_role="" if config.kv_transfer is None else config.kv_transfer.kv_role,
     )
 
 
 def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_steps: int,
-                  check_invariants: bool, copier: KVCopier | None = None, spec: SpecMetrics | None = None) -> Stats:
+                  check_invariants: bool, copier: KVCopier | None = None, spec: SpecMetrics | None = None,
+                  kv_transfer: KvTransferCounters | None = None) -> Stats:
     """O(1) counters; `invariants_ok` is None unless `check_invariants`. `copier`: the CPU
-    tier's, if any; `spec`: speculative decoding's counters, where it runs."""
+    tier's, if any; `spec`: speculative decoding's counters, where it runs; `kv_transfer`: the
+    blocks pulled from and served to other workers."""
     ok = None
     if check_invariants:
         try:
@@ -58,6 +64,7 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
     seconds = copier.seconds() if copier else (0.0, 0.0)
     counts = scheduler.counts
     spec = spec or SpecMetrics()  # no speculation: every count 0
+    kv_transfer = kv_transfer or KvTransferCounters()
     return Stats(
         num_running=scheduler.num_running,
         num_waiting=scheduler.num_waiting,
@@ -83,6 +90,11 @@ def collect_stats(block_manager: BlockManager, scheduler: Scheduler, *, num_step
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_num_accepted_tokens_per_pos=list(spec.accepted_per_position),
+        kv_transfer_bytes_received=kv_transfer.bytes_received,
+        kv_transfer_bytes_sent=kv_transfer.bytes_sent,
+        kv_transfer_seconds_received=kv_transfer.seconds_received,
+        kv_transfer_seconds_sent=kv_transfer.seconds_sent,
+        kv_transfer_failures=kv_transfer.failures,
     )
 
 

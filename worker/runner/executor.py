@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from spillway.worker.kv_tier.host_pool import allocate_cpu_pool
 from spillway.worker.runner.kv_budget import KVBudget
 from spillway.worker.kv_tier.copier import KVCopier
+from spillway.worker.runner.kv_block_io import KvLayout, read_blocks, write_blocks
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend, latent_rank
 from spillway.worker.models import loader, model_class_for
 from spillway.protocol.config import QUANTIZATION_METHODS
@@ -229,6 +231,19 @@ class Executor:
             # Only the CPU tier plans copies; a plan with some cannot be run without it.
             raise ValueError("the step asks for KV copies between tiers, and this worker has no CPU tier")
         return self.kv_copier.run(copies, pace)
+
+    def kv_layout(self) -> KvLayout:
+        """The dtype and shape of one block of the KV pool, as another worker's must match."""
+        return KvLayout.of(self.runner.kv_cache)
+
+    def read_kv_blocks(self, slots: Sequence[int]) -> np.ndarray:
+        """The KV of the pool's `slots` as bytes in host memory (worker/runner/kv_block_io.py)."""
+        return read_blocks(self.runner.kv_cache, slots)
+
+    def write_kv_blocks(self, payload: memoryview | bytes, pairs: Sequence[tuple[int, int]]) -> None:
+        """Block `index` of `payload` into pool slot `slot`, for each `(index, slot)` of `pairs`,
+        ahead of any step launched after it (worker/runner/kv_block_io.py)."""
+        write_blocks(self.runner.kv_cache, payload, pairs)
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs(self.max_num_seqs, verify=self.speculative)

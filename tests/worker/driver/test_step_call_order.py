@@ -16,6 +16,7 @@ import pytest
 from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies, StepResult
 from spillway.worker.driver import engine as engine_module
 from spillway.worker.driver.engine import Engine
+from spillway.worker.driver.kv_pulls import KvPulls
 from spillway.worker.driver.pipeline import LaunchedStep
 from spillway.worker.driver.tier_driver import NullTierDriver
 
@@ -169,6 +170,7 @@ def make_engine(script: Script, async_scheduling: bool = True, tier: bool = Fals
     engine.num_async_steps, engine.num_steps, engine.last_plan = 0, 0, None
     engine.debug_invariants = False
     engine.constrained = SimpleNamespace(num_compiling=0)  # no grammar compiling
+    engine.kv_pulls = KvPulls(timeout_s=1.0)  # no request waiting for KV blocks
     return engine
 
 

@@ -1,0 +1,64 @@
+"""A KV pool's blocks as bytes in host memory, to send to another worker or to take from one
+(disaggregated prefill: protocol/kv_transfer.py).
+
+A block is one contiguous span of the pool, `[num_layers, kv_sides, block_size, kv_heads,
+head_dim]` (the CPU tier's layout too), so a run of blocks is their bytes one after another. On
+CUDA both directions go through page-locked host memory and run on the current (compute)
+stream: a read is ordered after every step launched before it and waited for; a write is
+ordered before every step launched after it (which may read the blocks at once), and the host
+does not wait for it. The staging memory comes from torch's caching host allocator, which keeps
+a block until the copies queued on it have run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spillway.worker.kv_tier.block_copies import copy_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """What a pool's blocks must agree on to be copied between two workers' pools."""
+
+    dtype: str  # torch's name: "bfloat16", "float8_e4m3fn"
+    block_shape: tuple[int, ...]  # one block: [num_layers, kv_sides, block_size, kv_heads, head_dim]
+    block_bytes: int
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> KvLayout:
+        return cls(str(pool.dtype).removeprefix("torch."), tuple(pool.shape[1:]), pool[0].nbytes)
+
+
+def read_blocks(pool: torch.Tensor, slots: Sequence[int]) -> np.ndarray:
+    """The KV of the pool's `slots`, in that order, as one array of bytes in host memory; on
+    CUDA, copied after every step queued so far (the host waits for them)."""
+    on_cuda = pool.device.type == "cuda"
+    host = torch.empty((len(slots), *pool.shape[1:]), dtype=pool.dtype, pin_memory=on_cuda)
+    copy_blocks(pool, host, [(slot, index) for index, slot in enumerate(slots)])
+    if on_cuda:
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(pool.device))
+        copied.synchronize()
+    return host.view(torch.uint8).numpy().reshape(-1)
+
+
+def write_blocks(pool: torch.Tensor, payload: memoryview | bytes, pairs: Sequence[tuple[int, int]]) -> None:
+    """`pool[slot] = block index` of `payload` (blocks one after another, the pool's layout)
+    for each `(index, slot)` of `pairs`; on CUDA queued on the current stream, before any step
+    launched after it."""
+    if not pairs:
+        return
+    block_bytes = pool[0].nbytes
+    staged = torch.empty((len(pairs), *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
+    # The blocks taken, gathered in one pass into writable memory: torch would warn on a tensor
+    # over the message's read-only bytes.
+    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
+    # (mode "clip": unbuffered, straight into `out`; the indexes lie in the payload, checked by the caller)
+    np.take(blocks.reshape(-1, block_bytes), [index for index, _ in pairs], axis=0, mode="clip",
+            out=staged.view(torch.uint8).numpy().reshape(len(pairs), block_bytes))
+    copy_blocks(staged, pool, [(position, slot) for position, (_, slot) in enumerate(pairs)])
