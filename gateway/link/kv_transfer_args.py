@@ -59,8 +59,8 @@ def kv_transfer_settings(kv_transfer_config: str | dict | None = None, prefill_w
     config = _parse(kv_transfer_config, spell, name) if kv_transfer_config is not None else None
     if config is None and not workers:
         return KvTransferSettings()
-    asked = spell("kv_transfer_config", kv_transfer_config) if config is not None else \
-        f"{spell('prefill_workers', prefill_workers)} with {spell('decode_workers', decode_workers)}"
+    asked = f"{spell('prefill_workers', prefill_workers)} with {spell('decode_workers', decode_workers)}" \
+        if workers else spell("kv_transfer_config", kv_transfer_config)
     if data_parallel_size > 1:
         instead = "" if workers else (f"; for several workers of each role use {name('prefill_workers')} and "
                                       f"{name('decode_workers')}")
