@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -33,10 +33,10 @@ PROMPTS = ["Tell me about rivers and the seas they flow into, in one sentence of
            "Write the first line of a short poem about a lighthouse keeper who counts the waves at night."]
 
 
-def long_prompt(first: int) -> list[int]:
-    """1,500 token ids, a prefill of many steps at 128 tokens a step; no block of it cached
+def long_prompt(first: int, length: int = 1500) -> list[int]:
+    """`length` token ids, a prefill of many steps at 128 tokens a step; no block of it cached
     anywhere before (its first id is the test's own)."""
-    return [first] + list(range(1000, 2500))
+    return [first] + list(range(1000, 1000 + length - 1))
 
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -142,36 +142,51 @@ def free_blocks(url: str, workers) -> list[int]:
                                                                  *workers.consumers.replicas)]
 
 
-def wait_until(condition, timeout_s: float = DEADLINE_S) -> None:
+def wait_until(condition, timeout_s: float = DEADLINE_S, interval_s: float = 0.005) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+        time.sleep(interval_s)
 
 
-@contextmanager
-def streaming(url: str, prompt, max_tokens: int = 200):
-    """A streamed completion in a thread; yields the lines seen so far; the client goes away
-    when the block ends."""
-    lines: list[str] = []
-    gone = threading.Event()
+class Streaming:
+    """A streamed completion over a socket of the test's own, read by a thread: `close` drops
+    the connection at once, whatever the server is doing (a client's read would block until
+    the first token)."""
 
-    def run() -> None:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as reply:
-            for line in reply.iter_lines():
-                if line:
-                    lines.append(line)
-                if gone.is_set():
-                    return  # closing the response drops the connection
+    def __init__(self, url: str, prompt, max_tokens: int = 200) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                           "stream": True}).encode()
+        self.received = b""
+        self._sock = socket.create_connection((host, int(port)))
+        self._sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self._reader = threading.Thread(target=self._read)
+        self._reader.start()
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        yield lines
-    finally:
-        gone.set()
-        thread.join(60)
+    def _read(self) -> None:
+        try:
+            while chunk := self._sock.recv(65536):
+                self.received += chunk
+        except OSError:
+            pass  # closed by `close`
+
+    @property
+    def num_events(self) -> int:
+        return self.received.count(b"data: {")
+
+    @property
+    def done(self) -> bool:
+        return b"data: [DONE]" in self.received
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._reader.join(10)
 
 
 @pytest.mark.parametrize("stage", ["prefill", "transfer", "decode"])
@@ -179,28 +194,42 @@ def test_a_client_gone_at_any_stage_leaves_both_workers_blocks_free(served, stag
     url, workers = served
     producer, consumer = workers.producers.replicas[0], workers.consumers.replicas[0]
     before = free_blocks(url, workers)
-    with streaming(url, long_prompt({"prefill": 1, "transfer": 2, "decode": 3}[stage])) as lines:
+    finished = engine_values(url, "vllm:request_success_total")
+    # A long prefill to be caught in; the other stages need only whole blocks to move. Either
+    # way, far more tokens asked than could come before the bounds below.
+    prompt = long_prompt(1) if stage == "prefill" else long_prompt({"transfer": 2, "decode": 3}[stage], 400)
+    stream = Streaming(url, prompt, max_tokens=2040 - len(prompt))
+    try:
         if stage == "prefill":
             wait_until(lambda: producer.num_in_flight == 1)
         elif stage == "transfer":  # at the consumer, nothing back yet: pulling, or computing the tail
             wait_until(lambda: consumer.num_in_flight == 1)
-            assert not any(line.startswith("data: {") for line in lines)
+            assert stream.num_events == 0
         else:
-            wait_until(lambda: sum(line.startswith("data: {") for line in lines) >= 3)
-    wait_until(lambda: workers.num_in_flight == 0)
-    wait_until(lambda: free_blocks(url, workers) == before, timeout_s=30)
+            wait_until(lambda: stream.num_events >= 3)
+    finally:
+        stream.close()
+    wait_until(lambda: workers.num_in_flight == 0, timeout_s=10)
+    wait_until(lambda: free_blocks(url, workers) == before, timeout_s=10, interval_s=0.1)
+    ended = {key: value - finished[key] for key, value in engine_values(url, "vllm:request_success_total").items()
+             if value != finished[key]}
+    assert ended == ({("0", "abort"): 1} if stage == "prefill" else {("0", "length"): 1, ("1", "abort"): 1})
 
 
 def test_a_producer_killed_mid_prefill_ends_its_request_and_the_consumer_answers_meanwhile(served):
     url, workers = served
     producer = workers.producers.replicas[0]
-    with streaming(url, long_prompt(4)) as lines:
+    stream = Streaming(url, long_prompt(4))
+    try:
         wait_until(lambda: producer.num_in_flight == 1)
         os.kill(producer.link.worker_pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_until(lambda: lines and lines[-1] == "data: [DONE]", timeout_s=10)
+        wait_until(lambda: stream.done, timeout_s=10)
         seconds = time.monotonic() - killed
-    assert any('"error"' in line and "prefill worker" in line for line in lines) and seconds < 10
+    finally:
+        stream.close()
+    assert stream.num_events == 1 and b'"error"' in stream.received and b"the prefill worker" in stream.received
+    assert seconds < 10
     reply = httpx.post(url + "/v1/completions", timeout=120, json={"model": MODEL, "prompt": PROMPTS[0], **GREEDY})
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
     wait_until(lambda: workers.producers.healthy, timeout_s=300)
