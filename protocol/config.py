@@ -24,6 +24,10 @@ from spillway.protocol.kv_transfer import KvTransferConfig
 
 # "auto": the model's dtype; "fp8" and "fp8_e4m3": float8 e4m3, unscaled (CUDA only).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Weight quantization (vLLM's --quantization values Spillway runs): "fp8", the decoder's
+# projections quantized at load to float8 e4m3 with a scale per output row. None: the
+# checkpoint's own (an FP8 checkpoint runs in FP8 without it).
+QUANTIZATION_METHODS = ("fp8",)
 
 logger = logging.getLogger("spillway.worker")
 
@@ -91,6 +95,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    quantization: str | None = None  # one of QUANTIZATION_METHODS, or None
     device: str = "auto"
     seed: int = 0
     block_size: int = 16

@@ -155,7 +155,7 @@ def worker_config(args: argparse.Namespace):
         served_model_name=args.served_model_name[0] if args.served_model_name else None, spell=_flag,
         settings_spelling="flags",
         dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device, seed=args.seed, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,

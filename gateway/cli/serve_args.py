@@ -18,7 +18,7 @@ from spillway.gateway.replicas.router import ROUTING_POLICIES
 from spillway.gateway.text.reasoning import PARSERS
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS, MAX_N
 from spillway.gateway.text.template_sandbox import DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_S
-from spillway.protocol.config import KV_CACHE_DTYPES
+from spillway.protocol.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from spillway.protocol.local.model_files import LOAD_FORMATS
 
 
@@ -69,6 +69,10 @@ def _add_engine_args(parser: argparse.ArgumentParser):
     engine.add_argument("--dtype", default="auto", choices=DTYPES)
     engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3, unscaled, CUDA only")
+    engine.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS,
+                        help="fp8: the decoder's projections quantized at load to float8 e4m3, one scale per "
+                             "output row, activations per token (FP8 tensor cores: compute capability 8.9+; "
+                             "plain torch on the CPU). An FP8 checkpoint runs in FP8 without it")
     engine.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
     engine.add_argument("--device", default="auto", help="auto (CUDA if present, else the CPU), cpu, cuda, cuda:N")
     engine.add_argument("--seed", type=int, default=0)
@@ -121,7 +125,6 @@ def _add_engine_args(parser: argparse.ArgumentParser):
                            '"prompt_lookup_min": N, "prompt_lookup_max": N}')
     refused = parser.add_argument_group("not available yet (refused)")
     refused.add_argument("--swap-space", type=float)
-    refused.add_argument("--quantization", "-q")
     refused.add_argument("--enable-lora", action="store_true")
     disaggregated = parser.add_argument_group("disaggregated prefill and decode")
     disaggregated.add_argument(

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from spillway.protocol.attention_backends import ADDITIONAL_CONFIG_KEYS, backend_problem, uses_latent_attention
 from spillway.protocol.local import envs
-from spillway.protocol.config import KV_CACHE_DTYPES, WorkerConfig, setting_name
+from spillway.protocol.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, WorkerConfig, setting_name
 from spillway.protocol.local.model_files import ModelFiles, resolve_model
 from spillway.protocol.model_len import long_max_model_len_problem, trained_length
 from spillway.protocol.tensor_parallel import feature_problems, layout_problems
@@ -23,7 +23,6 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 # the caller spells it.
 NOT_YET = (
     ("swap_space", 0, "a swap space apart from the CPU KV tier ({cpu_offload_gb})"),
-    ("quantization", None, "quantised execution"),
     ("enable_lora", False, "LoRA adapters"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
 )
@@ -70,7 +69,7 @@ class _SpelledNames(dict):
 
 
 def check_engine_args(*, block_size, max_num_seqs, max_model_len, max_num_batched_tokens, gpu_memory_utilization,
-                      kv_cache_dtype, dtype, setting: Callable[[str], str] = str) -> None:
+                      kv_cache_dtype, dtype, quantization=None, setting: Callable[[str], str] = str) -> None:
     """ValueError for a value no worker takes, before one is started; `setting` names an
     argument as the caller spells it."""
     if block_size not in BLOCK_SIZES:
@@ -90,6 +89,9 @@ def check_engine_args(*, block_size, max_num_seqs, max_model_len, max_num_batche
                          f"got {kv_cache_dtype!r}")
     if dtype not in DTYPES:
         raise ValueError(f"{setting('dtype')} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"{setting('quantization')} must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
+                         f"got {quantization!r}")
 
 
 def cpu_tier_gib(cpu_offload_gb: float | None = None, kv_offloading_size: float | None = None,
@@ -204,7 +206,7 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
         raise ValueError("the CPU KV tier keeps prefix-cache blocks: it needs prefix caching, which is turned off")
     check_engine_args(**{name: settings.get(name, getattr(defaults, name)) for name in (
         "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
-        "kv_cache_dtype", "dtype")}, setting=lambda name: setting_name(name, settings_spelling))
+        "kv_cache_dtype", "dtype", "quantization")}, setting=lambda name: setting_name(name, settings_spelling))
     files = resolve_model(model, load_format)  # ValueError for unknown models
     check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
                           speculative=settings.get("speculative") is not None, spell=spell)

@@ -36,3 +36,25 @@ def test_a_worker_import_loads_no_gateway():
     out = run("import sys, spillway.worker.main\n"
               "print(any(m.startswith('spillway.gateway') for m in sys.modules))")
     assert out == "False"
+
+
+def test_every_source_folder_is_an_installed_package():
+    """A non-editable install (a wheel, `pip install .`) holds the packages pyproject.toml lists,
+    nothing else: a folder left out is missing there while every editable checkout imports it."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: root / path for name, path in setuptools["package-dir"].items()}
+    mapped = {path.resolve() for path in folders.values()}
+    expected = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder).parts
+            # A folder mapped to a name of its own (gateway/public is `spillway`) is counted under that name.
+            if relative and init.parent.resolve() in mapped:
+                continue
+            if not any(part.startswith(".") or part == "__pycache__" for part in relative):
+                expected.add(".".join((name, *relative)))
+    assert sorted(expected - set(setuptools["packages"])) == []

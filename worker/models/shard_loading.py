@@ -17,6 +17,9 @@ Mixtral's experts (w1, w3, w2) are read as gate_proj, up_proj, down_proj. transf
 expert tensors (a converted GGUF's): down_proj `[E, H, I]` as its columns; gate_up_proj
 `[E, 2I, H]` as the rows from the rank's first gate row to its last up row, then cut to those two.
 
+An FP8 checkpoint's tensors are read whole and dequantized (fp8_checkpoint.py) before they
+are cut: a tile's scale spans rows of several ranks.
+
 The result equals loading the whole model and then `shard_model`, bit for bit. Random
 weights (load_format "dummy") are still generated whole, then cut (executor.load_model): they
 must be the same model whatever N.
@@ -24,6 +27,7 @@ must be the same model whatever N.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from spillway.worker.models import loader, model_class_for
+from spillway.worker.models.fp8_checkpoint import dequantized_weights, fp8_checkpoint_of
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 _ALL = (slice(None),)
@@ -52,7 +57,12 @@ def load_shard(hf_config, files: loader.ModelFiles, rank: int, world_size: int, 
     parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim, whole.checkpoint_shapes())
     model = model_class.build(hf_config, device=device, dtype=dtype,
                               reshape=partial(shard_model, rank=rank, world_size=world_size))
-    weights = loader.iter_weights(files, parts.index)
+    checkpoint = fp8_checkpoint_of(hf_config)
+    if checkpoint is None:
+        weights = dequantized_weights(loader.iter_weights(files, parts.index), None)  # refuses stray fp8
+    else:
+        # A 128 x 128 tile's scale spans the ranks' rows: read each tensor whole, dequantize, then cut.
+        weights = parts.cut(dequantized_weights(loader.iter_weights(files), checkpoint))
     model.load_weights((name, parts.complete(name, tensor)) for name, tensor in weights)
     return model
 
@@ -100,6 +110,13 @@ class ShardParts:
                 return (slice(start, min(start + layout.vocab_rows, shape[0])),)
             case _:
                 return _ALL
+
+    def cut(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The rank's part of each whole tensor of `weights`, as `index` says."""
+        for name, tensor in weights:
+            index = self.index(name, list(tensor.shape))
+            if index is not None:
+                yield name, tensor[index]
 
     def complete(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's part as its parameter holds it, from what `index` read: vocabulary slices

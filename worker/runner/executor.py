@@ -28,7 +28,10 @@ from spillway.worker.runner.kv_budget import KVBudget
 from spillway.worker.kv_tier.copier import KVCopier
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner, TokenFeed, default_backend, latent_rank
 from spillway.worker.models import loader, model_class_for
+from spillway.protocol.config import QUANTIZATION_METHODS
 from spillway.worker.models.cpu_linear import pack_linear_layers
+from spillway.worker.models.fp8_checkpoint import dequantized_weights, fp8_checkpoint_of
+from spillway.worker.models.fp8_linear import fp8_capability_problem, quantize_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.models.shard_loading import load_shard
 from spillway.worker.models.tensor_parallel import shard_model
@@ -66,13 +69,20 @@ class PackedStep:
 
 
 def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dtype: torch.dtype,
-               seed: int, input_major_weights: bool = True, shard: tuple[int, int] | None = None) -> nn.Module:
+               seed: int, input_major_weights: bool = True, shard: tuple[int, int] | None = None,
+               quantization: str | None = None) -> nn.Module:
     """The model with its weights (random ones for the dummy format), laid out for `device`.
 
     `shard`: `(rank, world_size)` of the default process group. A checkpoint's shard is built
     at its own shapes and reads only its slices (shard_loading.py); dummy weights are generated
     whole from the seed, so that they are the same model whatever the size, then cut. Either
-    way before the linear layers are re-laid for the device (both find the shards)."""
+    way before the linear layers are re-laid for the device (both find the shards).
+
+    `quantization` "fp8", or an FP8 checkpoint (fp8_checkpoint.py): the decoder's projections
+    run in FP8 (fp8_linear.py), quantized after the cut, so each rank's row scales are its own.
+    ValueError for another method, or a GPU without FP8 tensor cores, before anything loads."""
+    checkpoint = None if files.load_format == "dummy" else fp8_checkpoint_of(hf_config)
+    runs_fp8 = _runs_fp8(quantization, checkpoint is not None, device)
     if shard is not None and files.load_format != "dummy":
         model = load_shard(hf_config, files, *shard, device=device, dtype=dtype)
     else:
@@ -80,16 +90,31 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
         if files.load_format == "dummy":
             loader.init_dummy_weights(model, seed=seed)
         else:
-            model.load_weights(loader.iter_weights(files))
+            model.load_weights(dequantized_weights(loader.iter_weights(files), checkpoint))
         if shard is not None:
             shard_model(model, *shard)
+    if runs_fp8:
+        logger.info("FP8 weights: %d projections quantized per output row", quantize_linear_layers(model))
     if device.type == "cpu":
         packed = pack_linear_layers(model)
         logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")
     elif device.type == "cuda" and input_major_weights:
         store_weights_input_major(model)
-        torch.cuda.empty_cache()  # the row-major copies are gone; give their memory back
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the row-major (or unquantized) copies are gone; give their memory back
     return model.eval()
+
+
+def _runs_fp8(quantization: str | None, fp8_checkpoint: bool, device: torch.device) -> bool:
+    """Whether the projections run in FP8; ValueError for a method other than QUANTIZATION_METHODS'
+    or a device that cannot."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
+    runs_fp8 = quantization == "fp8" or fp8_checkpoint
+    problem = fp8_capability_problem(device) if runs_fp8 else None
+    if problem is not None:
+        raise ValueError(problem)
+    return runs_fp8
 
 
 class Executor:

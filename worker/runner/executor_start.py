@@ -41,7 +41,8 @@ def build_executor(config: WorkerConfig, files: loader.ModelFiles, hf_config, *,
     if problem is not None:
         raise ValueError(problem)
     model = load_model(hf_config, files, device=device, dtype=dtype, seed=config.seed,
-                       input_major_weights=config.input_major_weights, shard=shard)
+                       input_major_weights=config.input_major_weights, shard=shard,
+                       quantization=config.quantization)
     limits = Limits(_max_model_len(config, trained.tokens, getattr(model, "sliding_window", None)),
                     config.max_num_batched_tokens or max(8192, config.max_num_seqs))
     executor = Executor(model, block_size=config.block_size, device=device, dtype=dtype,

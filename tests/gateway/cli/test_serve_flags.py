@@ -26,6 +26,9 @@ HONOURED = [
     ([], lambda s: s.tool_call_parser is None),
     (["-dp", "2", "--routing", "load"], lambda s: (s.data_parallel_size, s.routing) == (2, "load")),
     ([], lambda s: (s.data_parallel_size, s.routing) == (1, "prefix")),
+    (["--quantization", "fp8"], lambda s: s.worker.quantization == "fp8"),
+    (["-q", "fp8"], lambda s: s.worker.quantization == "fp8"),
+    ([], lambda s: s.worker.quantization is None),
 ]
 
 # (flags, the flag the message must name) for flags that are refused with exit status 2
@@ -40,7 +43,7 @@ REFUSED = [
     (["--max-n", "0"], "--max-n"),
     (["--max-n", "129"], "--max-n"),
     (["--swap-space", "4"], "--swap-space"),
-    (["--quantization", "awq"], "--quantization"),
+    (["--quantization", "awq"], "--quantization"),  # fp8 only
     (["--enable-lora"], "--enable-lora"),
     (["-tp", "2"], "--tensor-parallel-size"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),

@@ -44,6 +44,7 @@ def test_a_refused_feature_names_the_other_setting_as_its_caller_spells_it():
     ("max_num_seqs", 0, "{} must be a positive integer, got 0"),
     ("gpu_memory_utilization", 1.5, "{} must be in (0, 1], got 1.5"),
     ("max_model_len", 1, "{} must be an integer of at least 2, got 1"),
+    ("quantization", "awq", "{} must be one of fp8 (or none), got 'awq'"),
 ])
 def test_a_value_out_of_range_is_named_as_a_flag_or_an_argument(name, value, message):
     # The command line's own types refuse most of these first; a --config file's values too.

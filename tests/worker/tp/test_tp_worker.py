@@ -164,3 +164,14 @@ def test_qwen3_dummy_weights_generate_the_same_on_two_ranks(tmp_path):
             return [list(output.outputs[0].token_ids) for output in outputs]
 
     assert run(2) == run(1)
+
+
+def test_two_ranks_run_fp8_weights_each_quantizing_its_own_rows(tiny_qwen3):
+    """Not token for token what one process generates: a row-parallel projection's row scales come
+    from the rank's columns (each rank's rows are finer), and the ranks' partial sums round apart.
+    The greedy first tokens, decided by the prefill alone, agree; every request runs to its end."""
+    alone = generate(tiny_qwen3, 1, quantization="fp8")
+    ranks = generate(tiny_qwen3, 2, quantization="fp8")
+    assert all(len(tokens) == 12 for tokens in alone + ranks)
+    assert [tokens[0] for tokens in ranks[:3]] == [tokens[0] for tokens in alone[:3]]
+    assert alone != generate(tiny_qwen3, 1)  # the FP8 weights did change what the model computes

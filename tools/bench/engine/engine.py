@@ -1,6 +1,7 @@
 """GPU benchmarks of the engine, each figure beside a baseline measured in the same run.
 
     python tools/bench/engine/engine.py --decode qwen3-8b,smollm2-135m [--hf]   # batch-1 decode
+    python tools/bench/engine/engine.py --decode qwen3-8b --quantization fp8   # FP8 and bf16, each vs its floor
     python tools/bench/engine/engine.py --prefill --attention                  # one 4096 prompt; the kernel
     python tools/bench/engine/engine.py --throughput [--quick] [--hf]          # 1000 x (1000 in, 1000 out)
     python tools/bench/engine/engine.py --report results.jsonl                 # the table of earlier runs
@@ -8,7 +9,9 @@
     decode      ms/token of Engine.step() for one request (dummy weights of a built-in config),
                 against the floor (weights read once per token at the read bandwidth measured
                 here) and against HF `generate` with a static cache and torch.compile
-                (reduce-overhead) on the same weights; also the decode graph's GPU time alone
+                (reduce-overhead) on the same weights; also the decode graph's GPU time alone;
+                --quantization fp8 measures the FP8 model after the bf16 one (its floor: its own
+                bytes, half the projections'), and their ratio; --device cpu runs it on the CPU
     prefill     one 4096-token prompt through the runner (Qwen3-8B shape), FLOP/s against the
                 bf16 matrix-product rate measured here (FLOPs = 2 * params * tokens + attention)
     attention   paged_decode_attention alone, batch 64 x 4096 context, bytes/s against the
@@ -34,7 +37,7 @@ import time
 from datetime import date
 
 
-from spillway.protocol.config import KV_CACHE_DTYPES  # noqa: E402
+from spillway.protocol.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS  # noqa: E402
 from spillway.tools.bench import result_rows  # noqa: E402
 from spillway.tools.bench.ceilings import bench_ms, copy_bandwidth, machine, matmul_rate, read_bandwidth  # noqa: E402
 from spillway.tools.bench.engine.hf_baselines import hf_generate_batch, hf_static_compile_ms_per_token  # noqa: E402
@@ -87,32 +90,47 @@ def in_child(extra: list[str], timeout_s: float) -> tuple[dict | None, str]:
 
 def run_decode(args, rows: Rows) -> None:
     """Ours for every model first, then the HF baselines, so a slow compile loses none of ours."""
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(args.device)
     rows.add(row("read bandwidth (sum over 4 GiB)", bandwidth / 1e9, "GB/s"))
-    rows.add(row("copy bandwidth (2 GiB, read + write)", copy_bandwidth() / 1e9, "GB/s"))
+    if args.device != "cpu":
+        rows.add(row("copy bandwidth (2 GiB, read + write)", copy_bandwidth() / 1e9, "GB/s"))
     engines, our_ms = {}, {}
     for name in args.decode.split(","):
-        engine = engines[name] = make_engine(name, max_model_len=4608, num_blocks=320)
-        weights = weight_bytes_per_token(engine.runner.model)
-        floor_ms = weights / bandwidth * 1e3
-        decode_ms_per_token(engine, 16, 32, f"warm-{name}")
-        ms = decode_ms_per_token(engine, args.prompt_len, args.new_tokens, f"bench-{name}")
-        our_ms[name] = ms
-        decode_graphs = engine.runner.cuda_graphs.decode
-        graph_ms = bench_ms(lambda: decode_graphs.replay(1)) if decode_graphs else float("nan")
-        rows.add(row(f"decode {name} batch 1", ms, "ms/token", "floor", floor_ms, floor_ms / ms,
-                     target=TARGETS.get(f"decode {name} vs floor"),
-                     note=f"prompt {args.prompt_len}, {args.new_tokens} steps; decode graph replay alone "
-                          f"{graph_ms:.3f} ms; weights read per token {weights / 1e9:.3f} GB"))
-        if f"decode {name} ms/token" in TARGETS:
-            rows.add(row(f"decode {name} batch 1 (absolute)", ms, "ms/token",
-                         target=TARGETS[f"decode {name} ms/token"], lower_is_better=True))
+        for quantization in dict.fromkeys([None, args.quantization]):
+            label = name if quantization is None else f"{name} {quantization}"
+            engine = make_engine(name, max_model_len=4608, num_blocks=320, quantization=quantization,
+                                 device=args.device)
+            ms = decode_row(args, rows, engine, label, bandwidth)
+            if quantization is None:
+                engines[name], our_ms[name] = engine, ms
+            else:
+                rows.add(row(f"decode {label} batch 1 vs unquantized", ms, "ms/token", "unquantized",
+                             our_ms[name], our_ms[name] / ms))
+                del engine
     if args.hf:
         run_hf_decode(args, rows, engines, our_ms)
     if args.profile:  # last: the profiler's hooks would slow what runs after it
         for name, engine in engines.items():
             print(f"kernels of one eager decode step of {name} (batch 1, context 300):")
             print(kernel_profile(engine.runner, steps=5))
+
+
+def decode_row(args, rows: Rows, engine, label: str, bandwidth: float) -> float:
+    """Batch-1 decode ms/token of `engine` against its floor (its weights read once a token)."""
+    weights = weight_bytes_per_token(engine.runner.model)
+    floor_ms = weights / bandwidth * 1e3
+    decode_ms_per_token(engine, 16, 32, f"warm-{label}")
+    ms = decode_ms_per_token(engine, args.prompt_len, args.new_tokens, f"bench-{label}")
+    decode_graphs = engine.runner.cuda_graphs.decode
+    graph_ms = bench_ms(lambda: decode_graphs.replay(1)) if decode_graphs else float("nan")
+    rows.add(row(f"decode {label} batch 1", ms, "ms/token", "floor", floor_ms, floor_ms / ms,
+                 target=TARGETS.get(f"decode {label} vs floor"),
+                 note=f"prompt {args.prompt_len}, {args.new_tokens} steps; decode graph replay alone "
+                      f"{graph_ms:.3f} ms; weights read per token {weights / 1e9:.3f} GB"))
+    if f"decode {label} ms/token" in TARGETS:
+        rows.add(row(f"decode {label} batch 1 (absolute)", ms, "ms/token",
+                     target=TARGETS[f"decode {label} ms/token"], lower_is_better=True))
+    return ms
 
 
 def run_hf_decode(args, rows: Rows, engines: dict, our_ms: dict[str, float]) -> None:
@@ -284,6 +302,11 @@ def main() -> None:
                         help="throughput and its --profile: the KV cache's dtype")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="throughput: overlap the next step's scheduling with this one (default on)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS,
+                        help="decode: also the model with its projections in FP8, against its own floor and "
+                             "the unquantized one")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="decode only: where the engine runs (default %(default)s)")
     parser.add_argument("--hf-requests", type=int, default=64)
     parser.add_argument("--hf-output-len", type=int, default=128)
     parser.add_argument("--hf-timeout", type=float, default=300, help="seconds for each HF baseline")
@@ -298,7 +321,9 @@ def main() -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cpu" and (args.prefill or args.attention or args.throughput or args.hf or args.hf_only):
+        raise SystemExit("tools/bench/engine/engine.py --device cpu runs --decode only")
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tools/bench/engine/engine.py needs a CUDA GPU")
     if args.child:
         run_child(args)

@@ -1,4 +1,4 @@
-"""One request at a time through an `Engine` on the GPU, dummy weights of a built-in config: the
+"""One request at a time through an `Engine` on the GPU (or the CPU), dummy weights of a built-in config: the
 engine, its batch-1 decode rate, and the weight bytes a decode step reads (its floor).
 tools/bench/engine/engine.py's decode and prefill rows use them."""
 
@@ -8,14 +8,18 @@ import random
 import time
 
 
-def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False):
-    """An engine for one request at a time, its KV pool fixed (no profiling run)."""
+def make_engine(name: str, max_model_len: int, num_blocks: int, enforce_eager: bool = False,
+                quantization: str | None = None, device: str = "cuda"):
+    """An engine for one request at a time, its KV pool fixed (no profiling run): bfloat16 on
+    CUDA, float32 on the CPU; `quantization` "fp8": the projections' weights in FP8."""
     from spillway.protocol.local.envs import worker_config_from_env
     from spillway.worker.driver.engine import Engine
 
-    return Engine(worker_config_from_env(model=name, load_format="dummy", dtype="bfloat16", device="cuda",
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    return Engine(worker_config_from_env(model=name, load_format="dummy", dtype=dtype, device=device,
                                          max_model_len=max_model_len, max_num_seqs=1,
-                                         num_gpu_blocks_override=num_blocks, enforce_eager=enforce_eager))
+                                         num_gpu_blocks_override=num_blocks, enforce_eager=enforce_eager,
+                                         quantization=quantization))
 
 
 def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: str) -> float:
@@ -34,7 +38,8 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
     while not first:  # the prefill and the first token (a call later when the prefill ran ahead)
         first = sum(len(d.new_token_ids) for d in engine.step())
     assert first == 1, first
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     started, tokens = time.perf_counter(), 0
     while engine.has_work:
         tokens += sum(len(d.new_token_ids) for d in engine.step())
@@ -44,14 +49,19 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a batch-1 decode step reads: all but the embedding table (unless it is
-    lm_head), and of each mixture-of-experts layer only the experts one token is routed to."""
+    lm_head), and of each mixture-of-experts layer only the experts one token is routed to.
+    On the CPU the packed linear layers (oneDNN's layout, no parameters) count in the model's
+    dtype; FP8 projections count a byte a weight."""
     moe = getattr(model.spec, "moe", None)
+    embedding = model.model.embed_tokens.weight
+    tied = model.spec.tie_word_embeddings
     total = 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
         if moe is not None and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             size = size * moe.top_k // param.shape[0]
         total += size
-    embedding = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is embedding
+    for name, module in model.named_modules():
+        if hasattr(module, "packed_weight") and not (tied and name.startswith("lm_head")):
+            total += module.in_features * module.out_features * embedding.element_size()
     return total if tied else total - embedding.numel() * embedding.element_size()

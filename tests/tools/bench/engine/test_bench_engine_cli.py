@@ -72,3 +72,23 @@ def test_decode_timing_waits_for_a_first_token_that_comes_a_call_late(tmp_path, 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     assert decode_ms_per_token(engine, 8, 6, "a") > 0
     assert engine.num_async_steps > 0  # the path that returned no token at the first call
+
+
+def test_fp8_decode_runs_on_the_cpu_beside_the_unquantized_model(tmp_path):
+    """The GPU command `--decode qwen3-8b --quantization fp8`, on a tiny config on the CPU: both
+    models' rows against their own floors (FP8's reads fewer bytes), and their ratio."""
+    import json
+
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "max_position_embeddings": 8192, "tie_word_embeddings": False, "eos_token_id": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    results = tmp_path / "results.jsonl"
+    done = run_tool("--decode", str(tmp_path), "--quantization", "fp8", "--device", "cpu", "--prompt-len", "8",
+                    "--new-tokens", "4", "--results", str(results))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
+    plain, fp8 = rows[f"decode {tmp_path} batch 1"], rows[f"decode {tmp_path} fp8 batch 1"]
+    assert fp8["baseline"] < plain["baseline"]  # the floor: projections a byte a weight, not four
+    ratio = rows[f"decode {tmp_path} fp8 batch 1 vs unquantized"]
+    assert ratio["baseline"] == plain["value"] and ratio["value"] == fp8["value"]
