@@ -132,9 +132,9 @@ def _add_engine_args(parser: argparse.ArgumentParser):
         help='{"kv_connector": NAME, "kv_role": ROLE, ...} (vLLM\'s): this server\'s worker in one role of the '
              "two-server form, where a proxy sends each request to a prefill server, then its answer's "
              "kv_transfer_params with the request to a decode server: kv_producer prefills (answers name its KV "
-             "server), kv_consumer decodes what a producer prefilled (pulling its blocks), kv_both either. The "
-             "connectors vLLM names (HostConnector, PyNcclConnector, P2pNcclConnector, NixlConnector) all move "
-             "blocks through host memory; kv_ip and kv_port: where a producer listens for consumers on other hosts "
+             "server), kv_consumer decodes what a producer prefilled (pulling its blocks), kv_both either. Every "
+             "connector named (HostConnector, Spillway's; vLLM's PyNcclConnector, P2pNcclConnector, NixlConnector) "
+             "moves blocks through host memory; kv_ip and kv_port: where a producer listens for consumers on other hosts "
              "(default: this host only). With --prefill-workers and --decode-workers its kv_role must be kv_both")
     return disaggregated
 

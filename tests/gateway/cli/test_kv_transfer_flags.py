@@ -116,7 +116,8 @@ def test_a_worker_takes_its_role_but_not_the_worker_counts(capsys):
     assert "a kv_role is needed" in capsys.readouterr().err
 
 
-def test_help_documents_the_forms(capsys):
+def test_help_documents_the_forms(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside flag names
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
