@@ -7,6 +7,8 @@ plain answer does not carry, as OpenAI's own answers do.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -127,6 +129,8 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
     notice: str | msgspec.UnsetType = msgspec.UNSET
+    # A prefill server's answer (vLLM's): where the decode server pulls the prompt's KV from.
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -182,6 +186,8 @@ class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     notice: str | None = None  # why the text is empty, on a server without a tokenizer
+    # A prefill server's answer (vLLM's): where the decode server pulls the prompt's KV from.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ModelPermission(msgspec.Struct):

@@ -34,7 +34,6 @@ REFUSED = {
     "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors are not supported",
     "vllm_xargs": "vllm_xargs (arguments for custom logits processors) are not supported",
-    "kv_transfer_params": "kv_transfer_params (disaggregated prefill) is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (structured_outputs' "
                                  "disable_any_whitespace is)",
 }

@@ -22,7 +22,8 @@ from spillway.gateway.cli import chat_client, bench as cli_bench, collect_env
 from spillway.gateway.link import engine_args
 from spillway.gateway.cli.serve_args import build_parser, option_strings
 from spillway.gateway.cli.config_file import ConfigFileError, expand_config
-from spillway.gateway.link.engine_args import engine_config
+from spillway.gateway.link.engine_args import RefusedArgument, engine_config
+from spillway.gateway.link.kv_transfer_args import KvTransferSettings, kv_transfer_settings
 from spillway.gateway.http.file_handles import raise_open_file_limit
 from spillway.gateway.api.request_defaults import read_request_defaults
 from spillway.gateway.api.sampling_params import MAX_LOGPROBS
@@ -58,6 +59,7 @@ def refusals(args: argparse.Namespace) -> list[str]:
                 problems.append(f"--data-parallel-size {args.data_parallel_size} with {flag}: not available yet "
                                 "(one API server routes over the replicas, each a local worker)")
     problems += _executor_backend_refusals(args)
+    problems += _kv_transfer_refusals(args)
     if getattr(args, "max_logprobs", 0) > MAX_LOGPROBS:
         problems.append(f"--max-logprobs {args.max_logprobs}: the sampler returns at most {MAX_LOGPROBS} "
                         "logprobs per token")
@@ -81,6 +83,46 @@ def _executor_backend_refusals(args: argparse.Namespace) -> list[str]:
     if not ray_installed():
         problems.append(f"{flag} needs Ray, which is not installed: {INSTALL_HINT}")
     return problems
+
+
+def kv_transfer_flags(args: argparse.Namespace) -> KvTransferSettings:
+    """--kv-transfer-config, --prefill-workers and --decode-workers, checked (RefusedArgument)."""
+    return kv_transfer_settings(args.kv_transfer_config, getattr(args, "prefill_workers", None),
+                                getattr(args, "decode_workers", None), data_parallel_size=args.data_parallel_size,
+                                enable_prefix_caching=args.enable_prefix_caching, spell=_kv_flag,
+                                settings_spelling="flags")
+
+
+def _kv_transfer_refusals(args: argparse.Namespace) -> list[str]:
+    """Disaggregated prefill and decode's flags, alone and with the server's others: the workers
+    of --prefill-workers/--decode-workers are this server's own, local, under one API server."""
+    if not hasattr(args, "kv_transfer_config"):
+        return []
+    try:
+        settings = kv_transfer_flags(args)
+    except RefusedArgument as exc:
+        return [str(exc)]
+    remote = getattr(args, "worker_address", None) is not None
+    if settings.config is not None and remote and not settings.disaggregated:
+        return ["--kv-transfer-config with --worker-address: the remote worker's role is its own; give "
+                "--kv-transfer-config to `spillway worker`, and this server reads the role from it"]
+    if not settings.disaggregated:
+        return []
+    workers = f"--prefill-workers {args.prefill_workers} with --decode-workers {args.decode_workers}"
+    problems = []
+    for flag, given in (("--api-server-count", getattr(args, "api_server_count", 1) > 1), ("--worker-address", remote),
+                        ("--distributed-executor-backend ray", args.distributed_executor_backend == "ray")):
+        if given:
+            problems.append(f"{workers} and {flag}: not available yet (one API server sends each prompt through "
+                            "its local prefill and decode workers)")
+    return problems
+
+
+def _kv_flag(name: str, value: object) -> str:
+    """A flag as the user typed it, a JSON value quoted as a shell needs it."""
+    if name == "kv_transfer_config":
+        return f"--kv-transfer-config '{value}'"
+    return _flag(name, value)
 
 
 def _tool_flag_refusals(args: argparse.Namespace) -> list[str]:
@@ -121,6 +163,7 @@ def worker_config(args: argparse.Namespace):
         cpu_offload_gb=args.cpu_offload_gb, kv_offloading_size=args.kv_offloading_size,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend, additional_config=args.additional_config,
+        kv_transfer=kv_transfer_flags(args).config,
         speculative=speculative_config(
             speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
             speculative_draft_tensor_parallel_size=args.speculative_draft_tensor_parallel_size,
@@ -194,6 +237,7 @@ def _serve(args: argparse.Namespace, sock) -> int:
 def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
     """API server 0: the worker's owner (and with --api-server-count, the other servers')."""
     from spillway.gateway.http.app import build_app, load_tokenizer
+    from spillway.gateway.replicas.placement import place_prefill_decode, place_replicas
     from spillway.gateway.replicas.ray_replicas import RayReplicas
 
     try:
@@ -216,8 +260,11 @@ def _serve_first(args: argparse.Namespace, sock, api_servers) -> int:
                 start_worker = ray_placed.start_workers
                 if settings.data_parallel_size == 1:
                     start_worker = start_worker[0]
+            elif settings.prefill_workers:
+                start_worker = local_replicas(place_prefill_decode(settings.worker, settings.prefill_workers,
+                                                                   settings.decode_workers))
             elif settings.data_parallel_size > 1:
-                start_worker = local_replicas(settings.worker, settings.data_parallel_size)
+                start_worker = local_replicas(place_replicas(settings.worker, settings.data_parallel_size))
             else:
                 start_worker = local_workers(settings.worker, api_servers.links if api_servers is not None else None)
             if api_servers is not None:
@@ -265,6 +312,7 @@ def _server_settings(args: argparse.Namespace):
         reasoning_parser=args.reasoning_parser, reasoning_config=reasoning_config, freeze_startup_objects=True,
         tokenizer=_check_tokenizer(args.tokenizer), request_defaults=defaults, log_stats=not args.disable_log_stats,
         tool_call_parser=_tool_call_parser(args), data_parallel_size=args.data_parallel_size, routing=args.routing,
+        prefill_workers=args.prefill_workers or 0, decode_workers=args.decode_workers or 0,
     )
 
 

@@ -57,7 +57,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser):
+    """The engine's flags, both commands'; returns the group of disaggregated prefill and decode,
+    to which `serve` adds its worker counts."""
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help="a model folder, a .gguf file, or a built-in config with --load-format dummy "
                              "(default: the embedded SmolLM2-135M-Instruct)")
@@ -124,7 +126,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     refused = parser.add_argument_group("not available yet (refused)")
     refused.add_argument("--swap-space", type=float)
     refused.add_argument("--enable-lora", action="store_true")
-    refused.add_argument("--kv-transfer-config", metavar="JSON")
+    disaggregated = parser.add_argument_group("disaggregated prefill and decode")
+    disaggregated.add_argument(
+        "--kv-transfer-config", metavar="JSON",
+        help='{"kv_connector": NAME, "kv_role": ROLE, ...} (vLLM\'s): this server\'s worker in one role of the '
+             "two-server form, where a proxy sends each request to a prefill server, then its answer's "
+             "kv_transfer_params with the request to a decode server: kv_producer prefills (answers name its KV "
+             "server), kv_consumer decodes what a producer prefilled (pulling its blocks), kv_both either. Every "
+             "connector named (HostConnector, Spillway's; vLLM's PyNcclConnector, P2pNcclConnector, NixlConnector) "
+             "moves blocks through host memory; kv_ip and kv_port: where a producer listens for consumers on other hosts "
+             "(default: this host only). With --prefill-workers and --decode-workers its kv_role must be kv_both")
+    return disaggregated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="FILE",
                        help="a YAML file of flags (keys are flag names without the dashes); flags given "
                             "on the command line win")
-    _add_engine_args(serve)
+    disaggregated = _add_engine_args(serve)
     _add_frontend_args(serve)
     server = serve.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
@@ -176,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", metavar="NAME",
                        help="how the model writes tool calls: hermes, qwen3_coder, llama3_json, mistral, "
                             "deepseek_v3, ... (vLLM's names)")
+    disaggregated.add_argument("--prefill-workers", type=_positive_int, metavar="N",
+                               help="run N producer workers beside the --decode-workers: each prompt is prefilled "
+                                    "by a producer (by prefix, as --routing says) and decoded by the least loaded "
+                                    "consumer, which pulls the prompt's KV blocks from it; the workers are placed "
+                                    "as -dp replicas are (sharing one GPU when there are fewer GPUs). Needs "
+                                    "--decode-workers; not with -dp > 1, --api-server-count > 1, --worker-address "
+                                    "or --distributed-executor-backend ray")
+    disaggregated.add_argument("--decode-workers", type=_positive_int, metavar="M",
+                               help="run M consumer workers beside the --prefill-workers (both or neither)")
     server.add_argument("--worker-address", metavar="tcp://HOST:PORT",
                         help="do not start a worker: bind PORT and PORT+1 on HOST and wait for "
                              "`spillway worker MODEL --connect tcp://HOST:PORT`; off loopback, the link "

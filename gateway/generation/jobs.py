@@ -18,6 +18,7 @@ from functools import partial
 from spillway.gateway.api import openai as api
 from spillway.gateway.api import request_checks as checks
 from spillway.gateway.text.chat_messages import ChatRender, chat_render, template_messages
+from spillway.gateway.api.kv_transfer_params import KvTransferAsk, kv_transfer_ask
 from spillway.gateway.api.prompt_ids import Prompt
 from spillway.gateway.api.request_defaults import RequestDefaults
 from spillway.gateway.api.sampling_params import MAX_N, SamplingParams
@@ -55,6 +56,7 @@ class Job:
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:<id>" (return_tokens_as_token_ids)
     tool_use: ToolUse | None = None  # chat: the tools the model may call (gateway/api/tool_choice.py)
     tool_parser: str | None = None  # the server's --tool-call-parser, for tool_choice "auto"
+    kv_transfer: KvTransferAsk | None = None  # the two-server form's kv_transfer_params (prefill or decode here)
 
     @property
     def answer_id(self) -> str:
@@ -243,6 +245,7 @@ class JobBuilder:
         if params.min_tokens > min(max_tokens):
             raise api.bad_request(f"min_tokens ({params.min_tokens}) exceeds the room left for the completion "
                                   f"({min(max_tokens)} tokens in this model's context)", param="min_tokens")
+        kv_transfer = kv_transfer_ask(request.kv_transfer_params, self.ready)
         options = request.stream_options
         stream = bool(request.stream)
         return Job(
@@ -261,6 +264,7 @@ class JobBuilder:
             response_id=f"{prefix}-{request.request_id}" if request.request_id else None,
             return_token_ids=bool(request.return_token_ids),
             tokens_as_ids=bool(request.return_tokens_as_token_ids),
+            kv_transfer=kv_transfer,
         )
 
     def _check_prompt(self, prompt: Prompt, max_tokens: int | None, param: str) -> int:

@@ -35,7 +35,7 @@ from spillway.gateway.generation.jobs import Job
 from spillway.gateway.text.reasoning import ReasoningMarkers, ReasoningSplitter, thinking_policy
 from spillway.gateway.text.tokenizer import PromptTokenizer
 from spillway.protocol.hashing import pack_token_ids
-from spillway.protocol.messages import FinishReason, Generate, RequestDelta, TokenLogprobs
+from spillway.protocol.messages import FinishReason, Generate, KvSource, RequestDelta, TokenLogprobs
 from spillway.protocol.reasoning import Phase
 
 UINT64_MASK = 2**64 - 1
@@ -121,6 +121,9 @@ class Generation:
         job, params = self.job, self.job.params
         generates = []
         hf_tokenizer = self.tokenizer.tokenizer if self.tokenizer is not None else None
+        # Decoding what another server prefilled (kv_transfer_params): the worker pulls the blocks first.
+        remote = job.kv_transfer.remote_address if job.kv_transfer is not None else None
+        kv_source = KvSource(address=remote) if remote is not None else None
         for prompt_index, prompt in enumerate(job.prompts):
             # Packed where the ids were checked (JobBuilder); `LLM`'s prompts are packed here.
             packed = prompt.packed if prompt.packed is not None else pack_token_ids(prompt.token_ids)
@@ -149,7 +152,8 @@ class Generation:
                     params=params.to_wire(job.max_tokens[prompt_index], seed), priority=job.priority,
                     arrival_time=time.time(), cache_salt=job.cache_salt,
                     thinking=policy if params.thinking_budget is not None else None,
-                    parent_id=job.request_id))  # the worker shares its pool between client requests
+                    parent_id=job.request_id,  # the worker shares its pool between client requests
+                    kv_source=kv_source))
         self._unfinished = len(self.samples)
         self._stream = self.client.submit(generates, num_samples=params.n)
 

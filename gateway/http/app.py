@@ -41,7 +41,8 @@ from spillway.gateway.http.stats_log import StatsLogger
 from spillway.gateway.text.template_sandbox import TemplateSandbox
 from spillway.gateway.text.tokenizer import PromptHasher, PromptTokenizer
 from spillway.gateway.link.worker_process import WorkerProcess
-from spillway.gateway.replicas.placement import place_replicas
+from spillway.gateway.replicas.placement import place_prefill_decode, place_replicas
+from spillway.gateway.replicas.prefill_decode import PrefillDecodeSet
 from spillway.gateway.replicas.replica_set import ReplicaSet
 from spillway.protocol.local import model_files
 
@@ -113,7 +114,8 @@ def build_app(settings: ServerSettings, start_worker=None,
               tokenizer_loader: Callable[[], object] | None = None) -> Starlette:
     """The Starlette app; `start_worker` replaces starting a local worker process (`spillway
     serve` hands over the one it started first; tests give fakes), a list of them one per
-    replica with `data_parallel_size` > 1; `tokenizer_loader` replaces loading the tokenizer at
+    replica with `data_parallel_size` > 1, or one per worker with `prefill_workers` (the
+    producers first); `tokenizer_loader` replaces loading the tokenizer at
     start-up (`spillway serve` loads it while the worker loads)."""
 
     @asynccontextmanager
@@ -126,14 +128,16 @@ def build_app(settings: ServerSettings, start_worker=None,
             remote = RemoteWorker(settings.worker_address, settings.worker, keys=settings.worker_keys)
         metrics = GatewayMetrics(settings.served_model_names[0] if settings.served_model_names
                                  else settings.worker.served_model_name or "model", settings.worker.max_model_len,
-                                 engine_stats=settings.api_server_index == 0, num_engines=settings.data_parallel_size)
+                                 engine_stats=settings.api_server_index == 0, num_engines=settings.num_engines)
         if settings.worker_address:
             logger.info("waiting for a worker to connect to %s (spillway worker MODEL --connect %s)",
                         settings.worker_address, settings.worker_address)
         options = dict(ready_timeout_s=settings.ready_timeout_s if remote is None else float("inf"),
                        heartbeat_timeout_s=settings.heartbeat_timeout_s, step_timeout_s=settings.step_timeout_s,
                        response_timeout_s=settings.response_timeout_s)
-        if settings.data_parallel_size > 1:
+        if settings.prefill_workers:
+            client = _prefill_decode_set(settings, start_worker, metrics, options)
+        elif settings.data_parallel_size > 1:
             client = _replica_set(settings, start_worker, metrics, options)
         else:
             factory = start_worker or remote or (lambda: WorkerProcess(settings.worker))
@@ -195,6 +199,23 @@ def _replica_set(settings: ServerSettings, start_workers, metrics: GatewayMetric
         logger.info("%s; routing by %s", placement.describe, settings.routing)
     return ReplicaSet(start_workers, routing=settings.routing, max_num_seqs=settings.worker.max_num_seqs,
                       metrics=metrics, sequential_start=sequential, max_pending=settings.max_pending, **options)
+
+
+def _prefill_decode_set(settings: ServerSettings, start_workers, metrics: GatewayMetrics,
+                        options: dict) -> PrefillDecodeSet:
+    """The prefill and decode workers' client: `start_workers` (producers first: workers `spillway
+    serve` started, tests' fakes), or local workers where `place_prefill_decode` puts them.
+    `max_pending` bounds each worker."""
+    sequential = False
+    if start_workers is None:
+        placement = place_prefill_decode(settings.worker, settings.prefill_workers, settings.decode_workers)
+        start_workers = placement.start_workers()
+        sequential = placement.sequential
+        logger.info("%s; prompts to the prefill workers by %s", placement.describe, settings.routing)
+    split = settings.prefill_workers
+    return PrefillDecodeSet(start_workers[:split], start_workers[split:], routing=settings.routing,
+                            max_num_seqs=settings.worker.max_num_seqs, metrics=metrics, sequential_start=sequential,
+                            max_pending=settings.max_pending, **options)
 
 
 # ---- routes -------------------------------------------------------------------------------
@@ -260,12 +281,16 @@ async def invocations(request: Request):
 
 
 async def health(request: Request) -> Response:
-    """200 while the engine (any replica) can take requests; with replicas, their states too."""
+    """200 while the engine (any replica; any decode worker) can take requests; with replicas,
+    their states too; with prefill and decode workers, their roles and states."""
     client = _gateway(request).client
     if client.healthy:
         if isinstance(client, ReplicaSet):
             return json_response({"replicas": [{"engine": str(index), "state": state}
                                                for index, state in enumerate(client.replica_states())]})
+        if isinstance(client, PrefillDecodeSet):
+            return json_response({"workers": [{"engine": str(index), "role": role, "state": state}
+                                              for index, (role, state) in enumerate(client.worker_states())]})
         return Response(status_code=200)
     raise api.ApiError(503, "the engine is not ready (it is starting or restarting)", type="server_error",
                        code="engine_unavailable", retry_after=5)

@@ -204,14 +204,22 @@ async def whole_response(gen: Generation, strings: TokenStrings):
         return answers.ChatCompletion(id=job.answer_id, created=job.created, model=job.model, choices=choices,
                                       usage=gen.usage(), prompt_token_ids=_ids(shape, job.prompts[0].token_ids),
                                       prompt_logprobs=_prompt_logprobs(gen.samples[0], shape),
-                                      notice=shape.notice or msgspec.UNSET)
+                                      notice=shape.notice or msgspec.UNSET,
+                                      kv_transfer_params=_kv_transfer_params(job) or msgspec.UNSET)
     choices = [answers.CompletionChoice(
         s.index, s.output.text,
         completion_logprobs(entries[s.index], shape.strings, 0) if want_logprobs else None,
         s.finish_reason, s.stop_reason, _ids(shape, job.prompts[s.prompt_index].token_ids), _ids(shape, s.token_ids),
         _prompt_logprobs(s, shape)) for s in gen.samples]
     return answers.Completion(id=job.answer_id, object="text_completion", created=job.created, model=job.model,
-                              choices=choices, usage=gen.usage(), notice=shape.notice)
+                              choices=choices, usage=gen.usage(), notice=shape.notice,
+                              kv_transfer_params=_kv_transfer_params(job))
+
+
+def _kv_transfer_params(job) -> dict | None:
+    """A prefill server's answer names its KV server (the two-server form); vLLM's proxy sends
+    whole requests there, so stream chunks carry none."""
+    return job.kv_transfer.answer_params() if job.kv_transfer is not None else None
 
 
 def _call_chunk(delta: ToolCallDelta) -> answers.ToolCallChunk:

@@ -147,21 +147,19 @@ def uvicorn_config(args: argparse.Namespace, app) -> uvicorn.Config:
                          timeout_request_body=args.timeout_request_body)
 
 
-def local_replicas(config, data_parallel_size: int):
-    """Start every replica's worker where `place_replicas` puts them (one after another where
-    they share a GPU, else together) and wait until all are ready; returns their `start_worker`s."""
+def local_replicas(placement):
+    """Start every worker of a placement (gateway/replicas/placement.py: replicas, or prefill and
+    decode workers) where it puts them (one after another where they share a GPU, else together)
+    and wait until all are ready; returns their `start_worker`s, in its order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spillway.gateway.replicas.placement import place_replicas
-
-    placement = place_replicas(config, data_parallel_size)
     logger.info("%s", placement.describe)
     if placement.sequential:
-        return [local_workers(launch.config, env=launch.env, log_prefix=f"replica {r}: ")
-                for r, launch in enumerate(placement.launches)]
+        return [local_workers(launch.config, env=launch.env, log_prefix=f"{launch.name}: ")
+                for launch in placement.launches]
     with ThreadPoolExecutor(len(placement.launches)) as pool:
-        futures = [pool.submit(local_workers, launch.config, None, launch.env, f"replica {r}: ")
-                   for r, launch in enumerate(placement.launches)]
+        futures = [pool.submit(local_workers, launch.config, None, launch.env, f"{launch.name}: ")
+                   for launch in placement.launches]
         return [future.result() for future in futures]
 
 

@@ -63,6 +63,15 @@ class ServerSettings:
     # how requests are spread over them (gateway/replicas/router.py).
     data_parallel_size: int = 1
     routing: str = "prefix"
+    # Disaggregated prefill and decode behind this gateway (`--prefill-workers`, `--decode-workers`):
+    # this many producer and consumer workers (gateway/replicas/prefill_decode.py); 0: none.
+    prefill_workers: int = 0
+    decode_workers: int = 0
+
+    @property
+    def num_engines(self) -> int:
+        """The workers behind this gateway, each an engine of the metrics."""
+        return self.prefill_workers + self.decode_workers if self.prefill_workers else self.data_parallel_size
 
     @property
     def reasoning(self) -> bool:

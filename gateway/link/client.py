@@ -179,14 +179,19 @@ class EngineClient:
         """Seconds since the worker last said anything (its heartbeats included)."""
         return self.link.silent_s
 
-    def submit(self, generates: list[Generate], num_samples: int = 1) -> RequestStream:
+    def submit(self, generates: list[Generate], num_samples: int = 1, stream=None) -> RequestStream:
         """Send the sub-requests of one HTTP request, `num_samples` (its n) consecutive ones per
-        prompt; their deltas arrive on the stream."""
+        prompt; their deltas arrive on the stream. `stream`: where they go instead of a new
+        RequestStream, anything with `put(item)` and an `open_ids` set, which gains their ids (one
+        side of a disaggregated request, gateway/replicas/prefill_decode.py)."""
         if not self.healthy:
             raise EngineUnavailable("the engine is not ready: its worker is starting or restarting")
         if self._max_pending is not None and len(self._routes) + len(generates) > self._max_pending:
             raise EngineOverloaded(f"{len(self._routes)} sequences are in flight; the limit is {self._max_pending}")
-        stream = RequestStream(self, [g.request_id for g in generates])
+        if stream is None:
+            stream = RequestStream(self, [g.request_id for g in generates])
+        else:
+            stream.open_ids.update(g.request_id for g in generates)
         now = time.monotonic()
         for generate in generates:
             times = RequestTimes(now, num_token_ids(generate.prompt_token_ids))

@@ -25,7 +25,6 @@ NOT_YET = (
     ("swap_space", 0, "a swap space apart from the CPU KV tier ({cpu_offload_gb})"),
     ("enable_lora", False, "LoRA adapters"),
     ("pipeline_parallel_size", 1, "pipeline parallelism"),
-    ("kv_transfer_config", None, "KV transfer between instances (disaggregated prefill)"),
 )
 NOT_YET_NAMES = frozenset(name for name, _, _ in NOT_YET)
 # vLLM switches for what Spillway always does, with why it cannot be switched off.

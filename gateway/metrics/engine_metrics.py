@@ -20,6 +20,8 @@ from spillway.protocol.messages import Stats
 # The prefix-cache hit-rate gauges cover roughly this many recently queried prompt tokens.
 HIT_RATE_WINDOW_TOKENS = 100_000
 TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type labels
+# KV moved between engines (disaggregated prefill and decode): pulled into this one, served from it.
+KV_TRANSFER_DIRECTIONS = ("received", "sent")
 FINISHED_REASONS = ("stop", "length", "abort")
 # Why the router sent a request to an engine: it held the longest cached prefix, it was the
 # least loaded, or its turn came.
@@ -87,6 +89,18 @@ class EngineMetrics:
         self.kv_offload_time = labels.counters("vllm:kv_offload_total_time",
                                                "Seconds spent copying KV between the tiers.",
                                                "transfer_type", TRANSFERS)
+        # vLLM's KV connectors each export their own per-transfer histograms (the NIXL one's
+        # vllm:nixl_bytes_transferred, vllm:nixl_xfer_time_seconds); the worker reports cumulative
+        # totals whatever the connector's name, so these are counters of those totals by direction.
+        self.kv_transfer_bytes = labels.counters("vllm:kv_transfer_bytes",
+                                                 "Bytes of KV blocks moved between engines (disaggregated prefill "
+                                                 "and decode), by direction.", "direction", KV_TRANSFER_DIRECTIONS)
+        self.kv_transfer_seconds = labels.counters("vllm:kv_transfer_seconds",
+                                                   "Seconds spent moving KV blocks between engines, by direction.",
+                                                   "direction", KV_TRANSFER_DIRECTIONS)
+        self.kv_transfer_failures = counter("vllm:kv_transfer_failures",
+                                            "KV pulls from another engine that failed (kv_load_failure_policy "
+                                            "applied).")
         self.external_prefix_cache_queries = counter("vllm:external_prefix_cache_queries",
                                                      "Prompt tokens looked up in the CPU KV tier.")
         self.external_prefix_cache_hits = counter("vllm:external_prefix_cache_hits",
@@ -135,7 +149,7 @@ class EngineMetrics:
         self._last = stats
 
     def _cumulative(self) -> Iterator[tuple[str, Counter]]:
-        """(Stats field, counter) of the tier's cumulative figures."""
+        """(Stats field, counter) of the cumulative figures: the CPU tier's, the KV transfers'."""
         yield "cpu_prefix_cache_queries", self.external_prefix_cache_queries
         yield "cpu_prefix_cache_hits", self.external_prefix_cache_hits
         yield "cached_tokens_gpu", self.cached_tokens["gpu"]
@@ -143,6 +157,10 @@ class EngineMetrics:
         for kind, suffix in zip(TRANSFERS, ("gpu_to_cpu", "cpu_to_gpu")):
             yield f"kv_offload_bytes_{suffix}", self.kv_offload_bytes[kind]
             yield f"kv_offload_seconds_{suffix}", self.kv_offload_time[kind]
+        for direction in KV_TRANSFER_DIRECTIONS:
+            yield f"kv_transfer_bytes_{direction}", self.kv_transfer_bytes[direction]
+            yield f"kv_transfer_seconds_{direction}", self.kv_transfer_seconds[direction]
+        yield "kv_transfer_failures", self.kv_transfer_failures
 
     def on_worker_lost(self) -> None:
         if not self.engine_stats:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Coroutine
 
 from spillway.gateway.link.client import EngineClient
+from spillway.gateway.replicas.prefill_decode import PrefillDecodeSet
 from spillway.gateway.replicas.replica_set import ReplicaSet
 from spillway.gateway.generation.serving import Generation
 from spillway.protocol.messages import Ready, TokenLogprobs
@@ -95,16 +96,20 @@ class EngineThread:
     """An EngineClient running on a private event loop in a daemon thread; blocking calls into it."""
 
     def __init__(self, start_worker: Callable[[], object] | list[Callable[[], object]], ready_timeout_s: float = 600.0,
-                 *, routing: str = "prefix", max_num_seqs: int = 256, sequential_start: bool = False) -> None:
+                 *, routing: str = "prefix", max_num_seqs: int = 256, sequential_start: bool = False,
+                 prefill_workers: int = 0) -> None:
         """`start_worker`: one worker, or a list, one per data-parallel replica (gateway/replicas/),
-        routed by `routing` and started one after another with `sequential_start`."""
+        routed by `routing` and started one after another with `sequential_start`; with
+        `prefill_workers`, that many producers first, then the consumers (disaggregated prefill
+        and decode, gateway/replicas/prefill_decode.py)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="spillway-offline-loop", daemon=True)
         self._thread.start()
-        self.client: EngineClient | ReplicaSet | None = None
+        self.client: EngineClient | ReplicaSet | PrefillDecodeSet | None = None
         self._start_workers = start_worker if isinstance(start_worker, list) else [start_worker]
         self._ready_timeout_s = ready_timeout_s
         self._routing, self._max_num_seqs, self._sequential_start = routing, max_num_seqs, sequential_start
+        self._prefill_workers = prefill_workers
         self._workers: list[object] = []  # every worker handle started, for close's last resort
         self._closing = False
 
@@ -119,7 +124,12 @@ class EngineThread:
         options = dict(max_pending=None, ready_timeout_s=self._ready_timeout_s, replace_lost_worker=False,
                        response_timeout_s=None)
         starts = [functools.partial(self._recorded_worker, start) for start in self._start_workers]
-        if len(starts) == 1:
+        split = self._prefill_workers
+        if split:
+            self.client = PrefillDecodeSet(starts[:split], starts[split:], routing=self._routing,
+                                           max_num_seqs=self._max_num_seqs, sequential_start=self._sequential_start,
+                                           **options)
+        elif len(starts) == 1:
             self.client = EngineClient(starts[0], **options)
         else:
             self.client = ReplicaSet(starts, routing=self._routing, max_num_seqs=self._max_num_seqs,

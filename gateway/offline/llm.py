@@ -17,7 +17,8 @@ from tqdm import tqdm
 from spillway.gateway.api import openai as api
 from spillway.gateway.link.client import EngineUnavailable, WorkerLost
 from spillway.gateway.link import spec_args
-from spillway.gateway.replicas.placement import EXECUTOR_BACKENDS, place_replicas
+from spillway.gateway.link.kv_transfer_args import KvTransferSettings, kv_transfer_settings
+from spillway.gateway.replicas.placement import EXECUTOR_BACKENDS, place_prefill_decode, place_replicas
 from spillway.gateway.replicas.ray_cluster import INSTALL_HINT, ray_installed
 from spillway.gateway.replicas.ray_replicas import RayReplicas
 from spillway.gateway.replicas.router import ROUTING_POLICIES
@@ -69,6 +70,9 @@ class LLM:
         data_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
         routing: str = "prefix",
+        kv_transfer_config: str | dict | None = None,
+        prefill_workers: int | None = None,
+        decode_workers: int | None = None,
         attention_backend: str | None = None,
         additional_config: str | dict | None = None,
         enforce_eager: bool = False,
@@ -103,6 +107,13 @@ class LLM:
                              f"{INSTALL_HINT}")
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"LLM(routing={routing!r}): not one of {', '.join(ROUTING_POLICIES)}")
+        kv = kv_transfer_settings(kv_transfer_config, prefill_workers, decode_workers,
+                                  data_parallel_size=data_parallel_size, enable_prefix_caching=enable_prefix_caching,
+                                  spell=spell)
+        if kv.disaggregated and backend == "ray":
+            raise ValueError(f"LLM(prefill_workers={prefill_workers!r}, decode_workers={decode_workers!r}) with "
+                             "distributed_executor_backend='ray': not available yet (the prefill and decode "
+                             "workers are local processes)")
         if tokenizer is not None and tokenizer != model:
             raise ValueError("a tokenizer separate from the model is not supported yet")
         self.config, files = engine_config(
@@ -129,6 +140,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             attention_backend=attention_backend,
             additional_config=additional_config,
+            kv_transfer=kv.config,
             speculative=spec_args.speculative_config(
                 speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                 speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,
@@ -143,7 +155,7 @@ class LLM:
             if self._hf_tokenizer is None:
                 raise ValueError("a reasoning parser needs the model's tokenizer")
             self._markers = resolve_markers(self._hf_tokenizer, reasoning_parser, reasoning_config)
-        self._engine, ray_placed = _engine_thread(self.config, data_parallel_size, backend, routing)
+        self._engine, ray_placed = _engine_thread(self.config, data_parallel_size, backend, routing, kv)
         self._finalizer = weakref.finalize(self, _close, self._engine, ray_placed)
         try:
             self.ready = self._engine.start()
@@ -302,9 +314,13 @@ class LLM:
         return jobs, placement
 
 
-def _engine_thread(config, data_parallel_size: int, backend: str, routing: str):
+def _engine_thread(config, data_parallel_size: int, backend: str, routing: str, kv: KvTransferSettings):
     """The engine over its replicas' workers (local processes, or on Ray: then also the
-    `RayReplicas` to close after it)."""
+    `RayReplicas` to close after it), or over its prefill and decode workers."""
+    if kv.disaggregated:
+        placement = place_prefill_decode(config, kv.prefill_workers, kv.decode_workers)
+        return EngineThread(placement.start_workers(), routing=routing, max_num_seqs=config.max_num_seqs,
+                            sequential_start=placement.sequential, prefill_workers=kv.prefill_workers), None
     if backend == "ray":
         placed = RayReplicas(config, data_parallel_size)
         starts = placed.start_workers

@@ -36,15 +36,19 @@ def _engine_metrics(metrics, index: int):
 
 class ReplicaSet:
     def __init__(self, start_workers: Sequence[Callable[[], object]], *, routing: str, max_num_seqs: int,
-                 metrics=None, sequential_start: bool = False, **client_options) -> None:
+                 metrics=None, sequential_start: bool = False, first_engine: int = 0, name: str = "replica",
+                 **client_options) -> None:
+        """`first_engine`: the metrics' engine label of replica 0 (the others follow); `name`:
+        what the log calls a replica ("replica", or a role's "prefill" and "decode")."""
+        self.name = name
         self.router = Router(routing, len(start_workers), max_num_seqs)
-        self._metrics = [_engine_metrics(metrics, r) for r in range(len(start_workers))]
+        self._metrics = [_engine_metrics(metrics, first_engine + r) for r in range(len(start_workers))]
         self._sequential_start = sequential_start
         self._routed: dict[str, tuple[int, list[bytes]]] = {}  # sub-request id -> (replica, its blocks)
         self.replicas = [
             EngineClient(start, metrics=self._metrics[r], on_kv_events=functools.partial(self._on_events, r),
                          on_request_done=self._on_request_done, on_worker_lost=functools.partial(self._on_lost, r),
-                         log_prefix=f"replica {r}: ", **client_options)
+                         log_prefix=f"{name} {r}: ", **client_options)
             for r, start in enumerate(start_workers)]
 
     # ---- the EngineClient interface ------------------------------------------------------------
@@ -54,7 +58,7 @@ class ReplicaSet:
             readies = [await replica.start() for replica in self.replicas]
         else:
             readies = await asyncio.gather(*(replica.start() for replica in self.replicas))
-        _check_alike(readies)
+        check_alike(readies, self.name)
         return readies[0]
 
     async def close(self) -> None:
@@ -84,7 +88,7 @@ class ReplicaSet:
     def submit(self, generates: list[Generate], num_samples: int = 1) -> RoutedStream:
         """Send one HTTP request's sub-requests to one replica, chosen by its first prompt's blocks."""
         stream = RoutedStream(self, generates, num_samples)
-        stream.use(*self._send(generates, num_samples, excluded=frozenset()))
+        stream.use(*self.send(generates, num_samples))
         return stream
 
     def replica_states(self) -> list[str]:
@@ -110,16 +114,19 @@ class ReplicaSet:
 
     # ---- routing ---------------------------------------------------------------------------
 
-    def _send(self, generates: list[Generate], num_samples: int, excluded: frozenset[int]) -> tuple[int, RequestStream]:
+    def send(self, generates: list[Generate], num_samples: int, excluded: frozenset[int] = frozenset(),
+             stream=None) -> tuple[int, RequestStream]:
+        """Route one request's sub-requests to a replica (not one of `excluded`): (that replica, the
+        stream its deltas go to: `stream`, else a new one; see EngineClient.submit)."""
         ready = [r not in excluded and replica.healthy for r, replica in enumerate(self.replicas)]
         if not any(ready):
-            raise EngineUnavailable("the engine is not ready: no replica's worker is running")
+            raise EngineUnavailable(f"the engine is not ready: no {self.name}'s worker is running")
         eligible = [ok and replica.silent_s < ROUTING_SILENCE_S for ok, replica in zip(ready, self.replicas)]
         if not any(eligible):  # workers that do not beat are silent while idle: all quiet is no sign
             eligible = ready
         loads = [replica.num_in_flight for replica in self.replicas]
         replica, reason = self.router.choose(generates[0].block_hashes, loads, eligible)
-        inner = self.replicas[replica].submit(generates, num_samples)
+        inner = self.replicas[replica].submit(generates, num_samples, stream)
         for generate in generates:
             self._routed[generate.request_id] = (replica, generate.block_hashes)
             self.router.index.route(replica, generate.block_hashes)
@@ -137,7 +144,7 @@ class ReplicaSet:
 
     def _on_lost(self, replica: int) -> None:
         self.router.index.forget(replica)
-        logger.warning("replica %d lost its worker (%s); routing around it while it restarts", replica,
+        logger.warning("%s %d lost its worker (%s); routing around it while it restarts", self.name, replica,
                        self.replicas[replica].lost_reason)
 
 
@@ -175,7 +182,7 @@ class RoutedStream:
 
     def _retry(self, lost: WorkerLost) -> bool:
         try:
-            self.use(*self._replicas._send(self._generates, self._num_samples, frozenset(self._tried)))
+            self.use(*self._replicas.send(self._generates, self._num_samples, frozenset(self._tried)))
         except EngineUnavailable:
             return False
         logger.info("request %s sent again, to replica %d: %s", self._generates[0].parent_id or
@@ -189,12 +196,14 @@ class RoutedStream:
         self._inner.close()
 
 
-def _check_alike(readies: Sequence[Ready]) -> None:
+def check_alike(readies: Sequence[Ready], names: str | Sequence[str] = "replica") -> None:
     """Replicas of one model answer alike: refuse a set whose workers disagree on what the gateway
-    tokenizes, hashes and bounds by."""
+    tokenizes, hashes and bounds by. `names`: what the message calls worker k ("replica k"), or
+    each worker's name."""
+    names = [f"{names} {k}" for k in range(len(readies))] if isinstance(names, str) else names
     first = readies[0]
     for index, ready in enumerate(readies[1:], start=1):
-        for name in ("model", "block_size", "hash_seed", "max_model_len", "vocab_size", "eos_token_ids"):
-            if getattr(ready, name) != getattr(first, name):
-                raise RuntimeError(f"replica {index}'s worker differs from replica 0's in {name}: "
-                                   f"{getattr(ready, name)!r} against {getattr(first, name)!r}")
+        for field in ("model", "block_size", "hash_seed", "max_model_len", "vocab_size", "eos_token_ids"):
+            if getattr(ready, field) != getattr(first, field):
+                raise RuntimeError(f"{names[index]}'s worker differs from {names[0]}'s in {field}: "
+                                   f"{getattr(ready, field)!r} against {getattr(first, field)!r}")

@@ -11,6 +11,12 @@ after it, and whatever arrives meanwhile joins the first step (a shared prefix b
 from the CPU tier, as the convoy row of tools/bench/tier/served.py has it). With `beat`, it beats as
 the real worker does (worker/heartbeat.py); with `stall_s`, its first step holds the loop that
 long (a prefill of thousands of tokens on a CPU, a first step that compiles).
+
+With `config.kv_transfer` it reports its role in Ready, a producer a KV server's address
+(`fake_kv_address`, nothing listens there), and counts KV bytes as if every block of a Generate
+with `kv_source` were pulled (received) and every prompt block it prefilled were served (sent),
+`KV_BLOCK_BYTES` each. With `record_path`, every Generate and Abort it takes is a JSON line there
+(`recorded`): what a test of the gateway's side of disaggregation checks.
 """
 
 from __future__ import annotations
@@ -47,13 +53,47 @@ from spillway.protocol.messages import (
 from spillway.worker.heartbeat import Heartbeat
 
 NUM_BLOCKS = 64
+KV_BLOCK_BYTES = 4096
+
+
+def fake_kv_address(pid: int) -> str:
+    return f"ipc:///tmp/spillway-fake-kv-{pid}"
+
+
+def recorded(path) -> list[dict]:
+    """The messages a worker with `record_path` took, in order: {"generate": request_id,
+    "max_tokens", "min_tokens", "ignore_eos", "logprobs", "kv_source", "block_hashes", "thinking"}
+    or {"abort": [request ids]}."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def _record(file, message) -> None:
+    if file is None:
+        return
+    match message:
+        case Generate(params=params):
+            entry = {"generate": message.request_id, "max_tokens": params.max_tokens,
+                     "min_tokens": params.min_tokens, "ignore_eos": params.ignore_eos, "logprobs": params.logprobs,
+                     "structured": params.structured is not None, "thinking": message.thinking is not None,
+                     "kv_source": message.kv_source.address if message.kv_source is not None else None,
+                     "block_hashes": len(message.block_hashes), "parent_id": message.parent_id}
+        case Abort(request_ids=ids):
+            entry = {"abort": list(ids)}
+        case _:
+            return
+    file.write(json.dumps(entry) + "\n")
 
 
 def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[int], step_s: float,
                      eos_token_id: int, vocab_size: int, worker_key: bytes | None = None,
                      arrivals_path: str | None = None, hold_s: float = 0.0, beat: bool = False,
-                     stall_s: float = 0.0) -> None:
+                     stall_s: float = 0.0, record_path: str | None = None) -> None:
     config = msgspec.msgpack.decode(config_bytes, type=WorkerConfig)
+    kv = config.kv_transfer
     ctx = zmq.Context()
     # The real worker's sockets, CURVE clients when given the link's secret.
     keys = LinkKeys.from_secret(worker_key) if worker_key else None
@@ -64,7 +104,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
         hash_seed=config.hash_seed, num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
         max_model_len=config.max_model_len or 256, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=512, vocab_size=vocab_size, eos_token_ids=[eos_token_id], device="cpu",
-        dtype="float32", worker_session=os.urandom(8))
+        dtype="float32", worker_session=os.urandom(8), kv_role=kv.kv_role if kv is not None else "",
+        kv_address=fake_kv_address(os.getpid()) if kv is not None and kv.produces else "")
     out.send(enc.encode(ready))
     heartbeat = Heartbeat(ctx, [outbox], keys).start() if beat else None
     gateway_session = None
@@ -75,6 +116,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
     stored: list[bytes] = []  # with config.kv_events: prompt blocks first seen since the last report
     # Each Generate's arrival (time.monotonic(), a line each): when a burst's requests got through the gateway.
     arrivals = open(arrivals_path, "a", buffering=1) if arrivals_path else None
+    record = open(record_path, "a", buffering=1) if record_path else None
+    kv_bytes = {"received": 0, "sent": 0}
     received: dict[str, float] = {}  # until the request's first step: its queue time
     step = 0
     last_stats = 0.0
@@ -90,8 +133,12 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
         timeout = max(0.0, next_step - time.monotonic()) * 1000 if running else 1000
         while inp.poll(timeout):
             timeout = 0
-            match dec.decode(inp.recv()):
+            message = dec.decode(inp.recv())
+            _record(record, message)
+            match message:
                 case Generate() as msg:
+                    if msg.kv_source is not None:
+                        kv_bytes["received"] += len(msg.block_hashes) * KV_BLOCK_BYTES
                     cached = 0
                     for h in msg.block_hashes:
                         if h not in seen_hashes:
@@ -157,6 +204,8 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                 queued_s=last_step - received.pop(rid) if first else -1.0))
             if done:
                 del running[rid]
+                if kv is not None and kv.produces and msg.kv_source is None:
+                    kv_bytes["sent"] += len(msg.block_hashes) * KV_BLOCK_BYTES
             else:
                 running[rid] = (msg, cached, produced)
         now = time.monotonic()
@@ -169,7 +218,10 @@ def fake_worker_main(config_bytes: bytes, inbox: str, outbox: str, script: list[
                 stats = Stats(num_running=len(running), gpu_cache_usage=len(running) / NUM_BLOCKS,
                               num_gpu_blocks=NUM_BLOCKS, num_free_gpu_blocks=NUM_BLOCKS - len(running),
                               prefix_cache_queries=queries, prefix_cache_hits=hits, num_steps=step,
-                              invariants_ok=True if checked else None)
+                              invariants_ok=True if checked else None,
+                              kv_transfer_bytes_received=kv_bytes["received"], kv_transfer_bytes_sent=kv_bytes["sent"],
+                              kv_transfer_seconds_received=kv_bytes["received"] / 1e9,
+                              kv_transfer_seconds_sent=kv_bytes["sent"] / 1e9)
                 checked = False
             events, stored = (KvEvents(stored=stored, removed=[]) if stored else None), []
             out.send(enc.encode(StepOutputs(step=step, outputs=pending, stats=stats, kv_events=events)))
@@ -181,9 +233,10 @@ class FakeWorkerProcess(WorkerProcess):
 
     def __init__(self, config: WorkerConfig, script: list[int], *, step_s: float = 0.005,
                  eos_token_id: int = 2, vocab_size: int = 49152, arrivals_path: str | None = None,
-                 hold_s: float = 0.0, beat: bool = False, stall_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, beat: bool = False, stall_s: float = 0.0, record_path: str | None = None) -> None:
         fake = json.dumps({"script": script, "step_s": step_s, "eos_token_id": eos_token_id, "vocab_size": vocab_size,
-                           "arrivals_path": arrivals_path, "hold_s": hold_s, "beat": beat, "stall_s": stall_s})
+                           "arrivals_path": arrivals_path, "hold_s": hold_s, "beat": beat, "stall_s": stall_s,
+                           "record_path": record_path})
         super().__init__(config, command=[sys.executable, __file__, fake])
 
 

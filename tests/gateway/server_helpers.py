@@ -124,12 +124,12 @@ def fake_app(files, script: list[int], *, step_s: float = 0.002, start_delay_s: 
 
 
 @contextmanager
-def running_in_thread(server: uvicorn.Server, sock):
+def running_in_thread(server: uvicorn.Server, sock, startup_timeout_s: float = 60.0):
     """Run `server` on `sock` from a thread of this process until the block ends."""
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + startup_timeout_s
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the in-process server did not start")
@@ -142,13 +142,14 @@ def running_in_thread(server: uvicorn.Server, sock):
 
 
 @contextmanager
-def server_in_thread(app):
-    """Serve an app from a thread of this process (for fake-worker tests), on a socket bound
-    here and handed over, so no other process can take the port in between."""
+def server_in_thread(app, startup_timeout_s: float = 60.0):
+    """Serve an app from a thread of this process (for fake-worker tests, or real workers the
+    test reaches through the app), on a socket bound here and handed over, so no other process
+    can take the port in between."""
     sock = listening_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(server_config(app, host=HOST, port=port, loop="uvloop", log_level="warning"))
-    with running_in_thread(server, sock):
+    with running_in_thread(server, sock, startup_timeout_s):
         yield f"http://{HOST}:{port}"
 
 

@@ -141,3 +141,20 @@ def test_engines_in_multiprocess_mode_keep_their_single_process_series(tmp_path)
                for sample in family.samples if sample.name == "vllm:num_requests_running"}
     assert running == {"0": 1, "1": 3}
     assert "pid=" not in text
+
+
+def test_kv_transfer_totals_become_counters_by_direction_and_a_new_worker_counts_from_zero():
+    metrics = GatewayMetrics("m", num_engines=2)
+    producer, consumer = metrics.engine(0), metrics.engine(1)
+    producer.on_stats(Stats(kv_transfer_bytes_sent=4096, kv_transfer_seconds_sent=0.5))
+    producer.on_stats(Stats(kv_transfer_bytes_sent=6144, kv_transfer_seconds_sent=0.75))
+    consumer.on_stats(Stats(kv_transfer_bytes_received=6144, kv_transfer_seconds_received=1.0, kv_transfer_failures=1))
+    consumer.on_worker_lost()
+    consumer.on_stats(Stats(kv_transfer_bytes_received=2048, kv_transfer_seconds_received=0.25))
+    expected = {("0", "sent"): (6144, 0.75), ("0", "received"): (0, 0.0), ("1", "received"): (8192, 1.25),
+                ("1", "sent"): (0, 0.0)}
+    for (engine, direction), (num_bytes, seconds) in expected.items():
+        assert value(metrics, "vllm:kv_transfer_bytes_total", engine, direction=direction) == num_bytes
+        assert value(metrics, "vllm:kv_transfer_seconds_total", engine, direction=direction) == seconds
+    assert (value(metrics, "vllm:kv_transfer_failures_total", "0"),
+            value(metrics, "vllm:kv_transfer_failures_total", "1")) == (0, 1)
