@@ -72,18 +72,16 @@ class _Tracked:
     last_heard: float = 0.0  # the arrival, then the last delta: the response timeout counts from it
 
 
-class RequestStream:
-    """The deltas of one HTTP request's sub-requests (its prompts times n).
+class DeltaInbox:
+    """Deltas as they arrive (or the WorkerLost that ends them), taken all at once.
 
     A list and one waiter rather than an asyncio.Queue: the reader appends every step, the
     handler takes everything at once, so a handler that is behind finds many steps in one go.
     """
 
-    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
-        self._client = client
+    def __init__(self) -> None:
         self._items: list[RequestDelta | WorkerLost] = []
         self._waiter: asyncio.Future | None = None
-        self.open_ids = set(request_ids)
 
     def put(self, item: RequestDelta | WorkerLost) -> None:
         self._items.append(item)
@@ -91,7 +89,7 @@ class RequestStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def next(self) -> list[RequestDelta]:
+    async def take(self) -> list[RequestDelta]:
         """Every delta that has arrived, waiting for at least one; raises WorkerLost."""
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -104,6 +102,22 @@ class RequestStream:
             if isinstance(item, WorkerLost):
                 raise item
         return items
+
+
+class RequestStream:
+    """The deltas of one HTTP request's sub-requests (its prompts times n)."""
+
+    def __init__(self, client: EngineClient, request_ids: list[str]) -> None:
+        self._client = client
+        self._inbox = DeltaInbox()
+        self.open_ids = set(request_ids)
+
+    def put(self, item: RequestDelta | WorkerLost) -> None:
+        self._inbox.put(item)
+
+    async def next(self) -> list[RequestDelta]:
+        """Every delta that has arrived, waiting for at least one; raises WorkerLost."""
+        return await self._inbox.take()
 
     def finish(self, request_id: str, reason: str) -> None:
         """The gateway ended this sample itself (a stop string): stop it in the worker."""

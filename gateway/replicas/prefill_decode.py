@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from spillway.gateway.link.client import EngineClient, EngineOverloaded, EngineUnavailable, WorkerLost, WorkerTimeout
+from spillway.gateway.link.client import (DeltaInbox, EngineClient, EngineOverloaded, EngineUnavailable, WorkerLost,
+                                          WorkerTimeout)
 from spillway.gateway.replicas.merged_stats import merge_stats
 from spillway.gateway.replicas.replica_set import ReplicaSet, check_alike
 from spillway.protocol.messages import FinishReason, Generate, KvSource, Ready, RequestDelta, Stats
@@ -223,8 +224,7 @@ class PrefillDecodeStream:
     def __init__(self, workers: PrefillDecodeSet, num_samples: int) -> None:
         self._workers = workers
         self._num_samples = num_samples
-        self._items: list[RequestDelta | WorkerLost] = []
-        self._waiter: asyncio.Future | None = None
+        self._inbox = DeltaInbox()
         self._prefill = _Side(self._on_prefill)
         self._decode = _Side(self._on_decode)
         self._awaiting: dict[str, list[Generate]] = {}  # a prefill's id -> its prompt's samples, not yet sent on
@@ -259,17 +259,7 @@ class PrefillDecodeStream:
 
     async def next(self) -> list[RequestDelta]:
         """Every decode delta that has arrived, waiting for at least one; raises WorkerLost."""
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items, self._items = self._items, []
-        for item in items:
-            if isinstance(item, WorkerLost):
-                raise item
-        return items
+        return await self._inbox.take()
 
     def finish(self, request_id: str, reason: str) -> None:
         """The gateway ended this sample itself (a stop string): stop it where it runs."""
@@ -358,7 +348,4 @@ class PrefillDecodeStream:
         self._put(lost)
 
     def _put(self, item: RequestDelta | WorkerLost) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._inbox.put(item)

@@ -36,7 +36,6 @@ import contextlib
 import json
 import math
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,10 +45,11 @@ from pathlib import Path
 
 import httpx
 
-from spillway.tools.bench.serve.replicas import exit_on_sigterm, model_args, model_folder
+from spillway.tools.bench.serve.replicas import exit_on_sigterm, model_args, model_folder, run_loadgen
 from spillway.tools.bench.serve.server_process import Server, machine
 
 ROWS = ("transfer", "mixed")
+PERCENTILES = ["--percentiles", "50,99"]
 DISAGGREGATED = ["--prefill-workers", "1", "--decode-workers", "1"]
 
 
@@ -96,17 +96,6 @@ def copy_ceiling(nbytes: int, repeats: int = 3) -> float:
     return nbytes / sorted(times)[len(times) // 2]
 
 
-def run_loadgen(url: str, load: list[str], args, results: Path) -> dict:
-    command = [sys.executable, "-m", "spillway.tools.loadgen", "--url", url, *load, "--seed", str(args.seed),
-               "--timeout", str(args.timeout), "--no-progress", "--percentiles", "50,99", "--output", str(results)]
-    with open(results.with_suffix(".txt"), "w") as printed:
-        done = subprocess.run(command, stdout=printed, stderr=subprocess.STDOUT)
-    if done.returncode != 0 or not results.is_file():
-        raise SystemExit(f"loadgen failed ({done.returncode}): {results.with_suffix('.txt')}\n"
-                         f"{results.with_suffix('.txt').read_text()[-2000:]}")
-    return json.loads(results.read_text())
-
-
 class Bench:
     def __init__(self, args, model: list[str], out_dir: Path) -> None:
         self.args, self.model, self.out_dir = args, model, out_dir
@@ -129,7 +118,7 @@ class Bench:
 
     def transfer(self) -> None:
         args = self.args
-        load = ["--workload", "random", "--input-len", str(args.transfer_len), "--output-len", "1",
+        load = ["--workload", "random", "--input-len", str(args.transfer_len), "--output-len", "1", *PERCENTILES,
                 "--num-requests", str(args.transfer_rounds), "--concurrency", "1"]
         with self.served("transfer", DISAGGREGATED) as server:
             before = kv_transfer_counters(server.url)
@@ -150,10 +139,10 @@ class Bench:
 
     def mixed(self) -> None:
         args = self.args
-        decoders = ["--workload", "random", "--input-len", str(args.decoder_input_len), "--output-len",
+        decoders = [*PERCENTILES, "--workload", "random", "--input-len", str(args.decoder_input_len), "--output-len",
                     str(args.decode_len), "--concurrency", str(args.decoders), "--duration", str(args.duration),
                     "--num-requests", str(args.decoders * args.max_rounds)]
-        longs = ["--workload", "random", "--input-len", str(args.long_len), "--output-len", str(args.long_output_len),
+        longs = [*PERCENTILES, "--workload", "random", "--input-len", str(args.long_len), "--output-len", str(args.long_output_len),
                  "--request-rate", str(args.long_rate), "--concurrency", str(max(1, args.decoders)),
                  "--duration", str(args.duration),
                  "--num-requests", str(math.ceil(args.long_rate * args.duration) + 1)]
