@@ -2,7 +2,7 @@
 
 Two PUSH/PULL pairs:
 
-    gateway -> worker:  Generate | Abort | Control        (`GatewayMessage`)
+    gateway -> worker:  Generate | Abort | Control | KvSourceLost   (`GatewayMessage`)
     worker  -> gateway: Ready | StepOutputs | WorkerError  (`WorkerMessage`)
 
 Every message is an immutable msgspec Struct in a tagged union, encoded as msgpack.
@@ -110,6 +110,13 @@ class Generate(msgspec.Struct, frozen=True, tag=True, kw_only=True):
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
+
+
+class KvSourceLost(msgspec.Struct, frozen=True, tag=True):
+    """The gateway lost the producer at `address`: a consumer's pulls from it fail now
+    (kv_load_failure_policy), rather than when their answer is overdue."""
+
+    address: str
 
 
 class ControlCommand(str, Enum):
@@ -270,7 +277,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     traceback: str = ""
 
 
-GatewayMessage = Generate | Abort | Control
+GatewayMessage = Generate | Abort | Control | KvSourceLost
 WorkerMessage = Ready | StepOutputs | WorkerError
 
 

@@ -42,6 +42,7 @@ from spillway.protocol.messages import (
     Control,
     ControlCommand,
     Generate,
+    KvSourceLost,
     Ready,
     RequestDelta,
     StepOutputs,
@@ -203,6 +204,8 @@ def _busy_loop(engine: Engine, ready: Ready, links: GatewayLinks, parent_pid: in
                         pending.append(error)
                 case Abort(request_ids=request_ids):
                     pending.extend(engine.abort(request_ids))
+                case KvSourceLost(address=address):
+                    pending.extend(engine.kv_source_lost(address))
                 case Control(command=ControlCommand.SHUTDOWN) if link == 0:  # from the gateway that owns it
                     return
                 case Control(command=ControlCommand.HELLO, session=session):

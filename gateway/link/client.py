@@ -30,6 +30,7 @@ from spillway.protocol.messages import (
     FinishReason,
     Generate,
     KvEvents,
+    KvSourceLost,
     Ready,
     RequestDelta,
     Stats,
@@ -260,6 +261,11 @@ class EngineClient:
         self._flush_aborts()  # the answer must come after the aborts already made
         self.link.send(Control(ControlCommand.CHECK_INVARIANTS if check_invariants else ControlCommand.STATS))
         return await asyncio.wait_for(waiter, timeout_s)
+
+    def kv_source_lost(self, address: str) -> None:
+        """Tell the worker the producer at `address` is gone: its pulls from there fail now."""
+        if self.healthy:
+            self.link.send(KvSourceLost(address))
 
     def reset_prefix_cache(self) -> None:
         """Drop the worker's cached prefixes (blocks in use stay); `stats()` after it waits for it."""

@@ -62,7 +62,8 @@ class PrefillDecodeSet:
         (they share a GPU), producers first."""
         self._sequential_start = sequential_start
         self.producers = ReplicaSet(producer_starts, routing=routing, max_num_seqs=max_num_seqs, metrics=metrics,
-                                    sequential_start=sequential_start, name="prefill", **client_options)
+                                    sequential_start=sequential_start, name="prefill",
+                                    on_replica_lost=self._producer_lost, **client_options)
         self.consumers = ReplicaSet(consumer_starts, routing="load", max_num_seqs=max_num_seqs, metrics=metrics,
                                     sequential_start=sequential_start, first_engine=len(producer_starts),
                                     name="decode", **client_options)
@@ -175,6 +176,15 @@ class PrefillDecodeSet:
             side.client.submit(generates, num_samples, side)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _producer_lost(self, index: int) -> None:
+        """A producer's worker is gone: the consumers' pulls from it fail now, by their
+        kv_load_failure_policy (an error, or the prompt computed), rather than when their answer
+        is overdue."""
+        address = self.producers.replicas[index].ready.kv_address if self.producers.replicas[index].ready else ""
+        if address:
+            for consumer in self.consumers.replicas:
+                consumer.kv_source_lost(address)
 
     def _clients(self) -> list[EngineClient]:
         return [*self.producers.replicas, *self.consumers.replicas]

@@ -37,10 +37,12 @@ def _engine_metrics(metrics, index: int):
 class ReplicaSet:
     def __init__(self, start_workers: Sequence[Callable[[], object]], *, routing: str, max_num_seqs: int,
                  metrics=None, sequential_start: bool = False, first_engine: int = 0, name: str = "replica",
-                 **client_options) -> None:
+                 on_replica_lost: Callable[[int], None] | None = None, **client_options) -> None:
         """`first_engine`: the metrics' engine label of replica 0 (the others follow); `name`:
-        what the log calls a replica ("replica", or a role's "prefill" and "decode")."""
+        what the log calls a replica ("replica", or a role's "prefill" and "decode");
+        `on_replica_lost`: called with a replica's index when its worker is lost."""
         self.name = name
+        self._on_replica_lost = on_replica_lost
         self.router = Router(routing, len(start_workers), max_num_seqs)
         self._metrics = [_engine_metrics(metrics, first_engine + r) for r in range(len(start_workers))]
         self._sequential_start = sequential_start
@@ -144,6 +146,8 @@ class ReplicaSet:
 
     def _on_lost(self, replica: int) -> None:
         self.router.index.forget(replica)
+        if self._on_replica_lost is not None:
+            self._on_replica_lost(replica)
         logger.warning("%s %d lost its worker (%s); routing around it while it restarts", self.name, replica,
                        self.replicas[replica].lost_reason)
 

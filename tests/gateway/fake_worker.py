@@ -41,6 +41,7 @@ from spillway.protocol.messages import (
     FinishReason,
     Generate,
     KvEvents,
+    KvSourceLost,
     Ready,
     RequestDelta,
     Stats,
@@ -63,7 +64,7 @@ def fake_kv_address(pid: int) -> str:
 def recorded(path) -> list[dict]:
     """The messages a worker with `record_path` took, in order: {"generate": request_id,
     "max_tokens", "min_tokens", "ignore_eos", "logprobs", "kv_source", "block_hashes", "thinking"}
-    or {"abort": [request ids]}."""
+    or {"abort": [request ids]} or {"kv_source_lost": address}."""
     try:
         with open(path) as f:
             return [json.loads(line) for line in f]
@@ -83,6 +84,8 @@ def _record(file, message) -> None:
                      "block_hashes": len(message.block_hashes), "parent_id": message.parent_id}
         case Abort(request_ids=ids):
             entry = {"abort": list(ids)}
+        case KvSourceLost(address=address):
+            entry = {"kv_source_lost": address}
         case _:
             return
     file.write(json.dumps(entry) + "\n")

@@ -333,6 +333,13 @@ class Engine:
         pending = self.kv_pulls.answered(transfer_id)
         return [] if pending is None else self._kv_pull_failed(pending, problem)
 
+    def kv_source_lost(self, address: str) -> list[RequestDelta]:
+        """The gateway lost the producer at `address`: every pull waiting on it fails now."""
+        deltas = []
+        for request_id in self.kv_pulls.waiting_on(address):
+            deltas += self.fail_kv_pull(request_id, "the gateway lost that prefill worker")
+        return deltas
+
     def _expire_kv_pulls(self) -> list[RequestDelta]:
         deltas = []
         for pending in self.kv_pulls.expired(time.monotonic()):

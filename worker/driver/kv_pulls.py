@@ -111,6 +111,10 @@ class KvPulls:
         self._unsent = []
         return outgoing
 
+    def waiting_on(self, address: str) -> list[str]:
+        """The request ids whose pulls wait for the producer at `address`."""
+        return [request_id for request_id, pending in self._waiting.items() if pending.address == address]
+
     def answered(self, transfer_id: str) -> PendingPull | None:
         """The pull `transfer_id` answers, no longer waiting; None when none waits (aborted,
         failed, or answered before)."""

@@ -230,7 +230,25 @@ def test_a_producer_lost_during_the_prefill_ends_the_request_with_its_error(tmp_
 
     message, seconds, clean = run(workers, body)
     assert "prefill worker" in message and "SIGKILL" in message and seconds < 5 and clean
-    assert workers.record(1) == []
+    assert [entry for entry in workers.record(1) if "kv_source_lost" not in entry] == []  # no decode went out
+
+
+def test_a_producer_lost_after_its_prefill_is_named_to_the_consumers(tmp_path):
+    """The consumer pulling that producer's blocks hears of the loss at once (KvSourceLost), so its
+    pull fails by its policy instead of waiting for an answer that cannot come."""
+    workers = Workers(tmp_path, holds=[0.0, HOLD])
+
+    async def body(workers_set):
+        stream = workers_set.submit([generate("r-0-0")])
+        await until(lambda: workers.record(1))  # the decode went out: the consumer pulls meanwhile
+        address = workers_set.producers.replicas[0].ready.kv_address
+        _kill(workers_set.producers.replicas[0])
+        await until(lambda: any("kv_source_lost" in entry for entry in workers.record(1)))
+        stream.close()
+        return address
+
+    address = run(workers, body)
+    assert {"kv_source_lost": address} in workers.record(1) and workers.record(1)[0]["kv_source"] == address
 
 
 def test_a_consumer_lost_mid_decode_ends_the_request_with_its_error(tmp_path):
@@ -291,7 +309,8 @@ def test_without_a_ready_producer_the_consumer_computes_the_prompt(tmp_path):
 
     seen = run(workers, body)
     assert seen["r-0-0"][-1].finish_reason is FinishReason.LENGTH
-    assert workers.record(0) == [] and workers.record(1)[0]["kv_source"] is None
+    decodes = [entry for entry in workers.record(1) if "generate" in entry]
+    assert workers.record(0) == [] and decodes[0]["kv_source"] is None
 
 
 def test_a_worker_in_the_wrong_role_is_refused_at_start(tmp_path):

@@ -303,3 +303,34 @@ def test_a_request_naming_a_source_is_refused_by_a_worker_that_does_not_consume(
     assert error.error == f"the request names a KV source ({links.address}), and this worker is no KV consumer " \
                           "(its kv_role: kv_producer)"
     assert not engine.has_work
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_producer_the_gateway_lost_applies_the_policy_at_once(policy, folder, consumer, recomputing_consumer):
+    """KvSourceLost: the pulls waiting on that producer fail when the gateway says so, long before
+    their answer would be overdue; pulls from other producers wait on."""
+    engine, links = consumer if policy == "fail" else recomputing_consumer
+    expected = reference(recomputing_consumer[0], PROMPTS[40])
+    lost, other = f"ipc://{folder}/lost-{policy}", f"ipc://{folder}/other-{policy}"
+    engine.kv_pulls.timeout_s = 600.0  # the bound cannot be what ends them
+    try:
+        assert engine.add_request(generate(engine, "on-lost", PROMPTS[40], 6, lost)) is None
+        assert engine.add_request(generate(engine, "on-other", PROMPTS[48], 6, other)) is None
+        links.send_pulls()
+        deltas = engine.kv_source_lost(lost)
+        assert engine.kv_pulls.request_ids() == ["on-other"]
+        started = time.monotonic()
+        while not any(d.request_id == "on-lost" and d.finish_reason is not None for d in deltas):
+            deltas += engine.step()  # recompute: the prompt runs; fail: it has ended already
+            assert time.monotonic() - started < 60
+        assert engine.kv_pulls.request_ids() == ["on-other"]
+    finally:
+        engine.abort(["on-other"])
+        engine.kv_pulls.timeout_s = 1.0
+    mine = [d for d in deltas if d.request_id == "on-lost"]
+    if policy == "fail":
+        [delta] = mine
+        assert delta.finish_reason == FinishReason.ERROR
+        assert delta.error == f"the KV transfer from {lost} failed: the gateway lost that prefill worker"
+    else:
+        assert tokens(mine) == expected and mine[0].num_cached_tokens == 0
