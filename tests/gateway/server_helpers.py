@@ -200,3 +200,15 @@ def sse_events(raw: bytes) -> list[str]:
     for event in events:
         assert event.startswith("data: ") and "\n" not in event, event
     return [event[len("data: "):] for event in events]
+
+
+def engine_values(url: str, name: str) -> dict[tuple, float]:
+    """{(engine, other label values...): value} of one metric's samples on the server at `url`."""
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name:
+                labels = dict(sample.labels)
+                labels.pop("model_name")
+                found[(labels.pop("engine"), *labels.values())] = sample.value
+    return found

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import MODEL, kill_mid_stream, real_server, server_in_thread
+from server_helpers import MODEL, engine_values, kill_mid_stream, real_server, server_in_thread
 from spillway import LLM, SamplingParams
 from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.gateway.link.engine_args import engine_config
@@ -87,19 +87,6 @@ def answers(url: str, stream: bool) -> list[tuple[list[int], str]]:
                     ids += choice.get("token_ids") or []
                     text += choice["text"]
         found.append((ids, text))
-    return found
-
-
-def engine_values(url: str, name: str) -> dict[tuple, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name:
-                labels = dict(sample.labels)
-                labels.pop("model_name")
-                found[(labels.pop("engine"), *labels.values())] = sample.value
     return found
 
 

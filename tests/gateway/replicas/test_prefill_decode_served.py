@@ -16,10 +16,9 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from fake_worker import KV_BLOCK_BYTES, FakeWorkerProcess, fake_kv_address, recorded
-from server_helpers import MODEL, server_in_thread
+from server_helpers import MODEL, engine_values, server_in_thread
 from spillway.gateway.http.app import ServerSettings, build_app
 from spillway.protocol.config import WorkerConfig
 from spillway.protocol.kv_transfer import KvTransferConfig
@@ -68,18 +67,6 @@ def role_server(tmp_path, role: str | None, name: str):
 
 def post(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
     return httpx.post(url + path, json={"model": MODEL, "max_tokens": 4, **body}, timeout=30)
-
-
-def engine_values(url: str, name: str) -> dict[tuple, float]:
-    """{(engine, own label values...): value} of one metric's samples."""
-    found = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name:
-                labels = dict(sample.labels)
-                labels.pop("model_name")
-                found[(labels.pop("engine"), *labels.values())] = sample.value
-    return found
 
 
 def test_prefill_and_decode_workers_answer_from_the_consumer(tmp_path):

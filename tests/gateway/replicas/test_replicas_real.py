@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import MODEL, real_server
+from server_helpers import MODEL, engine_values, real_server
 from spillway import LLM, SamplingParams
 
 PROMPTS = [f"Tell me about the number {k} in one sentence." for k in range(6)]
@@ -28,19 +27,6 @@ def test_two_replicas_generate_what_one_engine_does():
     assert texts[2] == texts[1] and all(len(ids) == 12 for ids in texts[1])
 
 
-def engine_samples(url: str, name: str) -> dict[tuple, float]:
-    """{(engine, other label values...): value} of one metric family's samples."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                labels = dict(sample.labels)
-                labels.pop("model_name")
-                found[(labels.pop("engine"), *labels.values())] = sample.value
-    return found
-
-
 @pytest.mark.slow
 def test_a_chats_turns_stay_on_the_replica_that_cached_them():
     with real_server("--data-parallel-size", "2", "--max-model-len", "1024") as server:
@@ -52,9 +38,9 @@ def test_a_chats_turns_stay_on_the_replica_that_cached_them():
             reply = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
                 "model": MODEL, "messages": history, "max_tokens": 8, "temperature": 0.0}).json()
             history.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-        routed = engine_samples(server.url, "spillway:routed_requests_total")
+        routed = engine_values(server.url, "spillway:routed_requests_total")
         by_engine = {engine: sum(v for (e, _), v in routed.items() if e == engine) for engine in ("0", "1")}
         assert sorted(by_engine.values()) == [0, 3]  # all three turns on one replica
         assert routed[(max(by_engine, key=by_engine.get), "prefix")] == 2  # turns 2 and 3 by their prefix
-        hits = engine_samples(server.url, "vllm:prefix_cache_hits_total")
+        hits = engine_values(server.url, "vllm:prefix_cache_hits_total")
         assert hits[(max(by_engine, key=by_engine.get),)] > 0 and hits[(min(by_engine, key=by_engine.get),)] == 0
