@@ -16,9 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import MODEL, real_server
+from server_helpers import MODEL, engine_values, real_server
 from spillway import LLM, SamplingParams
-from test_replicas_real import engine_samples
 
 PROMPTS = [f"Tell me about the number {k} in one sentence." for k in range(4)]
 RAY_FLAGS = ("--data-parallel-size", "2", "--distributed-executor-backend", "ray", "--max-model-len", "256")
@@ -67,7 +66,7 @@ def test_ray_replicas_answer_as_local_ones_and_a_killed_worker_rejoins():
     with real_server(*RAY_FLAGS) as server:
         assert replica_states(server.url) == ["ready", "ready"]
         assert greedy_texts(server.url) == expected
-        assert set(engine_samples(server.url, "vllm:num_requests_running")) == {("0",), ("1",)}
+        assert set(engine_values(server.url, "vllm:num_requests_running")) == {("0",), ("1",)}
         first = worker_pids(server.log())
         assert sorted(first) == [0, 1] and first[0] != first[1]
         os.kill(first[0][0], signal.SIGKILL)
