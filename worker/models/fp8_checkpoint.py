@@ -9,9 +9,13 @@
       8 bits, dynamic (or no) input activations             "tensor"), [out, 1] ("channel"), or per
                                                             tile ("block", its block_structure)
 
-Static activation scales (`activation_scheme "static"`, compressed-tensors' `dynamic: false`,
-with an `input_scale` per projection) are refused: activations are quantized per token as they
-arrive, which needs no calibration and is at least as exact.
+Calibrated scales are read, checked and left unused: a static checkpoint's `P.input_scale`
+(`activation_scheme "static"`, compressed-tensors' `dynamic: false`), because activations are
+quantized per token as they arrive, which needs no calibration and is at least as exact (a
+token's own amax, never clipped by a scale calibrated on other text); and the attention's
+`k_scale` / `v_scale` (compressed-tensors' `kv_cache_scheme`), because the fp8 KV cache
+(`--kv-cache-dtype fp8`) stores keys and values unscaled, as for every model. One log line says
+how many were left unused.
 
 How block-scaled weights run: dequantized here (float32, exact: an fp8 value times its tile's
 scale), then re-quantized with one scale per output row like any `--quantization fp8` model
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SCALE = "weight_scale_inv"
 PLAIN_SCALE = "weight_scale"
+# Scales calibrated for static activations and for an fp8 KV cache: read and checked, not used.
+CALIBRATED_SCALES = ("input_scale", "k_scale", "v_scale", "kv_scale")
 QUANT_METHODS = ("fp8", "compressed-tensors")
 
 
@@ -55,7 +61,7 @@ class Fp8Checkpoint:
 
 def fp8_checkpoint_of(hf_config) -> Fp8Checkpoint | None:
     """The FP8 format `hf_config`'s `quantization_config` declares; None where it declares none.
-    ValueError for another method, static activation scales, or weights that are not fp8."""
+    ValueError for another method or weights that are not fp8."""
     quantization = getattr(hf_config, "quantization_config", None)
     if quantization is None:
         return None
@@ -72,8 +78,8 @@ def fp8_checkpoint_of(hf_config) -> Fp8Checkpoint | None:
 
 def _fp8_method(quantization: dict) -> Fp8Checkpoint:
     scheme = quantization.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise ValueError(_static_refusal(f"activation_scheme {scheme!r}"))
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"the checkpoint's activation_scheme is {scheme!r}; expected 'dynamic' or 'static'")
     block = quantization.get("weight_block_size")
     if block is None:
         return Fp8Checkpoint(PLAIN_SCALE)
@@ -83,12 +89,10 @@ def _fp8_method(quantization: dict) -> Fp8Checkpoint:
 def _compressed_tensors(quantization: dict) -> Fp8Checkpoint:
     blocks = set()
     for group_name, group in quantization.get("config_groups", {}).items():
-        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        weights = group.get("weights") or {}
         if weights.get("num_bits") != 8 or weights.get("type") != "float":
             raise ValueError(f"compressed-tensors group {group_name!r} has {weights.get('num_bits')}-bit "
                              f"{weights.get('type')} weights; Spillway runs 8-bit float (FP8) weights only")
-        if inputs is not None and not inputs.get("dynamic", False):
-            raise ValueError(_static_refusal(f"compressed-tensors group {group_name!r}'s static input activations"))
         if weights.get("strategy") == "block":
             blocks.add(_block_shape(weights.get("block_structure"), f"group {group_name!r}'s block_structure"))
     if len(blocks) > 1:
@@ -102,23 +106,22 @@ def _block_shape(block, what: str) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _static_refusal(what: str) -> str:
-    return (f"the checkpoint asks for {what} (a calibrated input_scale per projection), which Spillway "
-            f"does not take: it quantizes activations per token as they arrive; use a checkpoint with "
-            f"dynamic activations")
-
-
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], checkpoint: Fp8Checkpoint | None
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """`weights` with every fp8 projection weight replaced by its float32 dequantization and its
     scale tensor consumed; any other tensor as it comes. A weight and its scale may come in
     either order. ValueError naming the tensor for an fp8 weight where none is expected (no
     `checkpoint`, or not a projection's), a missing scale, a scale without its weight, or a scale
-    of the wrong shape."""
+    of the wrong shape. A calibrated scale (CALIBRATED_SCALES: the module's docstring) is
+    checked (ValueError unless positive and finite) and consumed."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
-    experts = 0
+    experts = calibrated = 0
     for name, tensor in weights:
+        if checkpoint is not None and name.rpartition(".")[2] in CALIBRATED_SCALES:
+            _check_calibrated_scale(name, tensor)
+            calibrated += 1
+            continue
         if tensor.dtype == FP8_DTYPE:
             _check_fp8_expected(name, checkpoint)
             prefix = name.removesuffix(".weight")
@@ -138,9 +141,17 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], checkpoint:
         experts += ".experts." in prefix
         yield f"{prefix}.weight", dequantize_weight(prefix, tensor, scale, checkpoint)
     _check_all_paired(waiting_weights, waiting_scales, checkpoint)
+    if calibrated:
+        logger.info("FP8 checkpoint: %d calibrated scales left unused: activations are quantized per token as they "
+                    "arrive, and an fp8 KV cache stores keys and values unscaled", calibrated)
     if experts:
         logger.info("FP8 checkpoint: %d expert weights dequantized to the model's dtype (the fused MoE kernel "
                     "takes no fp8 weights yet)", experts)
+
+
+def _check_calibrated_scale(name: str, scale: torch.Tensor) -> None:
+    if scale.numel() == 0 or not bool(torch.isfinite(scale.float()).all() and (scale.float() > 0).all()):
+        raise ValueError(f"checkpoint tensor {name} must hold positive, finite scales, got {scale.flatten()[:4].tolist()}")
 
 
 def _check_fp8_expected(name: str, checkpoint: Fp8Checkpoint | None) -> None:

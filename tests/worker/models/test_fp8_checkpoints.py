@@ -267,10 +267,12 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
      r"model.embed_tokens.weight is float8_e4m3fn; only the decoder's projection weights"),
     ("channel", dict(quantization_config=None),
      r"model.layers.0.[a-z_.]+.weight is float8_e4m3fn, but config.json declares no FP8"),
-    ("channel", dict(quantization_config=compressed_tensors_config("channel", dynamic_inputs=False)),
-     r"static input activations .* Spillway does not take: it quantizes activations per token"),
-    ("block", dict(quantization_config={**BLOCK_CONFIG, "activation_scheme": "static"}),
-     r"activation_scheme 'static'"),
+    ("block", dict(replace={f"{Q_PROJ}.input_scale": torch.tensor([0.0])}),
+     rf"{Q_PROJ}.input_scale must hold positive, finite scales, got \[0.0\]"),
+    ("channel", dict(replace={"model.layers.1.self_attn.k_scale": torch.tensor(float("nan"))}),
+     r"model.layers.1.self_attn.k_scale must hold positive, finite scales, got \[nan\]"),
+    ("block", dict(quantization_config={**BLOCK_CONFIG, "activation_scheme": "per-layer"}),
+     r"activation_scheme is 'per-layer'; expected 'dynamic' or 'static'"),
     ("block", dict(quantization_config={"quant_method": "awq", "bits": 4}),
      r"quant_method 'awq'; Spillway runs 'fp8' and 'compressed-tensors' FP8 checkpoints only"),
 ])
@@ -282,3 +284,30 @@ def test_a_malformed_checkpoint_is_refused_naming_the_tensor(checkpoints, tmp_pa
     if "replace" in change or "drop" in change:  # the same refusal from a tensor-parallel rank's reading
         with pytest.raises(ValueError, match=message):
             load_model(hf_config, files, device=CPU, dtype=torch.float32, seed=0, shard=(1, 2))
+
+
+@pytest.mark.parametrize("layout, static_config", [
+    ("block", {**BLOCK_CONFIG, "activation_scheme": "static"}),
+    ("channel", {**compressed_tensors_config("channel", dynamic_inputs=False),
+                 "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}),
+])
+def test_a_static_checkpoint_runs_as_its_dynamic_twin_its_calibrated_scales_left_unused(
+        checkpoints, tmp_path, caplog, layout, static_config):
+    """Calibrated input and KV-cache scales (vLLM serves such checkpoints) are checked and left
+    unused: activations are quantized per token, so the logits equal the dynamic checkpoint's."""
+    folder, _ = checkpoints[layout]
+    calibrated = {f"model.layers.{layer}.{module}.input_scale": torch.tensor([0.05 + layer])
+                  for layer in range(2) for module in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")}
+    calibrated.update({f"model.layers.{layer}.self_attn.{side}_scale": torch.tensor(1.5)
+                       for layer in range(2) for side in "kv"})
+    static = rewrite(folder, tmp_path, replace=calibrated, quantization_config=static_config)
+    token_ids = list(range(2, 60))
+    logits = {}
+    for name, checkpoint in (("dynamic", folder), ("static", static)):
+        files, hf_config = resolve(checkpoint)
+        with caplog.at_level(logging.INFO, logger="spillway.worker.models.fp8_checkpoint"):
+            model = load_model(hf_config, files, device=CPU, dtype=torch.float32, seed=0)
+        logits[name] = teacher_forced_logits(model, token_ids, device=CPU, dtype=torch.float32)
+    assert torch.equal(logits["static"], logits["dynamic"])
+    assert [record.getMessage().split(":")[1] for record in caplog.records if "calibrated" in record.getMessage()] == [
+        " 10 calibrated scales left unused"]
