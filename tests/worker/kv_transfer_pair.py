@@ -19,10 +19,11 @@ MAX_MODEL_LEN = 128
 
 
 def kv_engine(role: str, *, num_blocks: int, policy: str = "fail", pull_timeout_s: float = 1.0,
-              num_cpu_blocks: int = 0) -> Engine:
+              num_cpu_blocks: int = 0, model: str | None = None, tensor_parallel_size: int = 1) -> Engine:
     """An engine of `role` on a pool of `num_blocks` blocks of 16 tokens, float32 (and a CPU tier
-    of `num_cpu_blocks`)."""
-    return Engine(WorkerConfig(model=str(model_files.resolve_model(None).path), device="cpu", dtype="float32",
+    of `num_cpu_blocks`), of `model` (the default model's folder when None) over `tensor_parallel_size` ranks."""
+    return Engine(WorkerConfig(model=model or str(model_files.resolve_model(None).path), device="cpu",
+                               dtype="float32", tensor_parallel_size=tensor_parallel_size,
                                max_num_seqs=4, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=num_blocks,
                                num_cpu_blocks_override=num_cpu_blocks,
                                kv_transfer=KvTransferConfig(kv_connector="HostConnector", kv_role=role,

@@ -111,7 +111,9 @@ class Engine:
                 draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
         num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
-        self.kv_layout = self.executor.kv_layout()  # what another worker's blocks must match
+        # What another worker's blocks must match (a tensor-parallel worker's: every rank's share).
+        self.kv_layout = (self.executor.kv_layout() if self.group is None
+                          else self.group.kv_layout(self.executor.runner.kv_cache))
         self.kv_pulls = KvPulls(kv_pull_timeout_s)
         self.kv_counters = KvTransferCounters()
         # The deadlines and budgets scale with the model's step as this device runs it, the CPU
@@ -322,7 +324,7 @@ class Engine:
             if (copies := self.block_manager.take_copies()) is not NO_KV_COPIES:
                 self.executor.copy_kv(copies)
             index = {block_hash: position for position, block_hash in enumerate(answer.block_hashes)}
-            self.executor.write_kv_blocks(payload, [(index[block_hash], slot) for block_hash, slot in adopted])
+            self._write_kv_blocks(payload, [(index[block_hash], slot) for block_hash, slot in adopted])
             if self.debug_invariants:
                 self.block_manager.check_invariants()
         self.kv_counters.received(len(payload), time.monotonic() - pending.sent)
@@ -369,8 +371,19 @@ class Engine:
         (`BlockManager.readable_prefix`; it stops at a block cached on the CPU tier only),
         read into host memory after every step launched so far."""
         slots = self.block_manager.readable_prefix(pull.block_hashes)
-        payload = self.executor.read_kv_blocks(slots) if slots else b""
+        payload = self._read_kv_blocks(slots) if slots else b""
         return self._kv_answer(pull.transfer_id, pull.block_hashes[:len(slots)]), payload
+
+    def _read_kv_blocks(self, slots: list[int]) -> np.ndarray:
+        if self.group is None:
+            return self.executor.read_kv_blocks(slots)
+        return self.group.read_kv_blocks(self.executor.runner.kv_cache, slots)
+
+    def _write_kv_blocks(self, payload: memoryview | bytes, pairs: list[tuple[int, int]]) -> None:
+        if self.group is None:
+            self.executor.write_kv_blocks(payload, pairs)
+        else:
+            self.group.write_kv_blocks(self.executor.runner.kv_cache, payload, pairs)
 
     def kv_refusal(self, transfer_id: str, error: str) -> KvBlocks:
         """The answer to a pull that cannot be served (`error`), with no blocks."""

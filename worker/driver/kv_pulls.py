@@ -35,9 +35,6 @@ def kv_transfer_refusal(config: WorkerConfig) -> str | None:
     if kv is None:
         return None
     name = setting_name("kv_transfer_config", config.settings_spelling)
-    if config.tensor_parallel_size > 1:
-        return (f"{name}: disaggregated prefill with {config.spell('tensor_parallel_size', config.tensor_parallel_size)}"
-                " is not supported yet")
     if not config.enable_prefix_caching:
         # A producer serves blocks from its prefix cache, a consumer takes them into its own.
         return f"{name}: {kv.kv_role} needs prefix caching; turn {config.setting('enable_prefix_caching')} on"

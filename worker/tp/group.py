@@ -7,9 +7,8 @@
 Rank 0 starts the other ranks as programs of their own (their `RankLaunch`, msgpack on their
 stdin, never pickled), and they meet in `init_process_group` (NCCL on CUDA, each rank on
 cuda:rank; gloo on the CPU) through a TCP store on the loopback that rank 0 holds. Every step
-rank 0 runs, it first broadcasts (`StepChannel`): a header [payload bytes, fed tokens], the
-`PackedStep` as msgpack bytes, and the token ids the step before sampled that the step feeds
-from the device. A header of zeros stops the ranks.
+rank 0 runs, and every read or write of KV blocks for another worker (disaggregated prefill:
+worker/tp/kv_shards.py), it first broadcasts to the others (worker/tp/channel.py).
 
 No rank outlives the group: a rank exits when its stdin (held open by rank 0) reaches EOF, or
 when a collective fails; rank 0 leaves with status 1 the moment a rank exits before being told
@@ -18,6 +17,7 @@ to, so the gateway restarts the whole worker.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -27,12 +27,16 @@ import sys
 import threading
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from spillway.protocol.config import WorkerConfig, encode_launch, read_launch
 from spillway.protocol.tensor_parallel import feature_problems, layout_problems
 from spillway.worker.runner.executor import PackedStep
+from spillway.worker.tp.channel import RankChannel
+from spillway.worker.runner.kv_block_io import KvLayout
+from spillway.worker.tp.kv_shards import rank_layout, read_blocks_of_ranks, write_blocks_of_ranks
 
 logger = logging.getLogger("spillway.worker")
 
@@ -87,48 +91,8 @@ def read_rank_launch(fd: int) -> RankLaunch:
     return read_launch(fd, RankLaunch, "rank 0")
 
 
-class StepChannel:
-    """Rank 0's packed steps, broadcast to every rank over the process group's device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(PackedStep)
-
-    def send(self, step: PackedStep, fed_tokens: torch.Tensor | None) -> None:
-        """On rank 0: the step, then the fed tokens it reads (rows up to its largest source)."""
-        payload = self._encoder.encode(step)
-        num_fed = max(step.feed_sources) + 1 if fed_tokens is not None else 0
-        self._broadcast(torch.tensor([len(payload), num_fed], dtype=torch.int64))
-        self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        if num_fed:
-            dist.broadcast(fed_tokens[:num_fed].to(torch.int64).contiguous(), src=0)
-
-    def stop(self) -> None:
-        self._broadcast(torch.zeros(2, dtype=torch.int64))
-
-    def receive(self) -> tuple[PackedStep | None, torch.Tensor | None]:
-        """On the other ranks: the next step and its fed tokens (on the device); None to stop."""
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=0)
-        num_bytes, num_fed = header.tolist()
-        if num_bytes == 0:
-            return None, None
-        payload = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        dist.broadcast(payload, src=0)
-        step = self._decoder.decode(payload.cpu().numpy().tobytes())
-        fed_tokens = None
-        if num_fed:
-            fed_tokens = torch.empty(num_fed, dtype=torch.int64, device=self.device)
-            dist.broadcast(fed_tokens, src=0)
-        return step, fed_tokens
-
-    def _broadcast(self, host_tensor: torch.Tensor) -> None:
-        dist.broadcast(host_tensor.to(self.device), src=0)
-
-
 class RankGroup:
-    """Rank 0's side of the group: the other ranks' processes, the step channel, the stop."""
+    """Rank 0's side of the group: the other ranks' processes, the channel to them, the stop."""
 
     def __init__(self, config: WorkerConfig, device: torch.device) -> None:
         """Start ranks 1..N-1 and join them in the default process group (rank 0 on `device`'s
@@ -149,7 +113,7 @@ class RankGroup:
             threading.Thread(target=self._watch, args=(rank, process), name=f"spillway-rank-{rank}-watch",
                              daemon=True).start()
         join_group(store, 0, self.world_size, self.device)
-        self.channel = StepChannel(self.device)
+        self.channel = RankChannel(self.device)
         logger.info("tensor parallel group of %d ranks (%s) up: ranks 1..%d are processes %s", self.world_size,
                     dist.get_backend(), self.world_size - 1, [p.pid for p in self.processes])
 
@@ -158,8 +122,28 @@ class RankGroup:
         return 0, self.world_size
 
     def send_step(self, step: PackedStep, fed_tokens: torch.Tensor | None) -> None:
+        with self._collective():
+            self.channel.send_step(step, fed_tokens)
+
+    def kv_layout(self, pool: torch.Tensor) -> KvLayout:
+        """A block of this worker as another worker must match it: every rank's share."""
+        return rank_layout(pool, self.world_size)
+
+    def read_kv_blocks(self, pool: torch.Tensor, slots: list[int]) -> np.ndarray:
+        """Every rank's KV of the pool's `slots`, block by block (worker/tp/kv_shards.py)."""
+        with self._collective():
+            return read_blocks_of_ranks(self.channel, pool, slots)
+
+    def write_kv_blocks(self, pool: torch.Tensor, payload: memoryview | bytes, pairs: list[tuple[int, int]]) -> None:
+        """Block `index` of `payload` into slot `slot` of every rank's pool, for each `(index,
+        slot)` of `pairs` (worker/tp/kv_shards.py)."""
+        with self._collective():
+            write_blocks_of_ranks(self.channel, pool, payload, pairs)
+
+    @contextlib.contextmanager
+    def _collective(self):
         try:
-            self.channel.send(step, fed_tokens)
+            yield
         except BaseException:
             self._broken = True  # a rank is gone: a stop message would wait for it in vain
             raise
@@ -176,7 +160,8 @@ class RankGroup:
         os._exit(1)
 
     def stop(self) -> None:
-        """Tell the ranks to stop (when the group still works), then wait for them, briefly."""
+        """Tell the ranks to stop (when the group still works), wait for them, briefly, and leave
+        the process group (so that this process may start another)."""
         if self._stopping:
             return
         self._stopping = True
@@ -192,3 +177,5 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()

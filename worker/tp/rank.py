@@ -2,7 +2,8 @@
 
 It reads its `RankLaunch` on stdin, joins the group, starts its executor exactly as rank 0 does
 (worker/runner/executor_start.py: its shard of the model, its own heads' KV pool of the group's
-block count, the same graphs), then runs every step rank 0 broadcasts until told to stop.
+block count, the same graphs), then runs every step rank 0 broadcasts until told to stop, and its
+share of every read or write of KV blocks for another worker (worker/tp/kv_shards.py).
 It samples nothing and talks to no gateway. Its stdin's EOF (rank 0 gone, however it ended)
 ends it at once, even mid-load; so does a collective that fails (status 1).
 """
@@ -21,8 +22,9 @@ from spillway.kernels.utils import use_programmatic_launch
 from spillway.worker.runner.device_settings import resolve_device_settings
 from spillway.worker.runner.executor_start import build_executor, finish_start, pool_blocks
 from spillway.worker.models import loader
-from spillway.worker.tp.group import (GROUP_TIMEOUT, STORE_HOST, RankLaunch, StepChannel, join_group,
-                                      rank_device, read_rank_launch)
+from spillway.worker.tp.channel import KvRead, KvWrite, RankChannel
+from spillway.worker.tp.group import GROUP_TIMEOUT, STORE_HOST, RankLaunch, join_group, rank_device, read_rank_launch
+from spillway.worker.tp.kv_shards import send_own_share, write_own_share
 
 logger = logging.getLogger("spillway.worker")
 
@@ -52,13 +54,19 @@ def run_rank(launch: RankLaunch) -> None:
                                       kv_cache_dtype=kv_cache_dtype, shard=(launch.rank, launch.world_size))
     executor.allocate_kv_cache(pool_blocks(executor, config, limits, tensor_parallel=True))
     finish_start(executor, config)
-    channel = StepChannel(device)
+    channel = RankChannel(device)
+    pool = executor.runner.kv_cache
     with torch.inference_mode():
         while True:
-            step, fed_tokens = channel.receive()
-            if step is None:
+            message, tensor = channel.receive()
+            if message is None:
                 return
-            executor.execute(step, fed_tokens)
+            if isinstance(message, KvRead):
+                send_own_share(pool, message.slots)
+            elif isinstance(message, KvWrite):
+                write_own_share(pool, tensor, launch.rank, launch.world_size, message.slots)
+            else:
+                executor.execute(message, tensor)
 
 
 def main() -> int:

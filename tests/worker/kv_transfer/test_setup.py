@@ -48,8 +48,6 @@ def test_the_log_line_names_the_role_the_server_and_the_transport_that_runs():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(tensor_parallel_size=2), "--kv-transfer-config: disaggregated prefill with --tensor-parallel-size 2 is "
-                                   "not supported yet"),
     (dict(enable_prefix_caching=False), "--kv-transfer-config: kv_producer needs prefix caching; turn "
                                         "--enable-prefix-caching on"),
 ])

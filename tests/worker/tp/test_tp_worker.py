@@ -21,7 +21,7 @@ from spillway.worker.runner.model_runner import ChunkInput
 from spillway.worker.models import build_model
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.core.step_plan import KVCopies
-from spillway.worker.tp.group import StepChannel
+from spillway.worker.tp.channel import RankChannel
 from tiny_models import save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3, save_tiny_qwen3_moe
 
 CPU = torch.device("cpu")
@@ -119,11 +119,11 @@ FED = torch.tensor([11, 12, 13, 14])
 
 def _broadcast_rank(rank: int, rendezvous: str, queue) -> None:
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
-    channel = StepChannel(CPU)
+    channel = RankChannel(CPU)
     try:
         if rank == 0:
             for step in STEPS:
-                channel.send(step, FED if step.feed_rows else None)
+                channel.send_step(step, FED if step.feed_rows else None)
             channel.stop()
             return
         received = []

@@ -1,0 +1,78 @@
+"""Disaggregated prefill between tensor-parallel workers on the CPU (two gloo ranks each, a tiny
+Qwen3 whose 2 KV heads are split): `LLM` with a prefill and a decode worker of two ranks each
+generates what one two-rank worker does, every rank's share of each block moved; a consumer of
+another size refuses the blocks by their layout. And each rank's share of a block, read and
+written in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zmq
+from kv_transfer_pair import BLOCK, generate, kv_engine, run, tokens
+from tiny_models import save_tiny_qwen3
+
+from spillway.gateway import LLM, SamplingParams
+from spillway.worker.kv_transfer.links import KvLinks
+from spillway.worker.tp.kv_shards import rank_layout, read_own_share, write_own_share
+
+PROMPTS = [[(11 * i + 7) % 250 + 2 for i in range(40)], [(5 * i + 3) % 250 + 2 for i in range(100)]]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+def test_llm_with_two_rank_prefill_and_decode_workers_generates_what_a_two_rank_engine_does(tiny_qwen3):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for name, arguments in (("one", {}), ("disaggregated", {"prefill_workers": 1, "decode_workers": 1})):
+        with LLM(tiny_qwen3, tensor_parallel_size=2, device="cpu", max_model_len=256, **arguments) as llm:
+            outputs[name] = [list(out.outputs[0].token_ids) for out in
+                             llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+            if name == "disaggregated":
+                stats = llm.stats()
+    assert outputs["disaggregated"] == outputs["one"] and all(len(ids) == 8 for ids in outputs["one"])
+    # Every full block but a last token's, each two ranks' shares of 2 layers x K and V x 16 tokens x 1 head x 16.
+    block_bytes = 2 * (2 * 2 * BLOCK * 1 * 16 * 4)
+    moved = sum((len(prompt) - 1) // BLOCK for prompt in PROMPTS) * block_bytes
+    assert stats.kv_transfer_bytes_received == stats.kv_transfer_bytes_sent == moved
+    assert stats.kv_transfer_failures == 0
+
+
+def test_a_consumer_of_another_size_refuses_the_blocks_by_their_layout(tiny_qwen3, tmp_path):
+    ctx = zmq.Context()
+    producer = kv_engine("kv_producer", num_blocks=16, model=tiny_qwen3, tensor_parallel_size=2)
+    consumer = kv_engine("kv_consumer", num_blocks=16, model=tiny_qwen3)
+    producer_links, links = KvLinks(ctx, producer, f"ipc://{tmp_path}/kv", None), KvLinks(ctx, consumer, None, None)
+    try:
+        prompt = PROMPTS[1]
+        run(producer, generate(producer, "prefill", prompt, 1))
+        deltas = run(consumer, generate(consumer, "decode", prompt, 4, producer_links.address), links, producer_links)
+        assert len(deltas) == 1 and deltas[0].error is not None
+        share = list(producer.runner.kv_cache.shape[1:])
+        assert (f"its blocks are float32 {[2, *share]}; this worker's are float32 "
+                f"{list(consumer.runner.kv_cache.shape[1:])}") in deltas[0].error
+        assert consumer.block_manager.num_free_blocks == 16
+    finally:
+        for link, engine in ((producer_links, producer), (links, consumer)):
+            link.close()
+            engine.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_ranks_share_of_each_block_is_read_and_written_in_place():
+    pools = [torch.randn(6, 2, 2, 4, 1, 3) for _ in range(2)]  # two ranks' pools: [slots, layers, sides, block, heads, dim]
+    slots = [4, 1, 2]
+    shares = [read_own_share(pool, slots) for pool in pools]
+    assert torch.equal(shares[1][0].view(torch.float32).reshape(pools[1][4].shape), pools[1][4])
+    blocks = torch.stack(shares, dim=1)  # as rank 0 lays them out: a block's ranks one after another
+    assert rank_layout(pools[0], 2).block_bytes == blocks[0].numel()
+    targets = [torch.zeros_like(pool) for pool in pools]
+    for rank, target in enumerate(targets):
+        write_own_share(target, blocks, rank, 2, [0, 5, 3])
+    for rank in range(2):
+        for source, destination in zip(slots, [0, 5, 3]):
+            assert torch.equal(targets[rank][destination], pools[rank][source])
+        assert not targets[rank][[1, 2, 4]].any()

@@ -1,0 +1,88 @@
+"""A tensor-parallel worker's KV blocks read and written whole, for another worker
+(disaggregated prefill: worker/runner/kv_block_io.py is the one-rank case).
+
+Each rank's pool holds its own KV heads of every block (its share: `[num_layers, kv_sides,
+block_size, its kv_heads, head_dim]`, replicated heads included), at the same slots on every
+rank. A block as it travels is the ranks' shares one after another, rank 0 first:
+
+    block   [world_size, one rank's block]    `rank_layout`: the shape another worker matches
+
+so only a worker of the same tensor-parallel size and head split takes it (a consumer checks
+the layout: kv_pulls.answer_problem). Rank 0 broadcasts each read or write first
+(worker/tp/channel.py); the other ranks run their share when they receive it:
+
+    read    every rank selects its share of the slots on its device, in order; rank 0 gathers
+            them (a collective) and lays them out block by block in host memory
+    write   rank 0 stages the blocks named, sends them to every rank (a broadcast), and each
+            rank copies its share into its slots, on its current stream: after every step
+            launched before, before every step launched after
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spillway.worker.runner.kv_block_io import KvLayout
+
+
+def rank_layout(pool: torch.Tensor, world_size: int) -> KvLayout:
+    """The layout of a block as a worker of `world_size` ranks, each with `pool`'s shape, sends it."""
+    return KvLayout(str(pool.dtype).removeprefix("torch."), (world_size, *pool.shape[1:]),
+                    world_size * pool[0].nbytes)
+
+
+def read_own_share(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+    """This rank's share of the pool's `slots`, in order: uint8 `[len(slots), share bytes]` on the pool's device."""
+    index = torch.tensor(list(slots), dtype=torch.int64, device=pool.device)
+    return _bytes_by_slot(pool).index_select(0, index)
+
+
+def send_own_share(pool: torch.Tensor, slots: Sequence[int]) -> None:
+    """On a rank other than 0: its share of a read, to rank 0."""
+    dist.gather(read_own_share(pool, slots), dst=0)
+
+
+def read_blocks_of_ranks(channel, pool: torch.Tensor, slots: Sequence[int]) -> np.ndarray:
+    """On rank 0: every rank's share of the pool's `slots`, block by block in host memory
+    (the module's layout), after every step each rank launched before."""
+    channel.send_kv_read(list(slots))
+    own = read_own_share(pool, slots)
+    shares = [torch.empty_like(own) for _ in range(dist.get_world_size())]
+    dist.gather(own, shares, dst=0)
+    return torch.stack(shares, dim=1).cpu().numpy().reshape(-1)
+
+
+def write_blocks_of_ranks(channel, pool: torch.Tensor, payload: memoryview | bytes,
+                          pairs: Sequence[tuple[int, int]]) -> None:
+    """On rank 0: block `index` of `payload` (the module's layout) into slot `slot` of every
+    rank's pool, for each `(index, slot)` of `pairs`."""
+    if not pairs:
+        return
+    world_size = dist.get_world_size()
+    block_bytes = world_size * pool[0].nbytes
+    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
+    # The blocks named, gathered in one pass into writable memory (the indexes lie in the
+    # payload, checked by the caller), then to the device the group broadcasts from.
+    staged = np.take(blocks.reshape(-1, block_bytes), [index for index, _ in pairs], axis=0, mode="clip")
+    staged_blocks = torch.from_numpy(staged).to(pool.device)
+    slots = [slot for _, slot in pairs]
+    channel.send_kv_write(slots, staged_blocks.reshape(-1))
+    write_own_share(pool, staged_blocks, 0, world_size, slots)
+
+
+def write_own_share(pool: torch.Tensor, blocks: torch.Tensor, rank: int, world_size: int,
+                    slots: Sequence[int]) -> None:
+    """This rank's share of `blocks` (uint8, the module's layout, one block per slot) into its
+    pool's `slots`, on the current stream."""
+    shares = blocks.reshape(len(slots), world_size, -1)[:, rank]
+    index = torch.tensor(list(slots), dtype=torch.int64, device=pool.device)
+    _bytes_by_slot(pool).index_copy_(0, index, shares.contiguous())
+
+
+def _bytes_by_slot(pool: torch.Tensor) -> torch.Tensor:
+    """A view of the pool: one row of bytes per slot."""
+    return pool.view(torch.uint8).view(pool.shape[0], -1)
