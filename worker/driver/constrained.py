@@ -46,9 +46,15 @@ class ConstrainedRequests:
         self._compiling: dict[str, _Compiling] = {}
         self._bitmask = HostBitmask(compiler.allocate_bitmask(max_num_seqs), device)
 
-    def add(self, request: Request) -> None:
-        self._compiling[request.request_id] = _Compiling(
-            request, self.compiler.submit(request.params.structured), time.monotonic() + self.compile_timeout_s)
+    def start(self, request: Request) -> tuple[Future, float]:
+        """A compile of `request`'s grammar, begun now, and its deadline: for a request that
+        must wait for something else first (its KV blocks), handed to `add` after."""
+        return self.compiler.submit(request.params.structured), time.monotonic() + self.compile_timeout_s
+
+    def add(self, request: Request, started: tuple[Future, float] | None = None) -> None:
+        """`request` waits here until its grammar compiled: the compile `started` (`start`), or one begun now."""
+        future, deadline = started or self.start(request)
+        self._compiling[request.request_id] = _Compiling(request, future, deadline)
 
     @property
     def num_compiling(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -200,11 +201,12 @@ class Engine:
             return _error(msg.request_id, str(exc))
         return None
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, compile: tuple[Future, float] | None = None) -> None:
         """Into the scheduler, or, with a grammar, the constrained queue (it joins the scheduler
-        once its grammar compiled); ValueError for a request refused."""
+        once its grammar compiled: the `compile` begun for it, if one was); ValueError for a
+        request refused."""
         if request.params.structured is not None:
-            self.constrained.add(request)
+            self.constrained.add(request, compile)
         else:
             self.scheduler.add(request)
 
@@ -283,10 +285,12 @@ class Engine:
             raise ValueError(problem)
         self.scheduler.hash_prompt(request)
         missing = self._missing_blocks(request)
-        if missing:
-            self.kv_pulls.add(request, address, missing)
-        else:
+        if not missing:
             self._release(request)
+            return
+        # A grammar compiles while the blocks travel: the request is ready when both are.
+        compile = self.constrained.start(request) if request.params.structured is not None else None
+        self.kv_pulls.add(request, address, missing, compile)
 
     def _missing_blocks(self, request: Request) -> list[bytes]:
         """The prompt's block hashes a prefix lookup could use and this worker does not hold,
@@ -328,7 +332,7 @@ class Engine:
             if self.debug_invariants:
                 self.block_manager.check_invariants()
         self.kv_counters.received(len(payload), time.monotonic() - pending.sent)
-        return self._release_or_refuse(pending.request)
+        return self._release_or_refuse(pending)
 
     def fail_kv_pull(self, transfer_id: str, problem: str) -> list[RequestDelta]:
         """The pull `transfer_id` cannot be sent or answered (`problem`): kv_load_failure_policy."""
@@ -356,11 +360,12 @@ class Engine:
         if self.config.kv_transfer.kv_load_failure_policy == "fail":
             return [_error(pending.request.request_id, error)]
         self.kv_pulls.warn(f"{error}; the prompt is computed instead (kv_load_failure_policy recompute)")
-        return self._release_or_refuse(pending.request)
+        return self._release_or_refuse(pending)
 
-    def _release_or_refuse(self, request: Request) -> list[RequestDelta]:
+    def _release_or_refuse(self, pending: PendingPull) -> list[RequestDelta]:
+        request = pending.request
         try:
-            self._release(request)
+            self._release(request, pending.compile)
         except ValueError as exc:
             return [_error(request.request_id, str(exc))]
         return []

@@ -4,7 +4,8 @@ any of its blocks is taken, and the transfer counters Stats report.
 
     Engine.add_request ─ add ─▶ waiting ─ take_outgoing ─▶ KvPull sent (its deadline starts)
         ─▶ answered: the answer checked (`answer_problem`), its blocks adopted, the request
-           released to the scheduler (or the constrained queue)
+           released to the scheduler (or the constrained queue, its grammar's compile begun
+           when it was added, so that the compile and the transfer overlap)
         ─▶ expired: no answer by the deadline; kv_load_failure_policy applies
         ─▶ abort: gone; an answer for it later finds nothing here and is dropped
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from spillway.protocol.config import WorkerConfig, setting_name
@@ -50,6 +52,8 @@ class PendingPull:
     block_hashes: list[BlockHash]  # asked, in prompt order: from the first the consumer lacks
     sent: float = 0.0  # when handed out to be sent (monotonic); 0 until then
     deadline: float = math.inf
+    # A constrained request's grammar compile and its deadline, begun while its blocks travel.
+    compile: tuple[Future, float] | None = None
 
 
 @dataclass(slots=True)
@@ -91,8 +95,9 @@ class KvPulls:
     def request_ids(self) -> list[str]:
         return list(self._waiting)
 
-    def add(self, request: Request, address: str, block_hashes: list[BlockHash]) -> None:
-        pending = PendingPull(request, address, block_hashes)
+    def add(self, request: Request, address: str, block_hashes: list[BlockHash],
+            compile: tuple[Future, float] | None = None) -> None:
+        pending = PendingPull(request, address, block_hashes, compile=compile)
         self._waiting[request.request_id] = pending
         self._unsent.append(pending)
 

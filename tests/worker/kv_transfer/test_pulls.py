@@ -102,6 +102,32 @@ def test_a_constrained_request_compiles_its_grammar_once_its_blocks_are_pulled(p
     assert deltas[0].num_cached_tokens == usable_blocks(prompt) * BLOCK
 
 
+def test_a_constrained_requests_grammar_compiles_while_its_blocks_travel(producer, consumer, monkeypatch):
+    """The compile begins when the request is held for its pull, not when the blocks have come,
+    and it is not begun again on its release."""
+    (producer_engine, producer_links), (engine, links) = producer, consumer
+    prompt = PROMPTS[40]
+    assert producer_engine.reset_prefix_cache() and engine.reset_prefix_cache()
+    prefill(producer_engine, prompt)
+    submitted = []
+    submit = engine.constrained.compiler.submit
+    monkeypatch.setattr(engine.constrained.compiler, "submit", lambda spec: submitted.append(spec) or submit(spec))
+    msg = generate(engine, "overlap", prompt, 8, producer_links.address)
+    choice = StructuredOutput(kind=StructuredKind.CHOICE, spec='["left", "right"]')
+    msg = msgspec.structs.replace(msg, params=msgspec.structs.replace(msg.params, ignore_eos=False, structured=choice))
+    assert engine.add_request(msg) is None
+    assert "overlap" in engine.kv_pulls and submitted == [choice]  # held for its blocks, compiling already
+    deltas = []
+    while engine.has_work:  # as kv_transfer_pair.run drives it, the request already in
+        links.send_pulls()
+        producer_links.handle(20)
+        links.handle(20 if engine.waits_for_pulls else 0)
+        deltas += links.take_deltas() + engine.step()
+    assert submitted == [choice]  # not compiled again when its blocks came
+    assert deltas[-1].request_id == "overlap" and deltas[-1].finish_reason == FinishReason.STOP
+    assert deltas[0].num_cached_tokens == usable_blocks(prompt) * BLOCK
+
+
 def test_blocks_the_producer_evicted_are_computed(producer, consumer, recomputing_consumer):
     (producer_engine, producer_links), (engine, links) = producer, consumer
     prompt = PROMPTS[100]
