@@ -3,8 +3,8 @@ gateway (before a worker starts, with the flag's name) and by the worker (before
 start). The worker's sharding (worker/models/tensor_parallel.py) splits query heads, KV heads
 (replicating them when fewer than the ranks and dividing their number), the MLP's intermediate
 size and a mixture of experts' expert width (Qwen3-MoE's `moe_intermediate_size`; Mixtral's
-is its `intermediate_size`) evenly; it does not shard MLA models (DeepSeek V2/V3) yet. Imports
-only the standard library."""
+is its `intermediate_size`) evenly; an MLA model's (DeepSeek V2/V3) query heads split and its
+latent row is every rank's. Imports only the standard library."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from collections.abc import Mapping
 
 def layout_problems(size: int, config: Mapping) -> list[str]:
     """Why `size` ranks cannot split the model of Hugging Face `config` (a config.json's values)."""
-    if size > 1 and config.get("kv_lora_rank"):
-        return [f"MLA models (DeepSeek V2/V3, latent attention) are not split across {size} ranks yet; use 1"]
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
+    # MLA (DeepSeek V2/V3): one latent row a token, every rank's whole; only the query heads split.
+    kv_heads = 1 if config.get("kv_lora_rank") else config.get("num_key_value_heads") or heads
     intermediate = config["intermediate_size"]
     problems = []
     if heads % size:

@@ -26,10 +26,11 @@ def test_a_dense_model_has_no_expert_width_to_split():
     assert "moe_intermediate_size" not in config
 
 
-def test_an_mla_model_is_not_split_yet():
-    """DeepSeek's latent attention keeps one KV row a token: its sharding is not built."""
+def test_an_mla_model_splits_its_query_heads_and_keeps_its_latent_whole():
+    """DeepSeek's latent attention keeps one KV row a token, every rank's whole: only the query
+    heads (and the MLP and experts' widths) must divide."""
     config = {"model_type": "deepseek_v3", "num_attention_heads": 128, "num_key_value_heads": 128,
               "intermediate_size": 18432, "moe_intermediate_size": 2048, "kv_lora_rank": 512}
-    assert layout_problems(2, config) == [
-        "MLA models (DeepSeek V2/V3, latent attention) are not split across 2 ranks yet; use 1"]
-    assert layout_problems(1, config) == []
+    assert layout_problems(8, config) == []
+    assert layout_problems(3, config) == ["3 does not divide the model's 128 attention heads",
+                                          "3 does not divide the model's experts' intermediate size 2048"]

@@ -7,6 +7,9 @@ checkpoint tensor is read as this rank's part only (safetensors' lazy slices), t
     checkpoint tensor            rank r reads
     q_proj, k_proj, v_proj       the rows of its query heads / of its KV heads (a replicated
                                    head's rows on every rank whose query heads read it)
+    MLA: q_proj or q_b_proj,     the rows of its query heads (qk_head_dim, nope + v, a head);
+      kv_b_proj, o_proj            o_proj's columns of its heads (v_head_dim each); q_a_proj,
+                                   kv_a_proj_with_mqa and the latent norms all of it
     gate_proj, up_proj           its rows of the intermediate size (an expert's: of the
                                    expert's; the shared experts': of theirs)
     o_proj, down_proj            the matching input columns; the bias on rank 0 only
@@ -36,6 +39,7 @@ from torch import nn
 
 from spillway.worker.models import loader, model_class_for
 from spillway.worker.models.fp8_checkpoint import dequantized_weights, fp8_checkpoint_of
+from spillway.worker.models.spec import MlaSpec
 from spillway.worker.models.tensor_parallel import ShardLayout, shard_model
 
 _ALL = (slice(None),)
@@ -54,7 +58,8 @@ def load_shard(hf_config, files: loader.ModelFiles, rank: int, world_size: int, 
     model_class = model_class_for(hf_config)
     with torch.device("meta"):
         whole = model_class(hf_config)  # no storage: only its checkpoint shapes are read
-    parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim, whole.checkpoint_shapes())
+    parts = ShardParts(ShardLayout.plan(whole.spec, rank, world_size), whole.head_dim, whole.checkpoint_shapes(),
+                       whole.spec.mla)
     model = model_class.build(hf_config, device=device, dtype=dtype,
                               reshape=partial(shard_model, rank=rank, world_size=world_size))
     checkpoint = fp8_checkpoint_of(hf_config)
@@ -76,6 +81,7 @@ class ShardParts:
     layout: ShardLayout
     head_dim: int
     shapes: dict[str, tuple[int, ...]]
+    mla: MlaSpec | None = None  # an MLA model's dimensions: its heads are cut by these
 
     def index(self, name: str, shape: list[int]) -> tuple[slice, ...] | None:
         """The index of the part of checkpoint tensor `name` that the rank keeps, None for a
@@ -84,10 +90,17 @@ class ShardParts:
         if expected is not None and tuple(shape) != expected:
             raise ValueError(f"weight {name} has shape {tuple(shape)}, expected {expected}")
         layout = self.layout
-        heads = _rows(layout.first_head * self.head_dim, layout.num_heads * self.head_dim)
+        heads = self._heads(self.head_dim)
         projection, kind = _projection_and_kind(name)
         size = self._width(name)
+        mla = self.mla
         match _EXPERT_PROJECTIONS.get(projection, projection):
+            case "q_proj" | "q_b_proj" if mla is not None:
+                return (self._heads(mla.qk_head_dim),)
+            case "kv_b_proj":
+                return (self._heads(mla.qk_nope_head_dim + mla.v_head_dim),)
+            case "o_proj" if mla is not None and kind == "weight":
+                return (slice(None), self._heads(mla.v_head_dim))
             case "q_proj":
                 return (heads,)
             case "k_proj" | "v_proj":
@@ -110,6 +123,10 @@ class ShardParts:
                 return (slice(start, min(start + layout.vocab_rows, shape[0])),)
             case _:
                 return _ALL
+
+    def _heads(self, per_head: int) -> slice:
+        """The rows of the rank's query heads in a tensor of `per_head` rows a head."""
+        return _rows(self.layout.first_head * per_head, self.layout.num_heads * per_head)
 
     def cut(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The rank's part of each whole tensor of `weights`, as `index` says."""

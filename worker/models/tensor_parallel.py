@@ -11,6 +11,11 @@ all-reduces put the slices back together; the logits are gathered once:
                      the others; all_reduce
     lm_head        vocab-parallel: rank r scores its slice; all_gather into the full logits
 
+An MLA layer (mla.py, DeepSeek V2/V3) splits its query heads the same way: the rows of the
+query projection and of kv_b_proj (W_UK, W_UV) for rank r's heads, o_proj row-parallel; its
+latent row (kv_a_proj_with_mqa and its norm, q_a_proj) is every head's, so each rank computes
+and caches the whole latent (its pool is the same on every rank).
+
 A mixture-of-experts layer (sparse_moe.py) keeps every expert on every rank, each cut as the
 MLP is: rank r holds its slice of each expert's width (gate_up_proj its gate rows and its up
 rows, down_proj the matching columns), and so of the shared experts' width. The router is
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spillway.worker.models.llama import Attention, LlamaForCausalLM
+from spillway.worker.models.mla import MlaAttention
 from spillway.worker.models.mlp import MLP
 from spillway.worker.models.sparse_moe import SparseMoeBlock
 from spillway.worker.models.spec import DecoderSpec, MoeSpec
@@ -69,10 +75,7 @@ class ShardLayout:
     def plan(cls, spec: DecoderSpec, rank: int, world_size: int) -> ShardLayout:
         """The layout, or ValueError naming the sizes that do not split over `world_size` ranks."""
         assert 0 <= rank < world_size, f"rank {rank} outside a group of {world_size}"
-        if spec.mla is not None and world_size > 1:
-            raise ValueError(f"tensor parallel size {world_size}: MLA models (DeepSeek V2/V3) are not sharded yet; "
-                             "serve them with tensor_parallel_size 1")
-        heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads  # an MLA model's: its one latent head
         if heads % world_size:
             raise ValueError(f"tensor parallel size {world_size} does not divide the model's {heads} attention heads")
         if (kv_heads % world_size if kv_heads >= world_size else world_size % kv_heads):
@@ -122,7 +125,10 @@ def shard_model(model: LlamaForCausalLM, rank: int, world_size: int,
     layout = ShardLayout.plan(model.spec, rank, world_size)
     with torch.no_grad():
         for layer in model.model.layers:
-            _shard_attention(layer.self_attn, layout, group)
+            if isinstance(layer.self_attn, MlaAttention):
+                _shard_mla(layer.self_attn, layout, group)
+            else:
+                _shard_attention(layer.self_attn, layout, group)
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp = _shard_moe(layer.mlp, layout, group)
             else:
@@ -223,6 +229,24 @@ def _shard_attention(attn: Attention, layout: ShardLayout, group: dist.ProcessGr
     attn.o_proj = _row_parallel(attn.o_proj, q_rows, layout, group)
     attn.num_heads, attn.num_kv_heads = layout.num_heads, layout.num_kv_heads
     attn.q_size, attn.kv_size = layout.num_heads * head_dim, layout.num_kv_heads * head_dim
+
+
+def _shard_mla(attn: MlaAttention, layout: ShardLayout, group: dist.ProcessGroup | None) -> None:
+    """Rank r keeps its query heads: their rows of the query projection (q_proj, or q_b_proj
+    after the replicated q_a_proj), of kv_b_proj (W_UK, W_UV), and their input columns of
+    o_proj. The latent row (kv_a_proj_with_mqa, its norm) is every head's, so every rank
+    computes and caches it whole."""
+    mla = attn.mla
+    query = attn.q_proj if mla.q_lora_rank is None else attn.q_b_proj
+    _keep_output_rows(query, [_range(layout.first_head * mla.qk_head_dim, layout.num_heads * mla.qk_head_dim)])
+    up = attn.kv_b_proj
+    per_head = mla.qk_nope_head_dim + mla.v_head_dim
+    rows = _range(layout.first_head * per_head, layout.num_heads * per_head)
+    up.weight = nn.Parameter(up.weight[rows.start : rows.stop].contiguous(), requires_grad=False)
+    up.num_heads = layout.num_heads
+    attn.o_proj = _row_parallel(attn.o_proj, _range(layout.first_head * mla.v_head_dim,
+                                                    layout.num_heads * mla.v_head_dim), layout, group)
+    attn.num_heads = layout.num_heads
 
 
 def _shard_mlp(mlp: MLP, layout: ShardLayout, group: dist.ProcessGroup | None) -> None:

@@ -187,10 +187,13 @@ def test_the_softmax_scale_folds_yarn_s_mscale_as_transformers_does():
     assert mla_softmax_scale(192, yarn) > 192**-0.5 * 1.5  # mscale 1.26, squared
 
 
-def test_tensor_parallelism_is_refused_for_mla():
+def test_a_rank_of_an_mla_model_holds_its_query_heads_and_the_whole_latent_head():
     spec = DecoderSpec.from_config(tiny_deepseek_v2(num_layers=1).config)
-    with pytest.raises(ValueError, match="MLA models .* are not sharded yet"):
-        ShardLayout.plan(spec, 0, 2)
+    layouts = [ShardLayout.plan(spec, rank, 2) for rank in range(2)]
+    assert [(layout.first_head, layout.num_heads) for layout in layouts] == [(0, 2), (2, 2)]
+    assert [(layout.first_kv_head, layout.num_kv_heads) for layout in layouts] == [(0, 1), (0, 1)]
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide the model's 4 attention heads"):
+        ShardLayout.plan(spec, 0, 3)
 
 
 def test_the_pool_is_sized_from_the_latent_row():

@@ -20,7 +20,8 @@ from spillway.worker.models.llama import LlamaForCausalLM
 from spillway.worker.models.shard_loading import load_shard
 from spillway.worker.models.spec import DecoderSpec
 from spillway.worker.models.tensor_parallel import shard_model
-from tiny_models import save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3, save_tiny_qwen3_moe
+from tiny_models import (save_tiny_deepseek_v2, save_tiny_deepseek_v3, save_tiny_llama_with_biases, save_tiny_mixtral,
+                         save_tiny_qwen3, save_tiny_qwen3_moe)
 
 CPU = torch.device("cpu")
 WORLD_SIZE = 2
@@ -32,6 +33,8 @@ CHECKPOINTS = {
     # A sparse and a dense layer; each expert's tensors apart, over several files.
     "qwen3-moe": save_tiny_qwen3_moe,
     "mixtral": save_tiny_mixtral,
+    "deepseek-v2-latent-heads": save_tiny_deepseek_v2,  # MLA without a query LoRA, shared experts
+    "deepseek-v3-query-lora": save_tiny_deepseek_v3,
 }
 # Each layer's experts in two tensors (transformers' names, a converted GGUF's): a rank reads
 # more than its part of gate_up_proj (from its first gate row to its last up row).
@@ -77,11 +80,14 @@ def shard_elements(hf_config, rank: int) -> int:
     expert's too), all of the norms, of the routers and of a replicated KV head, the
     row-parallel biases on rank 0, half the vocabulary."""
     hidden = hf_config.hidden_size
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-    q_rows = hf_config.num_attention_heads // WORLD_SIZE * head_dim
-    kv_rows = max(hf_config.num_key_value_heads // WORLD_SIZE, 1) * head_dim
     intermediate = hf_config.intermediate_size // WORLD_SIZE
-    layer = hidden * (q_rows + 2 * kv_rows) + q_rows * hidden + 2 * hidden  # q/k/v, o_proj, the two norms
+    if getattr(hf_config, "kv_lora_rank", None):
+        layer = mla_attention_elements(hf_config) + 2 * hidden
+    else:
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+        q_rows = hf_config.num_attention_heads // WORLD_SIZE * head_dim
+        kv_rows = max(hf_config.num_key_value_heads // WORLD_SIZE, 1) * head_dim
+        layer = hidden * (q_rows + 2 * kv_rows) + q_rows * hidden + 2 * hidden  # q/k/v, o_proj, the two norms
     if hf_config.model_type in ("qwen3", "qwen3_moe"):
         layer += 2 * head_dim  # q_norm, k_norm
     if getattr(hf_config, "attention_bias", False):
@@ -93,11 +99,26 @@ def shard_elements(hf_config, rank: int) -> int:
     for index in range(hf_config.num_hidden_layers):
         if moe is not None and moe.is_sparse(index):  # the router, then gate/up and down of each expert
             feed_forward += moe.num_experts * hidden * (1 + 3 * moe.expert_intermediate_size // WORLD_SIZE)
+            feed_forward += 3 * hidden * (moe.shared_expert_intermediate_size or 0) // WORLD_SIZE
+            feed_forward += moe.num_experts if moe.correction_bias else 0
         else:
             feed_forward += 3 * hidden * intermediate  # gate/up, down_proj
     vocab_tables = 1 if hf_config.tie_word_embeddings else 2
     vocab_rows = -(-hf_config.vocab_size // WORLD_SIZE)
     return hf_config.num_hidden_layers * layer + feed_forward + hidden + vocab_tables * vocab_rows * hidden
+
+
+def mla_attention_elements(hf_config) -> int:
+    """A rank's latent attention: its query heads' rows of the query projection (after the
+    whole query LoRA) and of kv_b_proj, their columns of o_proj; the latent projection and
+    norms whole."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads // WORLD_SIZE
+    latent, lora = hf_config.kv_lora_rank, hf_config.q_lora_rank
+    query_heads = heads * (hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
+    query = hidden * query_heads if lora is None else hidden * lora + lora + lora * query_heads
+    latent_row = hidden * (latent + hf_config.qk_rope_head_dim) + latent
+    up = heads * (hf_config.qk_nope_head_dim + hf_config.v_head_dim) * latent
+    return query + latent_row + up + heads * hf_config.v_head_dim * hidden
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)

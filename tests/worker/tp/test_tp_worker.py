@@ -22,7 +22,8 @@ from spillway.worker.models import build_model
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.tp.channel import RankChannel
-from tiny_models import save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3, save_tiny_qwen3_moe
+from tiny_models import (save_tiny_deepseek_v3, save_tiny_llama_with_biases, save_tiny_mixtral, save_tiny_qwen3,
+                         save_tiny_qwen3_moe)
 
 CPU = torch.device("cpu")
 # Prompts of several lengths, one past the step budget (so later steps mix its prefill chunk
@@ -63,10 +64,17 @@ def tiny_mixtral(tmp_path_factory) -> str:
     return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"))
 
 
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory) -> str:
+    return save_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny-deepseek-v3"))
+
+
 # Each rank loads its slices of the checkpoint (worker/models/shard_loading.py): KV heads split
 # (Qwen3), or one replicated with every bias, a tied lm_head and a padded vocabulary (Llama);
-# each expert's slice of its width (Qwen3-MoE, with a dense layer; Mixtral).
-@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama_with_biases", "tiny_qwen3_moe", "tiny_mixtral"])
+# each expert's slice of its width (Qwen3-MoE, with a dense layer; Mixtral); DeepSeek V3's query
+# heads of its latent attention, the latent whole on each rank, and its shared expert's slice.
+@pytest.mark.parametrize("checkpoint", ["tiny_qwen3", "tiny_llama_with_biases", "tiny_qwen3_moe", "tiny_mixtral",
+                                        "tiny_deepseek_v3"])
 def test_two_ranks_generate_what_one_process_does(request, checkpoint):
     model = request.getfixturevalue(checkpoint)
     alone = generate(model, 1)
