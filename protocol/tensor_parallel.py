@@ -37,7 +37,4 @@ def feature_problems(size: int, *, cpu_offload_gb: float, speculative: bool) -> 
     if size > 1 and cpu_offload_gb:
         problems.append("the CPU KV tier (--cpu-offload-gb, --kv-offloading-size) does not work with tensor "
                         "parallelism yet")
-    if size > 1 and speculative:
-        problems.append("speculative decoding (--speculative-config, --speculative-model) does not work with "
-                        "tensor parallelism yet")
     return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from spillway.worker.sample.sampler import Sampler
 from spillway.worker.speculative.decoder import SpecDecoder
 from spillway.worker.speculative.proposer import NgramProposer, Proposer, ReplayProposer
 from spillway.worker.speculative.switch import SpeculationSwitch
+
+logger = logging.getLogger(__name__)
 
 # Proposing one token with a draft model, relative to one decode step of the target: a guess
 # for a draft about a tenth of the target's size. Calibrate on the GPU.
@@ -48,6 +51,10 @@ def build_spec_decoder(config: SpeculativeConfig, sampler: Sampler, *, target_vo
                 max_graph_batch_size=min(config.disable_by_batch_size, max_num_seqs) if cuda_graphs else None,
                 pool_blocks=draft_pool_blocks)
             draft_cost = DRAFT_MODEL_COST
+            if config.draft_tensor_parallel_size > 1:
+                logger.info("speculative draft tensor parallel size %d: the draft model runs whole on the first "
+                            "rank's device, beside its shard of the target (a draft is small; it needs no "
+                            "collectives)", config.draft_tensor_parallel_size)
         case _:
             raise AssertionError(config.method)
     switch = SpeculationSwitch(config.num_speculative_tokens, max_batch_size=config.disable_by_batch_size,

@@ -93,13 +93,24 @@ def test_sizes_the_model_cannot_split_are_refused(tiny_qwen3, model, size, numbe
     assert f"LLM(tensor_parallel_size={size}): " in str(refused.value) and numbers in str(refused.value)
 
 
-@pytest.mark.parametrize("settings, named", [
-    (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "--speculative-config"),
-])
-def test_features_not_yet_run_by_ranks_are_refused(tiny_qwen3, settings, named):
-    with pytest.raises(ValueError, match=f"LLM\\(tensor_parallel_size=2\\): .*{named}.*tensor parallelism yet"):
-        LLM(model=tiny_qwen3, tensor_parallel_size=2, device="cpu", **settings)
+def test_the_cpu_tier_is_refused_with_ranks(tiny_qwen3):
+    with pytest.raises(ValueError, match=r"LLM\(tensor_parallel_size=2\): .*--cpu-offload-gb.*tensor parallelism yet"):
+        LLM(model=tiny_qwen3, tensor_parallel_size=2, device="cpu", cpu_offload_gb=1)
+
+
+def test_two_ranks_verify_a_draft_models_tokens_as_one_process_decodes_without(tiny_qwen3):
+    """The draft (here the target itself, so that most drafts are accepted) runs on rank 0 alone;
+    every rank runs each verify step. Exact: the tokens of plain decoding on one process."""
+    speculative = {"method": "draft_model", "model": tiny_qwen3, "num_speculative_tokens": 3}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs, stats = {}, None
+    for name, size, settings in (("plain", 1, {}), ("speculative", 2, {"speculative_config": speculative})):
+        with LLM(model=tiny_qwen3, tensor_parallel_size=size, device="cpu", max_model_len=256, **settings) as llm:
+            outputs[name] = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, greedy, use_tqdm=False)]
+            stats = llm.stats()
+    assert outputs["speculative"] == outputs["plain"]
+    assert stats.spec_num_accepted_tokens > stats.spec_num_drafts > 0
 
 
 def test_a_rank_sizes_its_pool_from_its_own_kv_heads(tiny_qwen3):
