@@ -66,3 +66,21 @@ def run(engine: Engine, msg: Generate, links: KvLinks | None = None, producer: K
 
 def tokens(deltas: list[RequestDelta]) -> list[int]:
     return [token for delta in deltas for token in delta.new_token_ids]
+
+
+def usable_blocks(prompt: list[int]) -> int:
+    """Full prompt blocks a prefix lookup can use: all but a last token's."""
+    return (len(prompt) - 1) // BLOCK
+
+
+def reference(engine: Engine, prompt: list[int], max_tokens: int = 6) -> list[int]:
+    """The greedy tokens of `prompt` computed by `engine` alone, from an empty prefix cache."""
+    assert engine.reset_prefix_cache()
+    computed = tokens(run(engine, generate(engine, "alone", prompt, max_tokens)))
+    assert engine.reset_prefix_cache()
+    return computed
+
+
+def prefill(producer: Engine, prompt: list[int], request_id: str = "prefill") -> list[int]:
+    """The producer's part: the prompt with max_tokens=1; its blocks stay in its prefix cache."""
+    return tokens(run(producer, generate(producer, request_id, prompt, 1)))

@@ -16,6 +16,14 @@ Stores ahead of eviction (`write_ahead_blocks`) run as late as the engine allows
 of the step after the one that planned them, after its forward, unless a step waits for them
 (`wait_for_ahead`) or queues stores behind them (one store stream) first. A slot reused without that wait hands the CPU copy the new block's
 KV, which a later load then brings back to the wrong request's positions.
+
+A step's store batch (`KVCopies.store_batch`) has run once all its stores, ahead ones included,
+have; the host hears of it (`stores_landed`, as the engine's event query) 1..1+`land_delay`
+steps later, in order, and until then does not know what the CPU slots it wrote hold. With
+`check_serves`, after every step the harness plays a producer serving each request's tokens so
+far (`readable_prefix`, as between two steps): every block it says may be read must hold
+exactly its own (position, token) in the pool named, and a CPU slot must not be one whose
+store the host has not heard of.
 """
 
 from __future__ import annotations
@@ -44,6 +52,12 @@ class TierHarness:
                                    block_size=block_size, root_hash=ROOT, eos_token_ids=[NO_EOS],
                                    write_ahead_blocks=write_ahead_blocks)
         self.pending_ahead: tuple[tuple[int, int], ...] = ()  # planned a step ago, not run yet
+        self.pending_ahead_batch = 0  # the store batch they complete
+        self.store_rng = random.Random(seed + 1)  # apart: the loads' timings stay those of `seed`
+        self.store_reports: list[tuple[int, int]] = []  # (store batch, the step from which it is heard of)
+        self.unheard_slots: dict[int, int] = {}  # CPU slot -> the batch whose store the host has not heard of
+        self.check_serves = False
+        self.served = {"gpu": 0, "cpu": 0}  # blocks found readable and checked, per pool
         self.land_delay = land_delay
         self.rng = random.Random(seed)
         self.hold_loads = False  # the device has not finished any load yet: nothing is reported
@@ -61,6 +75,7 @@ class TierHarness:
         self.computed: dict[str, int] = {}  # request id -> tokens computed, over every chunk
         self.cached: dict[str, int] = {}  # request id -> num_cached_tokens reported
         self.plans: list[StepPlan] = []
+        self.requests: list[Request] = []
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, seed: int | None = None) -> Request:
         msg = Generate(request_id=request_id, prompt_token_ids=prompt,
@@ -69,6 +84,7 @@ class TierHarness:
         self.num_added += 1
         request = Request.from_generate(msg, arrival_index=self.num_added)
         self.scheduler.add(request)
+        self.requests.append(request)
         return request
 
     def _copy(self, src: dict, dst: dict, src_slot: int, dst_slot: int) -> None:
@@ -98,6 +114,7 @@ class TierHarness:
     def step(self) -> tuple[StepPlan, list[StepResult]]:
         self.num_steps += 1
         self._report_landed()
+        self._report_stored()
         if not self.pending_ahead:
             self.manager.tier.complete_store()
         scheduler = self.scheduler
@@ -112,6 +129,7 @@ class TierHarness:
             self._store_ahead()  # waited for; or the step's stores queue behind them on one stream
         for gpu_slot, cpu_slot in plan.kv_copies.gpu_to_cpu:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
+        self._stores_ran(copies.gpu_to_cpu, copies.store_batch, batch_done=not copies.ahead_to_cpu)
         sampled = {}
         bs = self.block_size
         for chunk in plan.chunks:
@@ -135,9 +153,11 @@ class TierHarness:
             self.in_flight.append((batch, copies.cpu_to_gpu[start:end], ready))
             start = end
         self._store_ahead()
-        self.pending_ahead = copies.ahead_to_cpu
+        self.pending_ahead, self.pending_ahead_batch = copies.ahead_to_cpu, copies.store_batch
         results = self.scheduler.update(plan, sampled)
         self.manager.check_invariants()
+        if self.check_serves:
+            self._check_serves()
         for result in results:
             self.outputs.setdefault(result.request.request_id, []).extend(result.new_token_ids)
             if result.num_cached_tokens >= 0:
@@ -147,7 +167,40 @@ class TierHarness:
     def _store_ahead(self) -> None:
         for gpu_slot, cpu_slot in self.pending_ahead:
             self._copy(self.gpu, self.cpu, gpu_slot, cpu_slot)
-        self.pending_ahead = ()
+        if self.pending_ahead:
+            self._stores_ran(self.pending_ahead, self.pending_ahead_batch, batch_done=True)
+        self.pending_ahead, self.pending_ahead_batch = (), 0
+
+    def _stores_ran(self, pairs: tuple[tuple[int, int], ...], batch: int, batch_done: bool) -> None:
+        """Stores of `batch` ran (its last ones when `batch_done`): the host hears of it later."""
+        for _, cpu_slot in pairs:
+            self.unheard_slots[cpu_slot] = batch
+        if batch_done and batch:
+            heard = self.num_steps + 1 + self.store_rng.randint(0, self.land_delay)
+            if self.store_reports:
+                heard = max(heard, self.store_reports[-1][1])
+            self.store_reports.append((batch, heard))
+
+    def _report_stored(self) -> None:
+        """The store batches whose time has come are heard of (`stores_landed`)."""
+        while self.store_reports and self.store_reports[0][1] <= self.num_steps:
+            batch, _ = self.store_reports.pop(0)
+            self.manager.stores_landed(batch)
+            self.unheard_slots = {slot: last for slot, last in self.unheard_slots.items() if last > batch}
+
+    def _check_serves(self) -> None:
+        """Every block a producer would serve now holds its own tokens in the pool it is read from."""
+        bs = self.block_size
+        for request in self.requests:
+            tokens = request.all_token_ids
+            prefix = self.manager.readable_prefix(block_hashes(tokens, bs, ROOT))
+            for pool, name, reads in ((self.gpu, "gpu", prefix.gpu_reads), (self.cpu, "cpu", prefix.cpu_reads)):
+                for slot, position in reads:
+                    assert name == "gpu" or slot not in self.unheard_slots, (request.request_id, slot)
+                    for pos in range(position * bs, (position + 1) * bs):
+                        found = pool.get((slot, pos % bs))
+                        assert found == (pos, tokens[pos]), (request.request_id, name, slot, pos, found)
+                self.served[name] += len(reads)
 
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):

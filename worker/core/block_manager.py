@@ -51,6 +51,7 @@ from spillway.worker.core.block_lru import Block, BlockLRU, BlockTable
 from spillway.worker.core.cpu_slots import CpuTier
 from spillway.worker.core.kv_events import KvEventLog
 from spillway.worker.core.prefix_lookup import CachedPrefix, current_prefix, look_up
+from spillway.worker.core.readable_prefix import ReadablePrefix, readable_prefix
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.core.tier import KVTier, NullTier
 
@@ -62,8 +63,8 @@ class BlockManager:
     hits, new blocks in free or evicted slots) -> `commit` (register hashes of full computed
     blocks) -> `free` (release tail-first). A request's slot table covers its tokens in
     order: token t lives in GPU slot `slot_table(request_id)[t // block_size]`. Between
-    workers: `readable_prefix` (a producer's blocks to send) and `adopt` (a consumer's blocks
-    received, taken in cached).
+    workers: `readable_prefix` (a producer's blocks to send, from either tier) and `adopt` (a
+    consumer's blocks received, taken in cached).
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -286,17 +287,18 @@ class BlockManager:
                 self._lru.append(block)
         return [(block.block_hash, block.gpu_slot) for block in adopted]
 
-    def readable_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """The GPU slots of the longest prefix of `block_hashes` whose KV can be read from the
-        GPU pool now (to serve it to another worker): cached, in a GPU slot, and with no load
-        from the CPU tier planned or on its way into it. Stops at the first block cached on the
-        CPU only or still loading. Takes no refs: read the slots before the next step."""
-        slots = []
-        for block in self.look_up(block_hashes).blocks:
-            if block.gpu_slot is None or block.load_batch:
-                break
-            slots.append(block.gpu_slot)
-        return slots
+    def readable_prefix(self, block_hashes: Sequence[BlockHash]) -> ReadablePrefix:
+        """Where the KV of the longest prefix of `block_hashes` can be read now, to serve it to
+        another worker (worker/core/readable_prefix.py): per block a GPU slot (cached there, no
+        load planned or on its way into it), else a CPU-tier slot whose store has landed in host
+        memory (`stores_landed`); stops at the first block with neither. Takes no refs: read
+        the slots before the next step is planned."""
+        return readable_prefix(self.look_up(block_hashes).blocks, self.tier)
+
+    def stores_landed(self, through: int) -> None:
+        """The CPU tier's store batches up to `through` (`KVCopies.store_batch`) are in host
+        memory: their copies may be read (`readable_prefix`)."""
+        self.tier.stores_landed(through)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False, nothing changed) while blocks are in use."""

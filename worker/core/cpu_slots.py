@@ -29,6 +29,25 @@ head's depth (the caller says, `replace`), so a GPU with room to spare costs the
 copies run on the store stream without holding up any forward; a step that evicts a block
 whose ahead store may still run (`evicted`) makes its forward and its loads wait for it,
 until the device says they have finished (`complete_store`).
+
+Reading a CPU copy on the host (a producer serving it to another worker, worker/driver/engine.py
+`serve_kv_pull`) needs its bytes in host memory, which a block's `cpu_slot` alone does not say.
+The slot is set when a store is planned (`prepare_store`, `prepare_store_ahead`), the store runs
+once the step's copies are taken and run, and on CUDA it lands later, asynchronously, on the
+store stream. So each `take_copies` numbers its stores, of both kinds, as one store batch
+(`KVCopies.store_batch`), every CPU slot remembers the batch that last wrote it, and the engine
+reports the batches the device has finished (`stores_landed`). The invariant `readable_copy`
+rests on:
+
+    a CPU slot holds its block's KV in host memory  <=>  the block owns it, and the batch that
+                                                          last wrote it is <= `stored_through`
+
+Stores are the only writes into the pool (loads read it), and they run on one stream in the
+order their batches were taken, so a landed batch has every store before it landed too. A slot
+is written again only after the tier gives it to another block (a store planned into a free
+slot, or the CPU LRU head's, whose block loses it): that later plan marks it with a later
+batch, not landed yet. A block loading back into the GPU keeps its CPU copy (held until the
+load lands; loads never write it), so its bytes may be read from the CPU meanwhile.
 """
 
 from __future__ import annotations
@@ -78,6 +97,12 @@ class CpuTier:
         self._wait_for_ahead = False
         # What each owned CPU slot holds: the hash of the block stored there (invariants).
         self.slot_hashes: dict[int, BlockHash] = {}
+        # Store batches (`KVCopies.store_batch`): numbered so far, and every one up to
+        # `stored_through` written into host memory; per CPU slot, the batch that last wrote it
+        # (the next one while its store is planned and not taken).
+        self._num_store_batches = 0
+        self.stored_through = 0
+        self._slot_store_batch = [0] * num_blocks
         # Cumulative counts of blocks copied each way.
         self.num_stored = 0
         self.num_loaded = 0
@@ -101,6 +126,7 @@ class CpuTier:
             return False
         block.cpu_slot = slot
         self.slot_hashes[slot] = block.block_hash
+        self._slot_store_batch[slot] = self._num_store_batches + 1
         self._pinned[block.block_id] = block
         self._stores.append((gpu_slot, slot))
         self.num_stored += 1
@@ -145,6 +171,7 @@ class CpuTier:
         for block, slot in zip(sorted(chosen[:len(slots)], key=lambda block: block.gpu_slot), slots):
             block.cpu_slot = slot
             self.slot_hashes[slot] = block.block_hash
+            self._slot_store_batch[slot] = self._num_store_batches + 1
             self._pinned[block.block_id] = block
             self._ahead.append((block.gpu_slot, slot))
             self._ahead_ids.append(block.block_id)
@@ -183,6 +210,20 @@ class CpuTier:
     def complete_store(self) -> None:
         """Every ahead store taken so far has finished on the device."""
         self._ahead_pending.clear()
+
+    def stores_landed(self, through: int) -> None:
+        """The store batches up to `through` have finished writing host memory (module doc)."""
+        assert through <= self._num_store_batches, f"store batch {through} of {self._num_store_batches} taken"
+        self.stored_through = max(self.stored_through, through)
+
+    def readable_copy(self, block: Block) -> int | None:
+        """The CPU slot whose host memory holds the block's KV now, or None: no CPU copy, or its
+        store is planned, or taken and not known to have landed (module doc). Valid until the
+        next plan gives the slot to another block: read it before then."""
+        slot = block.cpu_slot
+        if slot is None or self._slot_store_batch[slot] > self.stored_through:
+            return None
+        return slot
 
     def prepare_load(self, blocks: Sequence[Block], take_gpu_slot: Callable[[], int]) -> int:
         """Plan the loads of one request's CPU hits `blocks`: pin their CPU copies first, so
@@ -252,10 +293,14 @@ class CpuTier:
         self._step_batches = []
         if ends:
             self._taken_through = ends[-1][0]
+        store_batch = 0
+        if self._stores or self._ahead:  # the slots they write are marked with this number already
+            store_batch = self._num_store_batches = self._num_store_batches + 1
         copies = KVCopies(gpu_to_cpu=tuple(self._stores), cpu_to_gpu=tuple(self._loads),
                           ahead_to_cpu=tuple(self._ahead), wait_for_ahead=self._wait_for_ahead,
                           load_batch=ends[-1][0] if ends else 0, load_batch_ends=ends,
-                          wait_for_loads=self._wait_for_loads, wait_by_layer=self._wait_by_layer)
+                          wait_for_loads=self._wait_for_loads, wait_by_layer=self._wait_by_layer,
+                          store_batch=store_batch)
         if self._wait_for_ahead:
             self._ahead_pending.clear()  # this step waits for all of them
         self._ahead_pending.update(self._ahead_ids)
@@ -302,6 +347,8 @@ class CpuTier:
         check(not set(self._lru) & set(self._pinned), "a CPU copy is both pinned and in the CPU LRU")
         check(not set(self._lru) & set(self._held), "a CPU copy is both held for a load and in the CPU LRU")
         check(set(self._held) <= set(self._loading), "a CPU copy is held for a load that landed")
+        check(self.stored_through <= self._num_store_batches, "a store batch landed before it was taken")
+        check(max(self._slot_store_batch) <= self._num_store_batches + 1, "a CPU slot written by a batch not planned")
         check({block.block_id for block in blocks if block.load_batch} == set(self._loading),
               "a block's load batch disagrees with the loads on their way")
         for slot, block in owners.items():

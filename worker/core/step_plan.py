@@ -48,7 +48,11 @@ class KVCopies:
     No forward waits for loads, except one of a step that reuses the GPU slot of a block
     whose load may still run, or one planned before the loads land (`wait_for_loads`: it
     waits for every load queued). `wait_by_layer`: the step was planned before the landing,
-    and its forward may wait layer by layer (each layer after that layer of every load)."""
+    and its forward may wait layer by layer (each layer after that layer of every load).
+
+    `store_batch`: the number of the step's stores, both kinds, as one batch (1, 2, ... in the
+    order taken; 0 without stores): what the device reports as written into host memory, so
+    that a producer serves a CPU copy only once its bytes are there (`CpuTier.readable_copy`)."""
 
     gpu_to_cpu: tuple[tuple[int, int], ...] = ()
     cpu_to_gpu: tuple[tuple[int, int], ...] = ()
@@ -58,6 +62,7 @@ class KVCopies:
     load_batch_ends: tuple[tuple[int, int], ...] = ()
     wait_for_loads: bool = False
     wait_by_layer: bool = False
+    store_batch: int = 0
 
     def load_batches(self) -> tuple[tuple[int, int], ...]:
         """(number, end) of each load batch; loads given without batches are one, `load_batch`."""

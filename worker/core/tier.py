@@ -8,6 +8,8 @@ copies go and when they may be reused, through verbs in the spirit of vLLM's Off
     prepare_load  -> take_copies -> (the device lands it) -> complete_load
     prepare_store -> take_copies -> (the step's forward waits for it)
     prepare_store_ahead -> take_copies -> (the device finishes it) -> complete_store
+    (any store) -> take_copies -> (the device writes it into host memory) -> stores_landed
+                -> readable_copy (a producer reads the CPU copy on the host)
 
 `CpuTier` (worker/core/cpu_slots.py) is the tier of `num_cpu_blocks` host slots; `NullTier`
 is the tier of a worker without one: it stores nothing, so nothing is ever loaded from it, and
@@ -30,6 +32,7 @@ class KVTier(Protocol):
 
     num_blocks: int
     landed_through: int  # every load batch up to this one has landed
+    stored_through: int  # every store batch up to this one is in host memory
 
     @property
     def usage(self) -> float:
@@ -64,6 +67,13 @@ class KVTier(Protocol):
     def complete_store(self) -> None:
         """Every store ahead of eviction taken so far has finished on the device."""
 
+    def stores_landed(self, through: int) -> None:
+        """The store batches (`KVCopies.store_batch`) up to `through` are in host memory."""
+
+    def readable_copy(self, block: Block) -> int | None:
+        """The slot of the block's copy in the tier when its bytes may be read on the host now;
+        None when it has none, or its store has not landed."""
+
     def evicted(self, block: Block) -> None:
         """The block's GPU slot goes to another block this step."""
 
@@ -84,6 +94,7 @@ class NullTier:
 
     num_blocks = 0
     landed_through = 0
+    stored_through = 0
     usage = 0.0
     num_loading = 0
     num_ahead_pending = 0
@@ -107,6 +118,12 @@ class NullTier:
 
     def complete_store(self) -> None:
         pass
+
+    def stores_landed(self, through: int) -> None:
+        assert not through, "a store into the null tier: it holds no block"
+
+    def readable_copy(self, block: Block) -> int | None:
+        return None
 
     def evicted(self, block: Block) -> None:
         pass

@@ -5,7 +5,7 @@ the executor (worker/runner/executor.py) owns the model, the KV pool and the gra
 here (see main.py).
 
 Disaggregated prefill and decode (protocol/kv_transfer.py) meet the engine in four verbs: a
-producer's `serve_kv_pull` reads the blocks a consumer asks for out of its pool; a consumer holds
+producer's `serve_kv_pull` reads the blocks a consumer asks for out of its GPU pool or CPU tier; a consumer holds
 a request with `Generate.kv_source` apart (`KvPulls`, worker/driver/kv_pulls.py) until
 `take_kv_blocks` brings its answer, whose blocks it adopts into its prefix cache and pool, or
 until its pull fails (`fail_kv_pull`, or no answer in time); `take_kv_pulls` hands out the pulls
@@ -32,6 +32,7 @@ from spillway.protocol.reasoning import forced_token
 from spillway.worker.attention.requested_backend import requested_backend_note
 from spillway.worker.core.block_manager import BlockManager
 from spillway.worker.core.kv_events import KvEventReplay
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.runner.device_settings import resolve_device_settings
 from spillway.worker.kv_tier.host_pool import check_host_memory, time_host_to_device
 from spillway.worker.runner.executor_start import build_executor, draft_pool_blocks, finish_start, pool_blocks
@@ -372,17 +373,23 @@ class Engine:
 
     def serve_kv_pull(self, pull: KvPull) -> tuple[KvBlocks, np.ndarray | bytes]:
         """A producer's answer to `pull` and its payload: the longest run of the hashes asked,
-        from the first, whose blocks this worker's pool holds and may read now
-        (`BlockManager.readable_prefix`; it stops at a block cached on the CPU tier only),
-        read into host memory after every step launched so far."""
-        slots = self.block_manager.readable_prefix(pull.block_hashes)
-        payload = self._read_kv_blocks(slots) if slots else b""
-        return self._kv_answer(pull.transfer_id, pull.block_hashes[:len(slots)]), payload
+        from the first, whose blocks this worker holds and may read now, in its GPU pool or in
+        its CPU tier's host memory (`BlockManager.readable_prefix`, once the tier's stores that
+        have landed are known), gathered in that order into new host memory: the GPU blocks
+        after every step launched so far, the CPU ones on the host. The payload points into
+        neither pool, so a slot reused after this returns cannot change what is sent."""
+        self.tier.stores_landed()
+        prefix = self.block_manager.readable_prefix(pull.block_hashes)
+        payload = self._read_kv_blocks(prefix) if prefix.num_blocks else b""
+        return self._kv_answer(pull.transfer_id, pull.block_hashes[:prefix.num_blocks]), payload
 
-    def _read_kv_blocks(self, slots: list[int]) -> np.ndarray:
+    def _read_kv_blocks(self, prefix: ReadablePrefix) -> np.ndarray:
         if self.group is None:
-            return self.executor.read_kv_blocks(slots)
-        return self.group.read_kv_blocks(self.executor.runner.kv_cache, slots)
+            return self.executor.read_kv_blocks(prefix)
+        # A tensor-parallel worker has no CPU tier: every block is in the GPU pools.
+        assert not prefix.cpu_reads, "a tensor-parallel worker read from a CPU tier"
+        return self.group.read_kv_blocks(self.executor.runner.kv_cache,
+                                         [slot for slot, _ in sorted(prefix.gpu_reads, key=lambda read: read[1])])
 
     def _write_kv_blocks(self, payload: memoryview | bytes, pairs: list[tuple[int, int]]) -> None:
         if self.group is None:

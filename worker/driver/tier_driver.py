@@ -58,6 +58,11 @@ class TierDriver:
         if self.tier.num_ahead_pending and self.copier.ahead_stored():
             self.tier.complete_store()
 
+    def stores_landed(self) -> None:
+        """Tell the block manager which store batches the device has written into host memory
+        (an event query): the CPU copies a producer may serve (`BlockManager.readable_prefix`)."""
+        self.block_manager.stores_landed(self.copier.stored_through())
+
     def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:
         """Whether to plan the requests waiting for loads now (`Scheduler.schedule(
         before_landing=True)`), so that the host time of their step (and, where the loads land
@@ -140,6 +145,9 @@ class NullTierDriver:
     small_copies_by_kernel = False
 
     def before_step(self) -> None:
+        pass
+
+    def stores_landed(self) -> None:
         pass
 
     def plan_before_landing(self, in_flight: LaunchedStep | None = None) -> bool:

@@ -42,6 +42,11 @@ stream after the step's stores, behind an event of their own that compute does n
 a later step that reuses one of their GPU slots (`wait_for_ahead`) makes its forward and its
 loads wait for that event. `ahead_stored` asks the device whether they have finished.
 
+A step's stores of both kinds are one store batch (`KVCopies.store_batch`), with an event after
+its last copy on the store stream; `stored_through` asks the device which batches have finished
+writing the CPU pool, whose copies may then be read on the host (a producer serving blocks from
+the tier, worker/core/cpu_slots.py).
+
 While other requests compute, loads are queued in chunks no faster than a set rate
 (worker/kv_tier/paced_loads.py): their events (compute's queue when their step was planned, the step's
 stores) are recorded at `run`, and `pump` queues what the rate allows since. A step that waits
@@ -101,6 +106,9 @@ class KVCopier:
         self._load_events: deque[tuple[int, torch.cuda.Event]] = deque()
         self._landed_through = 0  # the last load batch known to have landed
         self._ahead_stored: torch.cuda.Event | None = None  # after the last stores ahead of eviction
+        # (store batch, event after its copies) of the batches not known to have finished, in order
+        self._store_events: deque[tuple[int, torch.cuda.Event]] = deque()
+        self._stored_through = 0  # the last store batch known to have finished
         # (started, finished) events per direction of the steps whose times are not read yet
         self._store_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._load_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -125,6 +133,7 @@ class KVCopier:
         per layer that the forward waits for before that layer; otherwise None (any wait the
         forward needs is queued on the compute stream here)."""
         self.seconds()  # fold the finished timings: the lists stay short without stats reads
+        self.stored_through()  # and the finished store batches
         self.bytes_to_cpu += (len(copies.gpu_to_cpu) + len(copies.ahead_to_cpu)) * self.block_bytes
         self.bytes_to_gpu += len(copies.cpu_to_gpu) * self.block_bytes
         if self.store_stream is None:
@@ -135,6 +144,7 @@ class KVCopier:
             self._seconds_to_cpu += stored - started
             self._seconds_to_gpu += time.perf_counter() - stored
             self._landed_through = max(self._landed_through, copies.load_batch)
+            self._stored_through = max(self._stored_through, copies.store_batch)
             return None
         compute = torch.cuda.current_stream(self.gpu_pool.device)
         if copies.wait_for_ahead and self._ahead_stored is not None:
@@ -163,6 +173,10 @@ class KVCopier:
         if copies.ahead_to_cpu:
             self._ahead_stored = self._queue(self.store_stream, self.gpu_pool, self.cpu_pool,
                                              block_runs(copies.ahead_to_cpu), self._store_timings)
+        if copies.store_batch:  # after its last copy: the ahead stores queue behind the others
+            events = self._store_events
+            assert not events or events[-1][0] < copies.store_batch, "store batches out of order"
+            events.append((copies.store_batch, self._ahead_stored if copies.ahead_to_cpu else stored))
         start, after = 0, stored if _overlap(copies) else None
         if copies.cpu_to_gpu:
             ready = torch.cuda.Event()
@@ -219,6 +233,15 @@ class KVCopier:
         """Whether every store ahead of eviction queued so far has finished (an event query);
         on the CPU the copies ran when queued."""
         return self._ahead_stored is None or self._ahead_stored.query()
+
+    def stored_through(self) -> int:
+        """The last store batch (`KVCopies.store_batch`) whose copies are all in the CPU pool:
+        batches finish in order, on one stream. Asks the device without waiting; on the CPU the
+        copies ran when queued."""
+        events = self._store_events
+        while events and events[0][1].query():
+            self._stored_through = events.popleft()[0]
+        return self._stored_through
 
     def landed_through(self, wait: bool = False) -> int:
         """The last load batch (`KVCopies.load_batch`) that has landed: batches land in

@@ -77,6 +77,7 @@ class KvServer:
             answer, payload = engine.serve_kv_pull(pull)
             payload = memoryview(payload)
         # The payload is not copied: ZeroMQ holds it (and the host memory under it) until sent.
+        # That memory is the answer's own, not a slot of either KV pool, which steps may reuse.
         self.socket.send_multipart([identity, self._encoder.encode(answer), payload], copy=False)
         engine.kv_counters.sent(payload.nbytes, time.perf_counter() - started)
 

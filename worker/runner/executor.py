@@ -37,6 +37,7 @@ from spillway.worker.models.fp8_linear import fp8_capability_problem, quantize_l
 from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.models.shard_loading import load_shard
 from spillway.worker.models.tensor_parallel import shard_model
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies
 
 logger = logging.getLogger(__name__)
@@ -236,9 +237,14 @@ class Executor:
         """The dtype and shape of one block of the KV pool, as another worker's must match."""
         return KvLayout.of(self.runner.kv_cache)
 
-    def read_kv_blocks(self, slots: Sequence[int]) -> np.ndarray:
-        """The KV of the pool's `slots` as bytes in host memory (worker/runner/kv_block_io.py)."""
-        return read_blocks(self.runner.kv_cache, slots)
+    def read_kv_blocks(self, prefix: ReadablePrefix) -> np.ndarray:
+        """The KV of `prefix`'s blocks, in its order, as bytes in new host memory: those in the
+        GPU pool read after every step launched, those in the CPU tier's pool copied on the host
+        (worker/runner/kv_block_io.py)."""
+        if prefix.cpu_reads and self.kv_copier is None:
+            raise ValueError("KV blocks to read from a CPU tier, and this worker has none")
+        tier_pool = self.kv_copier.cpu_pool if prefix.cpu_reads else None
+        return read_blocks(self.runner.kv_cache, prefix.gpu_reads, prefix.num_blocks, tier_pool, prefix.cpu_reads)
 
     def write_kv_blocks(self, payload: memoryview | bytes, pairs: Sequence[tuple[int, int]]) -> None:
         """Block `index` of `payload` into pool slot `slot`, for each `(index, slot)` of `pairs`,

@@ -2,7 +2,8 @@
 (disaggregated prefill: protocol/kv_transfer.py).
 
 A block is one contiguous span of the pool, `[num_layers, kv_sides, block_size, kv_heads,
-head_dim]` (the CPU tier's layout too), so a run of blocks is their bytes one after another. On
+head_dim]` (the CPU tier's layout too), so a run of blocks is their bytes one after another, and
+a producer's answer gathers blocks of both pools into one payload. On
 CUDA both directions go through page-locked host memory and run on the current (compute)
 stream: a read is ordered after every step launched before it and waited for; a write is
 ordered before every step launched after it (which may read the blocks at once), and the host
@@ -34,13 +35,22 @@ class KvLayout:
         return cls(str(pool.dtype).removeprefix("torch."), tuple(pool.shape[1:]), pool[0].nbytes)
 
 
-def read_blocks(pool: torch.Tensor, slots: Sequence[int]) -> np.ndarray:
-    """The KV of the pool's `slots`, in that order, as one array of bytes in host memory; on
-    CUDA, copied after every step queued so far (the host waits for them)."""
-    on_cuda = pool.device.type == "cuda"
-    host = torch.empty((len(slots), *pool.shape[1:]), dtype=pool.dtype, pin_memory=on_cuda)
-    copy_blocks(pool, host, [(slot, index) for index, slot in enumerate(slots)])
-    if on_cuda:
+def read_blocks(pool: torch.Tensor, reads: Sequence[tuple[int, int]], num_blocks: int,
+                tier_pool: torch.Tensor | None = None, tier_reads: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+    """`num_blocks` blocks gathered as one array of bytes in new host memory: block `position`
+    is `pool[slot]` for each `(slot, position)` of `reads`, `tier_pool[slot]` for each of
+    `tier_reads` (the CPU tier's pool, in host memory already: copied on the host, no device
+    round trip). On CUDA the pool's blocks are copied after every step queued so far, and the
+    host waits for them. Nothing returned points into either pool: a slot may be rewritten as
+    soon as this returns."""
+    assert len(reads) + len(tier_reads) == num_blocks, f"{len(reads)} + {len(tier_reads)} reads for {num_blocks} blocks"
+    from_device = pool.device.type == "cuda" and bool(reads)
+    host = torch.empty((num_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=from_device)
+    copy_blocks(pool, host, reads)
+    if tier_reads:
+        assert tier_pool is not None and tier_pool.device.type == "cpu" and tier_pool.shape[1:] == pool.shape[1:]
+        copy_blocks(tier_pool, host, tier_reads)
+    if from_device:
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(pool.device))
         copied.synchronize()

@@ -1,5 +1,5 @@
 """Blocks another worker sent, taken in as cached ones (`BlockManager.adopt`), and the blocks a
-producer may read out (`readable_prefix`), on integers: which slots, in which LRU order, what a
+producer may read out (`readable_prefix`: GPU slots, and CPU copies whose stores landed), on integers: which slots, in which LRU order, what a
 lookup then finds, what is never taken, and the KV events and CPU-tier copies they cause."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 
 from spillway.protocol.messages import BlockHash, KvEvents
 from spillway.worker.core.block_manager import BlockManager
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.core.step_plan import NO_KV_COPIES, KVCopies
 
 
@@ -99,25 +100,73 @@ def test_with_a_cpu_tier_the_evicted_block_is_written_back_before_its_slot_is_re
     cached_request(manager, "x", ["a", "b"])
     assert manager.adopt(hashes("c")) == [(h("c"), 1)]
     # b's KV leaves slot 1 for the CPU tier first: these copies run before c's KV is written.
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((1, 0),))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((1, 0),), store_batch=1)
     hits = manager.find_cached_prefix(hashes("a", "b"))
     assert [manager.on_gpu(block_id) for block_id in hits] == [True, False]
     manager.check_invariants()
 
 
-def test_a_producer_reads_the_gpu_run_of_a_prefix_up_to_a_block_on_the_cpu_or_loading():
+def test_a_producer_reads_gpu_blocks_and_cpu_copies_whose_stores_landed_and_a_loading_block_from_the_cpu():
     manager = BlockManager(3, 4, num_cpu_blocks=4)
     cached_request(manager, "x", ["a", "b", "c"])
-    assert manager.readable_prefix(hashes("a", "b", "c", "d")) == [0, 1, 2]
-    assert manager.allocate("y", 4)  # evicts c (slot 2) to the CPU tier
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 0),))
-    assert manager.readable_prefix(hashes("a", "b", "c")) == [0, 1]
+    on_gpu = ((0, 0), (1, 1))  # a and b: (GPU slot, position)
+    assert manager.readable_prefix(hashes("a", "b", "c", "d")) == ReadablePrefix(3, on_gpu + ((2, 2),))
+    assert manager.allocate("y", 4)  # evicts c (slot 2) to the CPU tier: its store is planned
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(2, on_gpu)
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 0),), store_batch=1)
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(2, on_gpu)  # on its way
+    manager.stores_landed(1)
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(3, on_gpu, ((0, 2),))
     manager.free("y")
-    # c comes back: its load is planned, then taken, and lands later; until then it is not read.
+    # c comes back: its load is planned, then taken, and lands later; meanwhile its CPU copy,
+    # complete and held for the load, is what is read.
     assert manager.allocate("z", 12, manager.look_up(hashes("a", "b", "c")))
-    assert manager.readable_prefix(hashes("a", "b", "c")) == [0, 1]
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(3, on_gpu, ((0, 2),))
     assert manager.take_copies() is not NO_KV_COPIES
-    assert manager.readable_prefix(hashes("a", "b", "c")) == [0, 1]
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(3, on_gpu, ((0, 2),))
     manager.loads_landed()
-    assert manager.readable_prefix(hashes("a", "b", "c")) == [0, 1, 2]
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(3, on_gpu + ((2, 2),))
     manager.check_invariants()
+
+
+def test_a_block_whose_store_is_not_known_landed_ends_the_prefix_even_in_a_slot_written_before():
+    """The tier's state forced: c's and then d's stores into the one CPU slot, d's taken after
+    c's landed; d is not served until its own batch lands, and neither is anything after it."""
+    manager = BlockManager(2, 4, num_cpu_blocks=1)
+    cached_request(manager, "x", ["c"])
+    assert manager.allocate("y", 8)  # evicts c into CPU slot 0 (batch 1)
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((0, 0),), store_batch=1)
+    manager.stores_landed(1)
+    assert manager.readable_prefix(hashes("c")) == ReadablePrefix(1, (), ((0, 0),))
+    manager.commit("y", hashes("d", "e"))
+    manager.free("y")  # d (GPU slot 1) and e (GPU slot 0) cached; e evicted first
+    assert manager.allocate("z", 4)  # evicts e: its store takes c's CPU slot, and c is dropped
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((0, 0),), store_batch=2)
+    assert manager.find_cached_prefix(hashes("c")) == []
+    assert manager.readable_prefix(hashes("d", "e")) == ReadablePrefix(1, ((1, 0),))
+    manager.stores_landed(2)
+    assert manager.readable_prefix(hashes("d", "e")) == ReadablePrefix(2, ((1, 0),), ((0, 1),))
+    manager.check_invariants()
+
+
+def test_a_block_written_back_ahead_is_served_from_the_cpu_only_once_that_store_landed():
+    manager = BlockManager(2, 4, num_cpu_blocks=4)
+    cached_request(manager, "x", ["a", "b"])  # LRU: b (slot 1), then a (slot 0)
+    assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 2
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (1, 1)), store_batch=1)
+    assert manager.allocate("y", 8)  # evicts both: no store, their copies are on their way
+    assert manager.take_copies().wait_for_ahead
+    assert manager.readable_prefix(hashes("a", "b")) == ReadablePrefix()
+    manager.stores_landed(1)
+    assert manager.readable_prefix(hashes("a", "b")) == ReadablePrefix(2, (), ((0, 0), (1, 1)))
+    with pytest.raises(AssertionError, match="store batch 2 of 1 taken"):
+        manager.stores_landed(2)
+    manager.check_invariants()
+
+
+def test_without_a_tier_a_producer_reads_the_gpu_run_only():
+    manager = BlockManager(2, 4)
+    cached_request(manager, "x", ["a", "b"])
+    assert manager.readable_prefix(hashes("a", "b", "c")) == ReadablePrefix(2, ((0, 0), (1, 1)))
+    assert manager.allocate("y", 4)  # evicts b: dropped
+    assert manager.readable_prefix(hashes("a", "b")) == ReadablePrefix(1, ((0, 0),))

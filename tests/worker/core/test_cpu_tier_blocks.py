@@ -27,7 +27,7 @@ def test_an_evicted_cached_block_is_written_back_and_still_found():
     assert manager.take_copies() is NO_KV_COPIES
     assert manager.allocate("b", 8)  # evicts a3 then a2 (the LRU head is the last block)
     assert manager.slot_table("b") == [3, 2]
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)), store_batch=1)
     hits = manager.find_cached_prefix([h("a0"), h("a1"), h("a2"), h("a3")])
     assert hits == [0, 1, 2, 3]
     assert [manager.on_gpu(block_id) for block_id in hits] == [True, True, False, False]
@@ -105,13 +105,13 @@ def test_a_full_cpu_tier_evicts_its_least_recently_stored_copy_and_drops_what_do
     manager = BlockManager(4, 4, True, num_cpu_blocks=2)
     cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
     assert manager.allocate("b", 12)  # evicts a3, a2, a1: the third finds every CPU slot in use by this step
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)), store_batch=1)
     assert manager.find_cached_prefix([h("a0"), h("a1"), h("a2")]) == [0]
     assert manager.num_cached_blocks == 3  # a0 on the GPU, a2 and a3 on the CPU
     manager.free("b")
     manager.check_invariants()
     assert manager.allocate("e", 16)  # three free slots, then a0 is evicted: a3's CPU copy makes room
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((0, 0),))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((0, 0),), store_batch=2)
     assert manager.find_cached_prefix([h("a3")]) == []
     assert manager.find_cached_prefix([h("a0")]) == [0]
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == [0]
@@ -124,7 +124,7 @@ def test_cpu_hits_are_pinned_from_lookup_until_their_load_is_planned():
     manager = BlockManager(2, 4, True, num_cpu_blocks=2)
     cached_request(manager, "a", ["a0", "a1"])
     cached_request(manager, "b", ["b0", "b1"])  # evicts a1 (CPU slot 0) and a0 (CPU slot 1)
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((1, 0), (0, 1)))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((1, 0), (0, 1)), store_batch=1)
     hits = manager.find_cached_prefix([h("a0"), h("a1")])
     assert hits == [0, 1]
     # Each load takes a GPU slot by evicting a b block, whose write-back would need a CPU slot:
@@ -167,13 +167,13 @@ def test_cached_blocks_are_written_back_ahead_from_the_lru_head_into_free_cpu_sl
     manager = BlockManager(4, 4, True, num_cpu_blocks=3)
     cached_request(manager, "a", ["a0", "a1", "a2", "a3"])  # LRU head first: a3, a2, a1, a0
     assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 2  # a3 and a2, in GPU-slot order
-    assert manager.take_copies() == KVCopies(ahead_to_cpu=((2, 0), (3, 1)))
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((2, 0), (3, 1)), store_batch=1)
     manager.check_invariants()
     # One batch at a time: nothing more until the device says the first one finished.
     assert manager.write_back_ahead(max_blocks=2, max_scan=8) == 0
     manager.tier.complete_store()
     assert manager.write_back_ahead(max_blocks=1, max_scan=8) == 1  # a1 into the last free slot
-    assert manager.take_copies() == KVCopies(ahead_to_cpu=((1, 2),))
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((1, 2),), store_batch=2)
     # Evicting the blocks written back ahead needs no store; their CPU copies still serve hits.
     assert manager.allocate("b", 8)
     assert manager.slot_table("b") == [3, 2]
@@ -187,13 +187,13 @@ def test_a_step_that_reuses_a_slot_whose_ahead_store_may_still_run_waits_for_it(
     manager = BlockManager(4, 4, True, num_cpu_blocks=4)
     cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
     manager.write_back_ahead(max_blocks=1, max_scan=4)
-    assert manager.take_copies() == KVCopies(ahead_to_cpu=((3, 0),))
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((3, 0),), store_batch=1)
     assert manager.allocate("b", 4)  # takes a3's slot while its store may be on its way
     copies = manager.take_copies()
     assert copies.wait_for_ahead and not copies.gpu_to_cpu
     # Once waited for (or reported finished), a reuse waits no more.
     assert manager.allocate("c", 4)  # evicts a2, stored now, normally
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 1),))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((2, 1),), store_batch=2)
 
 
 def test_a_full_tier_writes_back_ahead_into_its_oldest_copies_so_the_eviction_stores_nothing():
@@ -208,7 +208,7 @@ def test_a_full_tier_writes_back_ahead_into_its_oldest_copies_so_the_eviction_st
     # No free GPU slot: the next allocation evicts b's blocks, so they take a's CPU slots now,
     # as the store at their eviction would, and a is gone from the cache.
     assert manager.write_back_ahead(max_blocks=2, max_scan=2) == 2
-    assert manager.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (1, 1)))
+    assert manager.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (1, 1)), store_batch=2)
     assert manager.find_cached_prefix([h("a0"), h("a1")]) == []
     with pytest.raises(ValueError, match="looked up before"):  # a lookup made before the drop is refused
         manager.allocate("late", 8, stale)

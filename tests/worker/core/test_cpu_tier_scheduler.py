@@ -130,13 +130,15 @@ def test_a_request_preempted_before_its_loads_were_used_resumes_from_them():
 
 
 def random_workload(seed: int, num_cpu_blocks: int, write_ahead_blocks: int = 0, land_delay: int = 0,
-                    plan_before_landing: bool = False) -> TierHarness:
-    """Conversations that share prefixes, in waves, on a pool that preempts often."""
+                    plan_before_landing: bool = False, check_serves: bool = False) -> TierHarness:
+    """Conversations that share prefixes, in waves, on a pool that preempts often
+    (`check_serves`: TierHarness's)."""
     rng = random.Random(seed)
     harness = TierHarness(num_gpu_blocks=16, num_cpu_blocks=num_cpu_blocks, max_num_seqs=4,
                           max_num_batched_tokens=16, write_ahead_blocks=write_ahead_blocks,
                           land_delay=land_delay, seed=seed)
     harness.plan_before_landing = plan_before_landing
+    harness.check_serves = check_serves
     histories = [[rng.randrange(1, 40) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     for wave in range(6):
         # Each wave runs to its end, so the next one's histories do not depend on timing.
@@ -171,6 +173,18 @@ def test_outputs_are_the_same_with_and_without_the_tier_under_memory_pressure(se
     assert with_tier.scheduler.counts.num_preemptions + without.scheduler.counts.num_preemptions > 0
     stores = [len(plan.kv_copies.gpu_to_cpu + plan.kv_copies.ahead_to_cpu) for plan in with_tier.plans]
     assert sum(stores) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_cpu_blocks, write_ahead_blocks, land_delay", [(2, 0, 0), (24, 0, 2), (4, 2, 2),
+                                                                             (24, 3, 4)])
+def test_a_producer_serving_between_steps_reads_only_blocks_whose_bytes_are_there(seed, num_cpu_blocks,
+                                                                                  write_ahead_blocks, land_delay):
+    """After every step of the random workload, each request's blocks that `readable_prefix`
+    names hold their own tokens in the pool named: never a CPU copy whose store (at eviction
+    or ahead of it, which runs late here) has not run, nor a GPU slot a load still fills."""
+    harness = random_workload(seed, num_cpu_blocks, write_ahead_blocks, land_delay, check_serves=True)
+    assert harness.served["cpu"] > 0 and harness.served["gpu"] > 0
 
 
 def history_then_chat(num_cpu_blocks: int, write_ahead_blocks: int = 0) -> TierHarness:

@@ -55,7 +55,7 @@ def test_with_a_tier_the_same_evictions_take_the_same_gpu_slots_and_keep_the_blo
     cached_request(manager, "a", ["a0", "a1", "a2", "a3"])
     assert manager.allocate("b", 8)
     assert manager.slot_table("b") == [3, 2] and manager.block_ids("b") == [4, 5]
-    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)))
+    assert manager.take_copies() == KVCopies(gpu_to_cpu=((3, 0), (2, 1)), store_batch=1)
     assert manager.find_cached_prefix([h("a0"), h("a1"), h("a2"), h("a3")]) == [0, 1, 2, 3]
 
 
@@ -79,7 +79,7 @@ def test_a_load_pins_its_copies_before_taking_gpu_slots_so_the_evictions_it_caus
     on_cpu = cached_block(0, 5)
     assert tier.prepare_store(on_cpu, gpu_slot=5)  # written back at its eviction: CPU slot 0
     on_cpu.gpu_slot = None
-    assert tier.take_copies() == KVCopies(gpu_to_cpu=((5, 0),))
+    assert tier.take_copies() == KVCopies(gpu_to_cpu=((5, 0),), store_batch=1)
     evicted = cached_block(1, 7)
 
     def take_gpu_slot() -> int:
@@ -102,13 +102,13 @@ def test_stores_ahead_are_pending_until_completed():
     tier = CpuTier(4, lambda block: None)
     gpu_lru = [cached_block(0, 2), cached_block(1, 0), cached_block(2, 1)]
     assert tier.prepare_store_ahead(gpu_lru, max_blocks=2, max_scan=8) == 2
-    assert tier.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (2, 1)))  # CPU slots in GPU-slot order
+    assert tier.take_copies() == KVCopies(ahead_to_cpu=((0, 0), (2, 1)), store_batch=1)  # CPU slots in GPU-slot order
     assert tier.num_ahead_pending == 2 and tier.usage == 0.5
     assert tier.prepare_store_ahead(gpu_lru, max_blocks=2, max_scan=8) == 0  # one batch at a time
     tier.complete_store()
     assert tier.num_ahead_pending == 0
     assert tier.prepare_store_ahead(gpu_lru, max_blocks=2, max_scan=8) == 1  # the one without a copy
-    assert tier.take_copies() == KVCopies(ahead_to_cpu=((1, 2),))
+    assert tier.take_copies() == KVCopies(ahead_to_cpu=((1, 2),), store_batch=2)
 
 
 def _raise_unless(condition: bool, message: str) -> None:

@@ -10,7 +10,9 @@ from tests.worker.kv_tier.test_cpu_tier_engine import DEVICES, checkpoints, engi
 
 from spillway.protocol.config import WorkerConfig
 from spillway.worker.driver.engine import Engine
+from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.kv_tier.block_copies import block_runs, copy_blocks
+from spillway.worker.kv_tier.copier import KVCopier
 
 
 def test_the_copier_paces_loads_at_the_configured_rate(model_dir):
@@ -54,6 +56,19 @@ def test_time_copies_moves_blocks_both_ways_for_a_benchmark(model_dir, device):
     assert copier.bytes_to_cpu == copier.bytes_to_gpu == 4 * pool[0].nbytes
     with pytest.raises(ValueError, match="do not fit"):
         copier.time_copies(5, scattered=True)
+
+
+def test_on_the_cpu_a_store_batch_is_written_when_run_and_reported_so():
+    gpu_pool = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 2, 3)
+    cpu_pool = torch.zeros(4, 2, 3)
+    copier = KVCopier(gpu_pool, cpu_pool, 0.0, 0.0, load_speed_guess=1e9)
+    assert copier.stored_through() == 0
+    copier.run(KVCopies(gpu_to_cpu=((2, 0),), store_batch=1))
+    assert copier.stored_through() == 1 and torch.equal(cpu_pool[0], gpu_pool[2])
+    copier.run(KVCopies(cpu_to_gpu=((0, 3),), load_batch=1))  # no stores: no batch
+    assert copier.stored_through() == 1
+    copier.run(KVCopies(ahead_to_cpu=((1, 2),), store_batch=2))
+    assert copier.stored_through() == 2 and torch.equal(cpu_pool[2], gpu_pool[1])
 
 
 def test_a_load_waits_for_the_stores_only_when_they_share_a_slot():

@@ -166,6 +166,20 @@ def test_stores_ahead_of_eviction_hold_up_no_forward_until_a_step_reuses_their_s
     assert bool((gpu[:half // 2] == 4.0).all()) and bool((gpu[half // 2:half] == 2.0).all())
 
 
+def test_store_batches_are_reported_in_host_memory_only_once_their_stores_ran():
+    gpu, cpu = pools()
+    copier = copier_of(gpu, cpu)
+    gpu[:4].fill_(1.0)
+    with torch.cuda.stream(copier.store_stream):
+        torch.cuda._sleep(STALL_CYCLES)  # the stores run late
+    copier.run(KVCopies(gpu_to_cpu=((0, 0), (1, 1)), store_batch=1))  # at an eviction
+    copier.run(KVCopies(ahead_to_cpu=((2, 2), (3, 3)), store_batch=2))  # ahead of one
+    assert copier.stored_through() == 0  # what those CPU slots hold is not known yet
+    torch.cuda.synchronize()
+    assert copier.stored_through() == 2
+    assert bool((cpu[:4] == 1.0).all())
+
+
 def test_paced_loads_wait_to_be_pumped_and_land_after_the_compute_before_their_step():
     gpu, cpu = pools()
     # Groups of 4 layers (256 KiB of a block): a chunk is 256 blocks' group; one goes at once.

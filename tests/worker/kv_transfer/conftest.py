@@ -1,6 +1,7 @@
-"""One producer and two consumers (kv_load_failure_policy "fail" and "recompute", the latter with
-a CPU tier) on the default model, built once for the KV transfer tests (an engine takes seconds to
-start on the CPU), each with its KV sockets over ipc:// in a private folder."""
+"""Two producers (one with a CPU tier) and two consumers (kv_load_failure_policy "fail" and
+"recompute", the latter with a CPU tier) on the default model, built once for the KV transfer tests
+(an engine takes seconds to start on the CPU), each with its KV sockets over ipc:// in a private
+folder."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def folder():
 def producer(ctx, folder):
     engine = kv_engine("kv_producer", num_blocks=PRODUCER_BLOCKS)
     links = KvLinks(ctx, engine, f"ipc://{folder}/kv", None)
+    yield engine, links
+    links.close()
+    engine.close()
+
+
+@pytest.fixture(scope="package")
+def tiered_producer(ctx, folder):
+    # Its GPU pool as small as the other's, a CPU tier twice that: what a long request evicts
+    # from the pool stays in the tier, and is served from there.
+    engine = kv_engine("kv_producer", num_blocks=PRODUCER_BLOCKS, num_cpu_blocks=2 * PRODUCER_BLOCKS)
+    links = KvLinks(ctx, engine, f"ipc://{folder}/kv-tiered", None)
     yield engine, links
     links.close()
     engine.close()

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from kv_transfer_pair import BLOCK, generate, run, tokens
+from kv_transfer_pair import BLOCK, generate, prefill, reference, run, tokens, usable_blocks
 
 from spillway.protocol.kv_transfer import KvBlocks, KvPull, kv_link_decoder
 from spillway.protocol.messages import FinishReason, StructuredKind, StructuredOutput
@@ -21,24 +21,6 @@ from spillway.protocol.messages import FinishReason, StructuredKind, StructuredO
 # last token's logits give the first output); 100: six full blocks and a part.
 PROMPTS = {length: [(13 * i + length) % 3000 + 100 for i in range(length)] for length in (40, 48, 100)}
 FILLER = [(7 * i) % 900 + 50 for i in range(120)]  # with its 8 outputs, every block of the producer's pool
-
-
-def usable_blocks(prompt: list[int]) -> int:
-    """Full prompt blocks a prefix lookup can use: all but a last token's."""
-    return (len(prompt) - 1) // BLOCK
-
-
-def reference(engine, prompt: list[int], max_tokens: int = 6) -> list[int]:
-    """The greedy tokens of `prompt` computed by `engine` alone, from an empty prefix cache."""
-    assert engine.reset_prefix_cache()
-    computed = tokens(run(engine, generate(engine, "alone", prompt, max_tokens)))
-    assert engine.reset_prefix_cache()
-    return computed
-
-
-def prefill(producer, prompt: list[int], request_id: str = "prefill") -> list[int]:
-    """The producer's part: the prompt with max_tokens=1; its blocks stay in its prefix cache."""
-    return tokens(run(producer, generate(producer, request_id, prompt, 1)))
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
@@ -135,7 +117,8 @@ def test_blocks_the_producer_evicted_are_computed(producer, consumer, recomputin
     assert producer_engine.reset_prefix_cache() and engine.reset_prefix_cache()
     prefill(producer_engine, prompt)
     run(producer_engine, generate(producer_engine, "filler", FILLER, 8))  # takes every slot of its pool
-    assert producer_engine.block_manager.readable_prefix(generate(producer_engine, "x", prompt, 1).block_hashes) == []
+    prompt_hashes = generate(producer_engine, "x", prompt, 1).block_hashes
+    assert producer_engine.block_manager.readable_prefix(prompt_hashes).num_blocks == 0
     before = engine.stats()
     deltas = run(engine, generate(engine, "decode", prompt, 6, producer_links.address), links, producer_links)
     assert tokens(deltas) == expected and deltas[0].num_cached_tokens == 0
