@@ -181,12 +181,15 @@ def within(measured: float, expected: float, tolerance: float = 0.10) -> bool:
     return abs(measured - expected) <= tolerance * expected
 
 
-TTFTS_S = [0.10, 0.15, 0.20, 0.25, 0.30, 0.40]
-ITLS_S = [0.04, 0.06, 0.08, 0.12]
+# Five delays each, every one as often as the others, so that each reported percentile falls
+# inside one delay's cluster, not between two (where a chunk late by a scheduler's tick, which
+# also shortens the gap after it, would move it a whole cluster's distance).
+TTFTS_S = [0.10, 0.15, 0.20, 0.25, 0.30]
+ITLS_S = [0.04, 0.06, 0.08, 0.10, 0.12]
 
 
 def test_reported_ttft_itl_tpot_e2e_percentiles_match_the_injected_delays(capsys, tmp_path):
-    num_requests, num_tokens = 12, 5  # 4 gaps per request: each ITL value once
+    num_requests, num_tokens = 10, 6  # 5 gaps per request: each ITL value once
     with FakeServer(TTFTS_S, ITLS_S) as server:
         code, results, _ = run_loadgen(capsys, tmp_path, server.url, "--num-requests", str(num_requests),
                                        "--concurrency", "4", "--input-len", "16", "--output-len", str(num_tokens))
