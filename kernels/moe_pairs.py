@@ -9,9 +9,9 @@ Two launches, each reading only the chosen experts' weights:
 
 Each product is a dot of one row with a tile of weight rows, summed in float32 (no tensor
 cores: a batch this small is bound by reading the weights). FP8 weight tiles are widened to
-float32 like any other, and each sum times its weight row's scale once the loop is done. The down program sums a token's
-K choices itself, their tiles loaded side by side and summed in one fixed reduction: no
-atomics, the same bits every run. The pair (and token) index
+float32 like any other, and each sum times its weight row's scale once the loop is done. The
+down program sums a token's K choices itself, their tiles loaded side by side and summed in
+one fixed reduction: no atomics, the same bits every run. The pair (and token) index
 is the grid's fastest axis, so the programs that read one weight tile for several pairs of
 the same expert run side by side and share it through L2.
 """
