@@ -313,7 +313,7 @@ def test_fp8_weights_and_scales_of_unchosen_experts_are_never_read(path):
     assert relative_error(out, expected) < tolerance(torch.float32)
 
 
-def test_fp8_weights_take_the_default_config_of_their_own_table(monkeypatch):
+def test_fp8_weights_look_up_the_tiles_tuned_for_fp8_experts(monkeypatch):
     import spillway.kernels.fused_moe as fused_moe
 
     asked = []
