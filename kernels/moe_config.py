@@ -8,6 +8,10 @@ tools/bench/kernels/tune_moe.py on the GPU it names, for one expert count E, exp
     {"shape": {...what it was tuned on...}, "tuned_with": "...",
      "buckets": {"1": {"path": "pairs", "BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, ...}, "2": ...}}
 
+Experts with float8 e4m3 weights (and bf16 activations) have tables of their own,
+`experts128-width768-NVIDIA_H200-bf16-fp8weights.json`: a tile reads half the bytes, so the
+fastest tiles differ from the unquantized experts'.
+
 A call with T tokens takes the bucket nearest T (by ratio: 3 takes 4 over 2, ties take the
 smaller). A shape without a table gets `default_config`, and one log line per shape. Tables
 are read once per shape and their configs are shared objects, so a step never re-reads a
@@ -85,11 +89,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: torch.dtype) -> str:
+def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: torch.dtype,
+                     weight_dtype: torch.dtype | None = None) -> str:
     """`experts{E}-width{I}-{device}-{dtype}.json`, the device's name with every run of
-    characters other than letters, digits and dots as one underscore ("NVIDIA H200" -> NVIDIA_H200)."""
+    characters other than letters, digits and dots as one underscore ("NVIDIA H200" -> NVIDIA_H200);
+    `-fp8weights` before `.json` where the weights are float8 e4m3 (`weight_dtype`, else `dtype`)."""
     device = re.sub(r"[^A-Za-z0-9.]+", "_", device_name).strip("_")
-    return f"experts{num_experts}-width{intermediate}-{device}-{dtype_name(dtype)}.json"
+    weights = weight_suffix(weight_dtype or dtype, dtype)
+    return f"experts{num_experts}-width{intermediate}-{device}-{dtype_name(dtype)}{weights}.json"
+
+
+def weight_suffix(weight_dtype: torch.dtype, dtype: torch.dtype) -> str:
+    """What a table's name adds for experts whose weights are not in the activations' dtype."""
+    if weight_dtype == dtype:
+        return ""
+    if weight_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"no MoE config naming for {weight_dtype} weights under {dtype} activations")
+    return "-fp8weights"
 
 
 def read_buckets(path: Path) -> dict[int, MoeConfig]:
@@ -103,14 +119,16 @@ def read_buckets(path: Path) -> dict[int, MoeConfig]:
 
 @functools.lru_cache(maxsize=None)
 def tuned_buckets(num_experts: int, intermediate: int, device_name: str, dtype: torch.dtype,
-                  directory: Path = CONFIG_DIR) -> dict[int, MoeConfig] | None:
+                  directory: Path = CONFIG_DIR, weight_dtype: torch.dtype | None = None
+                  ) -> dict[int, MoeConfig] | None:
     """The table shipped for this shape, or None (said once per shape in the log)."""
-    path = Path(directory) / config_file_name(num_experts, intermediate, device_name, dtype)
+    path = Path(directory) / config_file_name(num_experts, intermediate, device_name, dtype, weight_dtype)
     if path.is_file():
         return read_buckets(path)
-    logger.warning("no tuned MoE config %s: default tiles for E=%d, I=%d on %s (%s); "
+    weights = "" if weight_dtype in (None, dtype) else ", fp8 weights"
+    logger.warning("no tuned MoE config %s: default tiles for E=%d, I=%d on %s (%s%s); "
                    "tools/bench/kernels/tune_moe.py writes one", path.name, num_experts, intermediate,
-                   device_name, dtype_name(dtype))
+                   device_name, dtype_name(dtype), weights)
     return None
 
 
@@ -136,9 +154,10 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: torch.d
 
 
 def config_for(num_experts: int, intermediate: int, top_k: int, device_name: str, dtype: torch.dtype,
-               num_tokens: int, directory: Path = CONFIG_DIR) -> MoeConfig:
-    """The tuned config of the bucket nearest `num_tokens`, else `default_config`."""
-    buckets = tuned_buckets(num_experts, intermediate, device_name, dtype, directory)
+               num_tokens: int, directory: Path = CONFIG_DIR, weight_dtype: torch.dtype | None = None) -> MoeConfig:
+    """The tuned config of the bucket nearest `num_tokens`, else `default_config`; `dtype` is the
+    activations', `weight_dtype` the experts' weights' (default: `dtype`)."""
+    buckets = tuned_buckets(num_experts, intermediate, device_name, dtype, directory, weight_dtype)
     if buckets is None:
         return _default_config(num_tokens, num_experts, top_k, dtype)
     return buckets[nearest_bucket(buckets, num_tokens)]

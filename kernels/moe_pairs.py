@@ -8,9 +8,10 @@ Two launches, each reading only the chosen experts' weights:
              out[t, n] = sum_k weights[t, k] * (inter[t K + k] . w2[ids[t, k], n])
 
 Each product is a dot of one row with a tile of weight rows, summed in float32 (no tensor
-cores: a batch this small is bound by reading the weights). The down program sums a token's
-K choices itself, their tiles loaded side by side and summed in one fixed reduction: no
-atomics, the same bits every run. The pair (and token) index
+cores: a batch this small is bound by reading the weights). FP8 weight tiles are widened to
+float32 like any other, and each sum times its weight row's scale once the loop is done. The
+down program sums a token's K choices itself, their tiles loaded side by side and summed in
+one fixed reduction: no atomics, the same bits every run. The pair (and token) index
 is the grid's fastest axis, so the programs that read one weight tile for several pairs of
 the same expert run side by side and share it through L2.
 """
@@ -22,14 +23,14 @@ import triton
 import triton.language as tl
 
 from spillway.kernels.moe_config import MoeConfig
-from spillway.kernels.utils import for_device, next_power_of_2, wait_for_inputs
+from spillway.kernels.utils import for_device, next_power_of_2, stride_of, wait_for_inputs
 
 
 @triton.jit
 def _pair_gate_up_kernel(
-    hidden_ptr, w13_ptr, ids_ptr, inter_ptr,
+    hidden_ptr, w13_ptr, scale_ptr, ids_ptr, inter_ptr,
     top_k, hidden_size, intermediate,
-    stride_h_t, stride_w_e, stride_w_n, stride_id_t, stride_id_k, stride_i_p,
+    stride_h_t, stride_w_e, stride_w_n, stride_s_e, stride_id_t, stride_id_k, stride_i_p,
     BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
@@ -55,15 +56,19 @@ def _pair_gate_up_kernel(
         row = row.to(tl.float32)[None, :]
         gate += tl.sum(tl.load(gate_ptrs + start, mask=tile_ok, other=0.0).to(tl.float32) * row, axis=1)
         up += tl.sum(tl.load(gate_ptrs + up_offset + start, mask=tile_ok, other=0.0).to(tl.float32) * row, axis=1)
+    if scale_ptr is not None:  # fp8 weights: a scale per row of w13, the gate rows' then the up rows'
+        scale_ptrs = scale_ptr + expert * stride_s_e + cols
+        gate *= tl.load(scale_ptrs, mask=cols_ok, other=0.0)
+        up *= tl.load(scale_ptrs + intermediate, mask=cols_ok, other=0.0)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(inter_ptr + pair.to(tl.int64) * stride_i_p + cols, out.to(inter_ptr.dtype.element_ty), mask=cols_ok)
 
 
 @triton.jit
 def _pair_down_kernel(
-    inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr,
+    inter_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr,
     top_k, hidden_size, intermediate,
-    stride_i_p, stride_w_e, stride_w_n, stride_id_t, stride_id_k, stride_wt_t, stride_wt_k, stride_o_t,
+    stride_i_p, stride_w_e, stride_w_n, stride_s_e, stride_id_t, stride_id_k, stride_wt_t, stride_wt_k, stride_o_t,
     CHOICES: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -91,13 +96,19 @@ def _pair_down_kernel(
         rows = tl.load(row_ptrs + start, mask=rows_ok, other=0.0).to(tl.float32)
         tiles = tl.load(tile_ptrs + start, mask=rows_ok[:, None, :] & cols_ok[None, :, None], other=0.0)
         acc += tl.sum(tiles.to(tl.float32) * rows[:, None, :], axis=2)
+    if scale_ptr is not None:  # fp8 weights: each choice's sums times its expert's row scales
+        scales = tl.load(scale_ptr + experts[:, None] * stride_s_e + cols[None, :],
+                         mask=choices_ok[:, None] & cols_ok[None, :], other=0.0)
+        acc *= scales
     out = tl.sum(acc * routing.to(tl.float32)[:, None], axis=0)
     tl.store(out_ptr + token.to(tl.int64) * stride_o_t + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
 
 
 def pair_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, config: MoeConfig) -> torch.Tensor:
-    """The experts on arguments kernels/fused_moe.py's `fused_experts` has checked (T > 0)."""
+                 topk_ids: torch.Tensor, config: MoeConfig, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts on arguments kernels/fused_moe.py's `fused_experts` has checked (T > 0);
+    the scales with fp8 weights, None otherwise."""
     num_tokens, hidden_size = hidden.shape
     intermediate = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -111,15 +122,16 @@ def pair_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     choices = next_power_of_2(top_k)
     down_block_k = max(16, min(block_k, 2 * block_k // choices))
     for_device(_pair_gate_up_kernel, device)[(num_tokens * top_k, triton.cdiv(intermediate, block_n))](
-        hidden, w13, topk_ids, inter,
+        hidden, w13, w13_scale, topk_ids, inter,
         top_k, hidden_size, intermediate,
-        hidden.stride(0), w13.stride(0), w13.stride(1), topk_ids.stride(0), topk_ids.stride(1), inter.stride(0),
+        hidden.stride(0), w13.stride(0), w13.stride(1), stride_of(w13_scale, 0), topk_ids.stride(0), topk_ids.stride(1),
+        inter.stride(0),
         BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, EVEN_K=hidden_size % block_k == 0, **launch,
     )
     for_device(_pair_down_kernel, device)[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        inter, w2, topk_ids, topk_weights, out,
+        inter, w2, w2_scale, topk_ids, topk_weights, out,
         top_k, hidden_size, intermediate,
-        inter.stride(0), w2.stride(0), w2.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+        inter.stride(0), w2.stride(0), w2.stride(1), stride_of(w2_scale, 0), topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         CHOICES=choices, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=down_block_k,
         EVEN_K=intermediate % down_block_k == 0, **launch,

@@ -179,6 +179,11 @@ def check_tensor(
         check(tensor.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
 
 
+def stride_of(tensor: torch.Tensor | None, dim: int) -> int:
+    """`tensor.stride(dim)`, 0 for an optional tensor left out (its pointer None, never read)."""
+    return 0 if tensor is None else tensor.stride(dim)
+
+
 @functools.cache
 def multiprocessor_count(device: torch.device) -> int:
     """The device's streaming multiprocessors (8 stands in for the CPU): what split counts fill."""

@@ -41,11 +41,13 @@ POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 def specialised(value) -> tuple[str, bool]:
     """(signature type, 16-divisible) of an argument as Triton's JIT sees it; integers equal to 1
-    become constants, floats are fp32."""
+    and None become constants, floats are fp32."""
     if isinstance(value, torch.Tensor):
         return "*" + POINTEE[value.dtype], value.data_ptr() % 16 == 0
     if isinstance(value, float):
         return "fp32", False
+    if value is None:  # an optional pointer left out: a constant, as the JIT specialises it
+        return "constexpr", False
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"unexpected kernel argument {value!r}")
     if value == 1:

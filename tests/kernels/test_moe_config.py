@@ -90,6 +90,25 @@ def test_a_tuned_table_gives_each_token_count_its_nearest_bucket_and_is_read_onc
         default_config(1, 128, 8, torch.float16)  # another dtype, another table: none here
 
 
+def test_fp8_weights_have_tables_of_their_own(tmp_path):
+    fp8 = torch.float8_e4m3fn
+    assert config_file_name(128, 768, "NVIDIA H200", torch.bfloat16, fp8) == \
+        "experts128-width768-NVIDIA_H200-bf16-fp8weights.json"
+    assert config_file_name(128, 768, "NVIDIA H200", torch.bfloat16, torch.bfloat16) == \
+        "experts128-width768-NVIDIA_H200-bf16.json"
+    with pytest.raises(ValueError, match="no MoE config naming for torch.int8 weights under torch.bfloat16"):
+        config_file_name(128, 768, "NVIDIA H200", torch.bfloat16, torch.int8)
+
+    def config(weight_dtype):
+        return config_for(128, 768, 8, "NVIDIA H200", torch.bfloat16, 1, directory=tmp_path, weight_dtype=weight_dtype)
+
+    write_table(tmp_path, {1: PAIRS})  # the bf16 weights' table
+    assert config(torch.bfloat16) == PAIRS and config(fp8) == default_config(1, 128, 8, torch.bfloat16)
+    moe_config.tuned_buckets.cache_clear()
+    write_table(tmp_path, {1: GROUPED}, name=config_file_name(128, 768, "NVIDIA H200", torch.bfloat16, fp8))
+    assert config(fp8) == GROUPED and config(None) == PAIRS
+
+
 def test_a_table_without_buckets_is_refused(tmp_path):
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"buckets": {}}))
@@ -131,10 +150,11 @@ def test_every_shipped_table_reads_and_is_filed_under_its_own_shape():
 
     tables = sorted(CONFIG_DIR.glob("*.json"))
     assert tables, f"no tuned tables in {CONFIG_DIR}"
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
     for path in tables:
         shape = json.loads(path.read_text())["shape"]
-        assert path.name == config_file_name(shape["experts"], shape["intermediate"], shape["device"],
-                                             dtypes[shape["dtype"]])
+        dtype = dtypes[shape["dtype"]]
+        assert path.name == config_file_name(shape["experts"], shape["intermediate"], shape["device"], dtype,
+                                             dtypes[shape.get("weights", shape["dtype"])])
         buckets = read_buckets(path)
         assert 1 in buckets, f"{path.name}: no batch-1 entry, the decode step's"

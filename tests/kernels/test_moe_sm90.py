@@ -1,6 +1,7 @@
 """The fused MoE kernels compile for sm_90 (Hopper) at the model shapes with their default tiles,
 integers specialised to 1 included, within a Hopper SM's shared memory; the grouped products
-use tensor cores and asynchronous copies, the pairs path wide loads. Run in a process of its own
+use tensor cores and asynchronous copies, the pairs path wide loads; with bf16 weights and with
+fp8 ones. Run in a process of its own
 (tests/kernels/moe_sm90.py): these tests' TRITON_INTERPRET=1 would make the kernels uncompilable."""
 
 from __future__ import annotations
@@ -44,3 +45,15 @@ def test_large_batches_sort_in_chunks_and_multiply_on_tensor_cores():
         for name in ("_grouped_gate_up_kernel", "_grouped_down_kernel"):
             ops = launches[name]["ops"]
             assert ops["wgmma"] + ops["mma.sync"] > 0 and ops["cp.async.cg"] > 0, (shape, name, ops)
+
+
+def test_fp8_weights_compile_on_both_paths_widened_for_the_products():
+    """Weight-only fp8: one token's pairs kernels still load 16 bytes at a time (16 fp8 weights
+    each), a large batch's grouped products still run on tensor cores fed by asynchronous copies."""
+    pairs = compiled("1", "8", "128", "2048", "768", "--fp8-weights")
+    assert list(pairs) == ["_pair_gate_up_kernel", "_pair_down_kernel"]
+    assert all(launch["ops"]["ld.global.v4"] > 0 for launch in pairs.values())
+    grouped = compiled("4096", "2", "8", "4096", "14336", "--fp8-weights")
+    for name in ("_grouped_gate_up_kernel", "_grouped_down_kernel"):
+        ops = grouped[name]["ops"]
+        assert ops["wgmma"] + ops["mma.sync"] > 0 and ops["cp.async.cg"] > 0, (name, ops)

@@ -25,9 +25,11 @@ plain rows whatever the tiles. The cost is a second rounding: each weight moves 
 an fp8 step (relative 2^-4), and a value below `2^-6 * row scale` (the row's amax / 448: a
 tile scaled far below the row's largest) falls among fp8's subnormals, exact to
 `2^-10 * row scale` only. `tests/worker/models/test_fp8_checkpoints.py`
-holds the loaded weights to that bound. Each mixture-of-experts expert is dequantized to the
-model's dtype and stays there (the fused MoE kernel takes no fp8 weights yet), said in one line
-of the log.
+holds the loaded weights to that bound. A mixture-of-experts layer's experts go the same way:
+each expert's projections dequantized here, stacked as the model loads them, then re-quantized
+per output row of each expert (fp8_experts.py), which the fused MoE kernel runs weight-only
+(kernels/fused_moe.py); one line of the log counts them. Until they are re-quantized they take
+the model's dtype, twice their fp8 bytes, as the projections do.
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], checkpoint:
         logger.info("FP8 checkpoint: %d calibrated scales left unused: activations are quantized per token as they "
                     "arrive, and an fp8 KV cache stores keys and values unscaled", calibrated)
     if experts:
-        logger.info("FP8 checkpoint: %d expert weights dequantized to the model's dtype (the fused MoE kernel "
-                    "takes no fp8 weights yet)", experts)
+        logger.info("FP8 checkpoint: %d expert weights dequantized as they load, to run re-quantized per output "
+                    "row", experts)
 
 
 def _check_calibrated_scale(name: str, scale: torch.Tensor) -> None:

@@ -14,7 +14,8 @@ the CPU's oneDNN packing (cpu_linear.py) leave an `Fp8Linear` alone (it is no `n
 
 `quantize_linear_layers(model)` swaps every projection of the decoder layers for one (after
 tensor-parallel sharding: each rank's scales are its own rows'); embeddings, the lm_head,
-norms, routers and the experts' stacked weights stay as they are.
+norms and routers stay as they are. The experts' stacked weights take the same row scales but
+keep their activations unquantized (fp8_experts.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spillway.worker.models import routers
+from spillway.worker.models.fp8_linear import dequantize_rows
 from spillway.worker.models.rope_scaling import RopeScaling, default_inv_freq
 
 
@@ -47,6 +48,9 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's experts, summed: `sum_k w_k * expert_{id_k}(hidden)`.
 
@@ -56,6 +60,10 @@ def fused_experts(
     hidden's dtype. Each expert runs once on the rows routed to it, in Hugging Face's order of
     operations (expert output times weight, accumulated in hidden's dtype), so float32 logits
     match transformers' to rounding. Only the experts chosen are read.
+
+    FP8 experts (fp8_experts.py): w13 and w2 in float8 e4m3fn with one float32 scale per output
+    row, w13_scale `[E, 2I]` and w2_scale `[E, H]`; each chosen expert's weights are dequantized
+    to hidden's dtype as it runs, so the result is that of the dequantized experts.
     """
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
@@ -65,11 +73,18 @@ def fused_experts(
     for expert in torch.unique(flat_ids).tolist():
         # Rows slot-major, as transformers gathers them: the products then match bit for bit.
         slot, token_idx = torch.where(topk_ids.t() == expert)
-        gate, up = F.linear(hidden[token_idx], w13[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up_rows = _expert_rows(w13, w13_scale, expert, hidden.dtype)
+        gate, up = F.linear(hidden[token_idx], gate_up_rows).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, _expert_rows(w2, w2_scale, expert, hidden.dtype))
         expert_out = expert_out * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, expert_out.to(out.dtype))
     return out
+
+
+def _expert_rows(weight: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `expert`'s weight rows as they multiply: as stored, or times their scales in float32
+    (fp8 weights), then in `dtype`."""
+    return weight[expert] if scale is None else dequantize_rows(weight[expert], scale[expert], dtype)
 
 
 def rope_angles(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -102,9 +117,10 @@ class DecoderOps:
     q_norm/k_norm are the layer's `RMSNorm`s, or None. The plain-torch path leaves it None,
     so it stays step for step the Hugging Face computation.
 
-    `fused_experts(hidden, w13, w2, topk_weights, topk_ids)` is a mixture-of-experts layer's
-    experts (see `fused_experts` below for the shapes); `softmax_topk` its softmax router's
-    choice (worker/models/routers.py's contract).
+    `fused_experts(hidden, w13, w2, topk_weights, topk_ids, *, w13_scale=None, w2_scale=None)` is
+    a mixture-of-experts layer's experts (see `fused_experts` below for the shapes; the scales go
+    with fp8 weights); `softmax_topk` its softmax router's choice (worker/models/routers.py's
+    contract).
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]

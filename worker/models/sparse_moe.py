@@ -7,7 +7,8 @@
     shared_experts   optional dense MLP that every token also goes through (DeepSeek), summed in
 
 The parameters carry transformers 5's names; checkpoints list each expert's projections
-apart (checkpoint_names.py).
+apart (checkpoint_names.py). With FP8 weights, fp8_experts.py's `Fp8Experts` takes the place of
+`Experts` once the weights are loaded: the same stacks in float8 e4m3fn with a scale per row.
 """
 
 from __future__ import annotations

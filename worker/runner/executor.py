@@ -33,6 +33,7 @@ from spillway.worker.models import loader, model_class_for
 from spillway.protocol.config import QUANTIZATION_METHODS
 from spillway.worker.models.cpu_linear import pack_linear_layers
 from spillway.worker.models.fp8_checkpoint import dequantized_weights, fp8_checkpoint_of
+from spillway.worker.models.fp8_experts import quantize_experts
 from spillway.worker.models.fp8_linear import fp8_capability_problem, quantize_linear_layers
 from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.models.shard_loading import load_shard
@@ -82,7 +83,8 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
     way before the linear layers are re-laid for the device (both find the shards).
 
     `quantization` "fp8", or an FP8 checkpoint (fp8_checkpoint.py): the decoder's projections
-    run in FP8 (fp8_linear.py), quantized after the cut, so each rank's row scales are its own.
+    run in FP8 (fp8_linear.py), and so do the experts' stacked weights (fp8_experts.py), quantized
+    after the cut, so each rank's row scales are its own.
     ValueError for another method, or a GPU without FP8 tensor cores, before anything loads."""
     checkpoint = None if files.load_format == "dummy" else fp8_checkpoint_of(hf_config)
     runs_fp8 = _runs_fp8(quantization, checkpoint is not None, device)
@@ -97,7 +99,9 @@ def load_model(hf_config, files: loader.ModelFiles, *, device: torch.device, dty
         if shard is not None:
             shard_model(model, *shard)
     if runs_fp8:
-        logger.info("FP8 weights: %d projections quantized per output row", quantize_linear_layers(model))
+        projections, expert_stacks = quantize_linear_layers(model), quantize_experts(model)
+        logger.info("FP8 weights: %d projections and %d expert stacks quantized per output row", projections,
+                    expert_stacks)
     if device.type == "cpu":
         packed = pack_linear_layers(model)
         logger.info("CPU linear layers: %s", f"{packed} packed for oneDNN" if packed else "torch sgemm")

@@ -2,7 +2,8 @@
 `weight_scale_inv` per 128 x 128 tile) and compressed-tensors (`weight_scale` per tensor or per
 output row). They load as their dequantization re-quantized per output row, run as the
 dequantized model quantized online does (bit for bit), close to the unquantized dequantized
-model, on one rank or cut over two; malformed ones are refused naming the tensor."""
+model, on one rank or cut over two; a mixture of experts' experts the same way, fp8 too;
+malformed ones are refused naming the tensor."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from spillway.gateway import LLM, SamplingParams
 from spillway.worker.models import build_model, loader
 from spillway.worker.models.fp8_checkpoint import dequantize_weight, Fp8Checkpoint, is_projection_weight
+from spillway.worker.models.fp8_experts import Fp8Experts, quantize_experts
 from spillway.worker.models.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_linear_layers
 from spillway.worker.models.tensor_parallel import shard_model
 from spillway.worker.runner.executor import load_model
@@ -221,19 +223,72 @@ def test_block_scales_cover_partial_tiles_at_the_edges():
             assert got[row, column] == weight[row, column].float() * scale[row // TILE, column // TILE]
 
 
-def test_moe_experts_are_dequantized_to_the_models_dtype_with_a_log_line(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """{layout: (folder, dequantized state dict)} of one tiny Qwen3-MoE (2 sparse layers of 6
+    experts, a dense layer) in the block and channel layouts."""
     from tiny_models import tiny_qwen3_moe
 
-    dequantized = save_fp8_checkpoint(tiny_qwen3_moe(), tmp_path / "moe", "block")
-    files, hf_config = resolve(tmp_path / "moe")
+    root = tmp_path_factory.mktemp("fp8-moe")
+    return {layout: (root / layout, save_fp8_checkpoint(tiny_qwen3_moe(), root / layout, layout))
+            for layout in ("block", "channel")}
+
+
+def fp8_experts(model) -> dict[str, Fp8Experts]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Fp8Experts)}
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_moe_experts_load_as_their_dequantization_quantized_per_row(moe_checkpoints, layout, caplog):
+    """Each expert's rows within half an fp8 step of the checkpoint's dequantized weights (a
+    per-row checkpoint's own fp8 values, bit for bit), and the model runs as the dequantized one
+    quantized online does."""
+    folder, dequantized = moe_checkpoints[layout]
+    files, hf_config = resolve(folder)
     with caplog.at_level(logging.INFO, logger="spillway.worker.models.fp8_checkpoint"):
         model = load_model(hf_config, files, device=CPU, dtype=torch.float32, seed=0)
-    assert any("expert weights dequantized" in record.getMessage() for record in caplog.records)
-    experts = model.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.dtype == torch.float32
-    assert torch.equal(experts.down_proj[3], dequantized["model.layers.0.mlp.experts.3.down_proj.weight"])
-    assert torch.equal(experts.gate_up_proj[5, :32], dequantized["model.layers.0.mlp.experts.5.gate_proj.weight"])
-    assert type(model.model.layers[0].self_attn.qkv_proj) is Fp8Linear
+    assert any("36 expert weights dequantized as they load" in record.getMessage() for record in caplog.records)
+    assert list(fp8_experts(model)) == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+    experts = model.model.layers[2].mlp.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE
+    gate_up, down = experts.dequantized()
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        stored = f.get_tensor("model.layers.2.mlp.experts.5.up_proj.weight")
+    for expert in range(6):
+        prefix = f"model.layers.2.mlp.experts.{expert}"
+        expected = [torch.cat([dequantized[f"{prefix}.gate_proj.weight"], dequantized[f"{prefix}.up_proj.weight"]]),
+                    dequantized[f"{prefix}.down_proj.weight"]]
+        for got, want, scale in zip((gate_up[expert], down[expert]), expected,
+                                    (experts.gate_up_proj_scale[expert], experts.down_proj_scale[expert])):
+            assert ((got - want).abs() <= 2.0 ** -4 * want.abs() + 2.0 ** -10 * scale[:, None]).all(), expert
+    up_rows = experts.gate_up_proj[5, 32:].view(torch.uint8)
+    assert torch.equal(up_rows, stored.view(torch.uint8)) == (layout == "channel")
+
+    plain = dequantized_model(hf_config, dequantized)
+    assert quantize_linear_layers(plain) == 8 and quantize_experts(plain) == 2  # qkv, o x 3; the dense MLP
+    token_ids = torch.randint(2, 384, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert torch.equal(teacher_forced_logits(model, token_ids, device=CPU, dtype=torch.float32),
+                       teacher_forced_logits(plain, token_ids, device=CPU, dtype=torch.float32))
+
+
+def test_each_rank_quantizes_its_rows_of_the_dequantized_experts(moe_checkpoints):
+    """A rank's expert rows are those of the whole dequantized model cut, quantized after the cut:
+    a down_proj row's scale is that of the rank's columns."""
+    folder, dequantized = moe_checkpoints["block"]
+    files, hf_config = resolve(folder)
+    for rank in range(2):
+        shard = fp8_experts(load_model(hf_config, files, device=CPU, dtype=torch.float32, seed=0, shard=(rank, 2)))
+        expected = dequantized_model(hf_config, dequantized)
+        shard_model(expected, rank, 2)
+        quantize_experts(expected)
+        want = fp8_experts(expected)
+        assert shard.keys() == want.keys() and len(shard) == 2
+        for name, experts in shard.items():
+            assert experts.down_proj.shape == (6, 64, 16), name  # half of each expert's width of 32
+            for tensor in ("gate_up_proj", "down_proj"):
+                assert torch.equal(getattr(experts, tensor).view(torch.uint8),
+                                   getattr(want[name], tensor).view(torch.uint8)), (name, tensor)
+                assert torch.equal(getattr(experts, f"{tensor}_scale"), getattr(want[name], f"{tensor}_scale"))
 
 
 def rewrite(folder: Path, tmp_path: Path, *, drop: str | None = None, replace: dict | None = None,

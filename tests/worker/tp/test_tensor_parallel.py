@@ -1,4 +1,5 @@
-"""A model sharded over two CPU ranks (gloo) computes the unsharded model's logits.
+"""A model sharded over two CPU ranks (gloo) computes the unsharded model's logits (with fp8
+experts: those of the unsharded model holding what the ranks' fp8 rows stand for).
 
 Each rank builds the same tiny random decoder twice, shards one copy, and runs both through
 their own `ModelRunner` (plain-torch attention, each its own KV pool): a batched prefill, then
@@ -20,6 +21,8 @@ import torch.multiprocessing as mp
 from spillway.worker.runner.model_runner import ChunkInput, ModelRunner
 from spillway.worker.models import build_model
 from spillway.worker.models.cpu_linear import onednn_linear_works, pack_linear_layers
+from spillway.worker.models.fp8_experts import quantize_experts
+from spillway.worker.models.fp8_linear import dequantize_rows, quantize_rows
 from spillway.worker.models.gpu_linear import store_weights_input_major
 from spillway.worker.models.layers import TORCH_OPS
 from spillway.worker.models.sparse_moe import SparseMoeBlock
@@ -55,6 +58,7 @@ CASES = {
     "llama-replicated-kv-head-tied-biases-input-major": (LLAMA_ONE_KV_HEAD, "input-major"),
     "qwen3-moe-packed": (QWEN3_MOE, "packed"),
     "mixtral-input-major": (MIXTRAL, "input-major"),
+    "qwen3-moe-fp8-experts": (QWEN3_MOE, "fp8-experts"),
 }
 
 
@@ -92,9 +96,26 @@ def greedy_steps(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[to
     return step_logits, [s[len(p):] for s, p in zip(sequences, prompts)]
 
 
+def experts_as_the_ranks_quantize_them(model) -> None:
+    """The unsharded model's experts set to what the ranks' fp8 experts stand for: each gate/up row
+    quantized whole (a rank keeps whole rows), each down_proj row per rank, over the rank's columns."""
+    for layer in model.model.layers:
+        if not isinstance(layer.mlp, SparseMoeBlock):
+            continue
+        experts = layer.mlp.experts
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(dequantize_rows(*quantize_rows(experts.gate_up_proj)))
+            for columns in experts.down_proj.chunk(WORLD_SIZE, dim=2):  # views: written in place
+                columns.copy_(dequantize_rows(*quantize_rows(columns)))
+
+
+# After sharding: the weights laid out as the CPU path does ("packed" for oneDNN), as the GPU path
+# does ("input-major"), or the experts quantized to fp8 per row, each rank its own rows.
+RELAYOUTS = {"packed": pack_linear_layers, "input-major": store_weights_input_major, "fp8-experts": quantize_experts}
+
+
 def rank_report(rank: int, config_values: dict, weights: str) -> dict:
-    """`weights`: after sharding, lay the weights out as the CPU path does ("packed" for oneDNN)
-    or as the GPU path does ("input-major")."""
+    """`weights`: RELAYOUTS' keys."""
     config = tiny_config(**config_values)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(config.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
@@ -104,7 +125,9 @@ def rank_report(rank: int, config_values: dict, weights: str) -> dict:
         relaid = 0
         if sharded:
             layout = shard_model(model, rank, WORLD_SIZE)
-            relaid = (pack_linear_layers if weights == "packed" else store_weights_input_major)(model)
+            relaid = RELAYOUTS[weights](model)
+        elif weights == "fp8-experts":
+            experts_as_the_ranks_quantize_them(model)
         runners.append(ModelRunner(model, num_blocks=32, block_size=BLOCK_SIZE, device=CPU, dtype=torch.float32))
     (reference_logits, reference_tokens), (logits, tokens) = (greedy_steps(r, prompts) for r in runners)
     return dict(
@@ -181,6 +204,16 @@ def test_two_ranks_compute_the_unsharded_logits_and_tokens_of_a_mixture_of_exper
         assert len(set(report["tokens"][0])) > 1
         assert report["layout"].expert_intermediate_size == (16 if config_values is QWEN3_MOE else 48)
         assert report["relaid"] == relaid
+
+
+def test_two_ranks_with_fp8_experts_compute_the_logits_of_the_experts_they_quantized(reports):
+    """Each rank quantizes its slice of every expert (quantize_experts after the cut): the two
+    compute the unsharded model whose experts hold what the ranks' fp8 rows stand for."""
+    for rank, report in enumerate(reports["qwen3-moe-fp8-experts"]):
+        assert report["relaid"] == 1  # the one sparse layer's experts
+        assert report["max_diff"] < TOLERANCE, f"rank {rank}"
+        assert report["tokens"] == report["reference_tokens"]
+        assert len(set(report["tokens"][0])) > 1
 
 
 @pytest.mark.parametrize(("kv_heads", "world_size", "first_kv_heads"), [

@@ -47,18 +47,24 @@ def decode_ms_per_token(engine, prompt_len: int, new_tokens: int, request_id: st
     return (time.perf_counter() - started) / tokens * 1e3
 
 
+# The stacked experts' parameters, of which a token reads its top_k experts' rows only (fp8 ones'
+# row scales included).
+EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale",
+                 "experts.down_proj_scale")
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights a batch-1 decode step reads: all but the embedding table (unless it is
     lm_head), and of each mixture-of-experts layer only the experts one token is routed to.
     On the CPU the packed linear layers (oneDNN's layout, no parameters) count in the model's
-    dtype; FP8 projections count a byte a weight."""
+    dtype; FP8 projections and experts count a byte a weight."""
     moe = getattr(model.spec, "moe", None)
     embedding = model.model.embed_tokens.weight
     tied = model.spec.tie_word_embeddings
     total = 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
-        if moe is not None and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if moe is not None and name.endswith(EXPERT_STACKS):
             size = size * moe.top_k // param.shape[0]
         total += size
     for name, module in model.named_modules():

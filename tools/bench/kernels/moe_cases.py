@@ -28,9 +28,10 @@ SHAPES = {
 }
 
 
-def expert_bytes(shape: MoeShape, element_size: int) -> int:
-    """One expert's weights: gate, up and down."""
-    return 3 * shape.hidden * shape.intermediate * element_size
+def expert_bytes(shape: MoeShape, element_size: int, row_scales: bool = False) -> int:
+    """One expert's weights: gate, up and down (`row_scales`: fp8 weights' float32 scale a row)."""
+    scales = 4 * (2 * shape.intermediate + shape.hidden) if row_scales else 0
+    return 3 * shape.hidden * shape.intermediate * element_size + scales
 
 
 def flops(shape: MoeShape, num_tokens: int) -> int:
@@ -38,9 +39,12 @@ def flops(shape: MoeShape, num_tokens: int) -> int:
     return 2 * num_tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
 
 
-def traffic_bytes(shape: MoeShape, num_tokens: int, distinct_experts: float, element_size: int) -> float:
-    """The least a call moves: the weights of the experts it touches, its input and its output."""
-    return distinct_experts * expert_bytes(shape, element_size) + 2 * num_tokens * shape.hidden * element_size
+def traffic_bytes(shape: MoeShape, num_tokens: int, distinct_experts: float, element_size: int,
+                  fp8_weights: bool = False) -> float:
+    """The least a call moves: the weights of the experts it touches (a byte each, and their row
+    scales, with `fp8_weights`), its input and its output (`element_size` each)."""
+    weights = expert_bytes(shape, 1, row_scales=True) if fp8_weights else expert_bytes(shape, element_size)
+    return distinct_experts * weights + 2 * num_tokens * shape.hidden * element_size
 
 
 def layer_copies(shape: MoeShape, element_size: int, l2_bytes: int, memory_budget: int) -> int:
@@ -64,16 +68,22 @@ def routing(num_tokens: int, num_experts: int, top_k: int, seed: int, device):
 
 @dataclass(slots=True)
 class Layer:
-    """One layer's inputs: `args()` is fused_experts' positional arguments."""
+    """One layer's inputs: `args()` is fused_experts' positional arguments, `scales()` its scale
+    arguments (fp8 weights' row scales; none for weights in hidden's dtype)."""
 
     hidden: object
     w13: object
     w2: object
     topk_weights: object
     topk_ids: object
+    w13_scale: object = None
+    w2_scale: object = None
 
     def args(self) -> tuple:
         return self.hidden, self.w13, self.w2, self.topk_weights, self.topk_ids
+
+    def scales(self) -> dict:
+        return {} if self.w13_scale is None else dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale)
 
 
 def expert_weights(shape: MoeShape, dtype, device, seed: int):
@@ -88,16 +98,26 @@ def expert_weights(shape: MoeShape, dtype, device, seed: int):
     return w13, w2
 
 
+def fp8_expert_weights(w13, w2) -> tuple:
+    """(w13, w2, w13_scale, w2_scale): the weights in float8 e4m3fn with a float32 scale per output
+    row of each expert, as an FP8 model holds its experts (worker/models/fp8_experts.py)."""
+    from spillway.worker.models.fp8_experts import quantize_stack
+
+    (w13_q, w13_scale), (w2_q, w2_scale) = quantize_stack(w13), quantize_stack(w2)
+    return w13_q, w2_q, w13_scale, w2_scale
+
+
 def layers_for(shape: MoeShape, weights: list, num_tokens: int, dtype, device) -> list[Layer]:
-    """Each weight copy with its own hidden rows and routing (seeds 0, 1, ...)."""
+    """Each weight copy, `(w13, w2)` or `fp8_expert_weights`' four, with its own hidden rows and
+    routing (seeds 0, 1, ...)."""
     import torch
 
     layers = []
-    for index, (w13, w2) in enumerate(weights):
+    for index, (w13, w2, *scales) in enumerate(weights):
         generator = torch.Generator().manual_seed(1000 + index)
         hidden = torch.randn(num_tokens, shape.hidden, generator=generator).to(device=device, dtype=dtype)
         topk_weights, topk_ids = routing(num_tokens, shape.num_experts, shape.top_k, index, device)
-        layers.append(Layer(hidden, w13, w2, topk_weights, topk_ids))
+        layers.append(Layer(hidden, w13, w2, topk_weights, topk_ids, *scales))
     return layers
 
 

@@ -3,6 +3,7 @@
     python tools/bench/kernels/tune_moe.py --experts 128 --hidden 2048 --intermediate 768 --topk 8 --dtype bf16
     python tools/bench/kernels/tune_moe.py --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --batches 1,64
     python tools/bench/kernels/tune_moe.py --dry-run --out /tmp/tiny.json    # any machine: Triton's interpreter
+    python tools/bench/kernels/tune_moe.py --fp8-weights                     # the experts of --quantization fp8
 
 The table goes to kernels/moe_configs/ under the name kernels/moe_config.py reads for this
 GPU (or to --out), one entry per batch size T, written after each T (a run cut short keeps
@@ -17,6 +18,9 @@ BLOCK_SIZE_M sized to the pairs an expert gets, BLOCK_SIZE_N and BLOCK_SIZE_K wi
 memory). Round two: the best of round one with its warps, stages and GROUP_SIZE_M varied one at a
 time. The untuned default (kernels/moe_config.py's `default_config`) is a candidate too, and each
 row prints its time beside the best's, measured in the same run.
+
+`--fp8-weights` tunes the experts in float8 e4m3fn with a float32 scale per output row (as an FP8
+model holds them) for their own table, `...-bf16-fp8weights.json`.
 
 `--dry-run` runs all of it on a tiny shape (4 experts, H 48, I 40, top 2, T 1 and 5, float32)
 with two candidates besides the default, through Triton's interpreter on the CPU, timing one pass of each.
@@ -115,6 +119,7 @@ def main() -> None:
     parser.add_argument("--out", help="the table's path (default: kernels/moe_configs/ under this GPU's name; "
                                       "with --dry-run, printed only)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shape, two candidates, interpreter on the CPU")
+    parser.add_argument("--fp8-weights", action="store_true", help="fp8 experts with row scales (their own table)")
     args = parser.parse_args()
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -128,7 +133,8 @@ def main() -> None:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("tools/bench/kernels/tune_moe.py needs a CUDA GPU (or --dry-run)")
     dtype = args.dtype or ("fp32" if args.dry_run else "bf16")
-    Tuner(shape, dtype, torch.device("cpu" if args.dry_run else "cuda"), args.dry_run).run(batches, args.out)
+    Tuner(shape, dtype, torch.device("cpu" if args.dry_run else "cuda"), args.dry_run,
+          args.fp8_weights).run(batches, args.out)
 
 
 def earlier_buckets(path: Path | None, shape: dict) -> dict:
@@ -150,20 +156,25 @@ def earlier_buckets(path: Path | None, shape: dict) -> dict:
 class Tuner:
     """One shape's search over every batch size, on weights allocated once."""
 
-    def __init__(self, shape: MoeShape, dtype_name: str, device, dry_run: bool) -> None:
+    def __init__(self, shape: MoeShape, dtype_name: str, device, dry_run: bool, fp8_weights: bool = False) -> None:
         import torch
 
         from spillway.tools.bench.kernels import moe_cases
 
         self.shape, self.dtype_name, self.device, self.dry_run = shape, dtype_name, device, dry_run
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+        self.weight_dtype = torch.float8_e4m3fn if fp8_weights else self.dtype
+        # Shared memory is sized at the activations' element size: an fp8 weight tile takes less.
         self.element_size = torch.empty((), dtype=self.dtype).element_size()
+        weight_size = torch.empty((), dtype=self.weight_dtype).element_size()
         copies = 1
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info()
             l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-            copies = moe_cases.layer_copies(shape, self.element_size, l2_bytes, int(free * 0.4))
+            copies = moe_cases.layer_copies(shape, weight_size, l2_bytes, int(free * 0.4))
         self.weights = [moe_cases.expert_weights(shape, self.dtype, device, seed) for seed in range(copies)]
+        if fp8_weights:
+            self.weights = [moe_cases.fp8_expert_weights(w13, w2) for w13, w2 in self.weights]
 
     def candidates(self, num_tokens: int) -> list:
         from spillway.kernels.moe_config import MoeConfig
@@ -178,14 +189,16 @@ class Tuner:
         from spillway.tools.bench.ceilings import machine
 
         started = time.perf_counter()
+        fp8 = self.weight_dtype != self.dtype
         print(f"{machine()}; E {self.shape.num_experts}, H {self.shape.hidden}, I {self.shape.intermediate}, "
-              f"top {self.shape.top_k}, {self.dtype_name}, {len(self.weights)} weight copies", flush=True)
+              f"top {self.shape.top_k}, {self.dtype_name}{', fp8 weights' if fp8 else ''}, "
+              f"{len(self.weights)} weight copies", flush=True)
         print(f"{'T':>6} {'best us':>9} {'default us':>10} {'speedup':>8} {'tried':>6}  best config", flush=True)
         shape = dict(experts=self.shape.num_experts, hidden=self.shape.hidden,
                      intermediate=self.shape.intermediate, topk=self.shape.top_k, dtype=self.dtype_name,
-                     device=device_name(self.device))
+                     device=device_name(self.device), **({"weights": "fp8"} if fp8 else {}))
         path = None if out is None and self.dry_run else Path(out) if out else CONFIG_DIR / config_file_name(
-            self.shape.num_experts, self.shape.intermediate, device_name(self.device), self.dtype)
+            self.shape.num_experts, self.shape.intermediate, device_name(self.device), self.dtype, self.weight_dtype)
         buckets = earlier_buckets(path, shape)
         for num_tokens in batches:
             buckets[str(num_tokens)] = self.tune(num_tokens).to_json()
@@ -229,7 +242,7 @@ class Tuner:
     def reference(self, layer):
         from spillway.worker.models import layers
 
-        return layers.fused_experts(*layer.args())
+        return layers.fused_experts(*layer.args(), **layer.scales())
 
     def try_config(self, config, layers, reference, timed: dict) -> float | None:
         """The config's microseconds a call, recorded in `timed`; None (and a line saying why)
@@ -238,7 +251,7 @@ class Tuner:
         from spillway.tools.bench.kernels.moe_cases import graph_us
 
         try:
-            out = fused_experts(*layers[0].args(), config=config)
+            out = fused_experts(*layers[0].args(), config=config, **layers[0].scales())
         except Exception as error:  # a tile that does not fit this GPU: out of shared memory or registers
             print(f"       skipped {config.to_json()}: {type(error).__name__}: {str(error)[:200]}", flush=True)
             return None
@@ -246,7 +259,7 @@ class Tuner:
         if not error <= TOLERANCE[self.dtype_name]:
             print(f"       wrong   {config.to_json()}: relative error {error:.2e}", flush=True)
             return None
-        calls = [lambda layer=layer: fused_experts(*layer.args(), config=config) for layer in layers]
+        calls = [lambda layer=layer: fused_experts(*layer.args(), config=config, **layer.scales()) for layer in layers]
         timed[config] = graph_us(calls, self.device)
         return timed[config]
 

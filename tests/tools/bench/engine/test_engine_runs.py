@@ -82,3 +82,14 @@ def test_the_step_profile_counts_no_experts_in_a_dense_model():
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     assert active_expert_params(meta_model(config)) == 0
+
+
+def test_fp8_experts_count_a_byte_a_weight_and_their_share_of_the_row_scales():
+    from spillway.worker.models.fp8_experts import quantize_experts
+
+    model = meta_model(tiny_qwen3_moe().config)  # 2 sparse layers of 6 experts of width 32, top 2
+    unquantized = weight_bytes_per_token(model)
+    assert quantize_experts(model) == 2
+    chosen_weights = 2 * 2 * 3 * HIDDEN * 32  # layers x top_k x (gate, up, down) x H x I
+    chosen_scales = 2 * 2 * (2 * 32 + HIDDEN) * 4  # a float32 scale per gate, up and down row
+    assert weight_bytes_per_token(model) == unquantized - chosen_weights * (BF16_BYTES - 1) + chosen_scales

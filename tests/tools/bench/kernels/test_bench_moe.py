@@ -30,6 +30,26 @@ def test_a_row_against_its_bounds():
     assert row["speedup"] == 20.0
 
 
+def test_fp8_weights_count_a_byte_a_weight_and_a_scale_a_row():
+    row = moe.roofline_row(QWEN3, 1, kernel_us=15.0, baseline_us=25.0, distinct=8, element_size=2,
+                           bandwidth=4e12, matmul_rate=8e14, fp8_weights=True)
+    assert row["bytes"] == 8 * (3 * 2048 * 768 + 4 * (2 * 768 + 2048)) + 2 * 2048 * 2
+    assert row["speedup"] == pytest.approx(25.0 / 15.0)
+
+
+def test_fp8_layers_carry_their_row_scales():
+    import torch
+
+    tiny = moe_cases.MoeShape("tiny", 4, 48, 40, 2)
+    w13, w2 = moe_cases.expert_weights(tiny, torch.float32, torch.device("cpu"), seed=0)
+    stacks = moe_cases.fp8_expert_weights(w13, w2)
+    (plain,), (fp8,) = (moe_cases.layers_for(tiny, [weights], 3, torch.float32, torch.device("cpu"))
+                        for weights in ((w13, w2), stacks))
+    assert plain.scales() == {} and torch.equal(plain.hidden, fp8.hidden)
+    assert fp8.w13.dtype == torch.float8_e4m3fn and set(fp8.scales()) == {"w13_scale", "w2_scale"}
+    assert fp8.scales()["w13_scale"].shape == (4, 80) and fp8.scales()["w2_scale"].shape == (4, 48)
+
+
 def test_the_flop_bound_rules_a_large_batch():
     row = moe.roofline_row(QWEN3, 4096, kernel_us=600.0, baseline_us=6000.0, distinct=128, element_size=2,
                            bandwidth=4e12, matmul_rate=8e14)

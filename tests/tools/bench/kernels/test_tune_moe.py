@@ -34,6 +34,20 @@ def test_the_dry_run_writes_a_table_the_reader_takes(tmp_path):
     assert "wrong" not in done.stdout and "skipped" not in done.stdout  # every candidate ran and matched
 
 
+def test_the_dry_run_of_fp8_weights_writes_a_table_of_fp8_weights(tmp_path):
+    """The table's shape says its weights are fp8; each candidate ran and matched the fp8 experts."""
+    tool = str(ROOT / "tools/bench/kernels/tune_moe.py")
+    done = subprocess.run([sys.executable, tool, "--dry-run", "--fp8-weights", "--batches", "1", "--out",
+                           str(tmp_path / "table.json")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    shape = json.loads((tmp_path / "table.json").read_text())["shape"]
+    assert shape == dict(experts=4, hidden=48, intermediate=40, topk=2, dtype="fp32", device="cpu", weights="fp8")
+    assert "fp8 weights" in done.stdout.splitlines()[0]
+    assert "wrong" not in done.stdout and "skipped" not in done.stdout
+    assert sorted(read_buckets(tmp_path / "table.json")) == [1]
+
+
 def test_round_one_sizes_the_grouped_rows_to_the_pairs_an_expert_gets():
     qwen3 = SHAPES["qwen3-30b-a3b"]
     one = tune_moe.round_one(1, qwen3, 2)
