@@ -29,12 +29,3 @@ def layout_problems(size: int, config: Mapping) -> list[str]:
     if expert_width and expert_width % size:
         problems.append(f"{size} does not divide the model's experts' intermediate size {expert_width}")
     return problems
-
-
-def feature_problems(size: int, *, cpu_offload_gb: float, speculative: bool) -> list[str]:
-    """The features a worker of `size` > 1 ranks does not run yet."""
-    problems = []
-    if size > 1 and cpu_offload_gb:
-        problems.append("the CPU KV tier (--cpu-offload-gb, --kv-offloading-size) does not work with tensor "
-                        "parallelism yet")
-    return problems

@@ -13,7 +13,7 @@ from spillway.protocol.local import envs
 from spillway.protocol.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, WorkerConfig, setting_name
 from spillway.protocol.local.model_files import ModelFiles, resolve_model
 from spillway.protocol.model_len import long_max_model_len_problem, trained_length
-from spillway.protocol.tensor_parallel import feature_problems, layout_problems
+from spillway.protocol.tensor_parallel import layout_problems
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
@@ -115,17 +115,15 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_tensor_parallel(files: ModelFiles, size: int, *, cpu_offload_gb: float, speculative: bool,
-                          spell: Callable[[str, object], str]) -> None:
+def check_tensor_parallel(files: ModelFiles, size: int, *, spell: Callable[[str, object], str]) -> None:
     """RefusedArgument naming the argument (as `spell` writes it) when `size` ranks cannot split
-    the model (its config.json's heads, KV heads and intermediate size) or run the other settings."""
+    the model (its config.json's heads, KV heads and intermediate size)."""
     if not _is_int(size) or size < 1:
         raise RefusedArgument(f"{spell('tensor_parallel_size', size)}: must be a positive integer")
     if size == 1:
         return
     with open(files.path / "config.json", encoding="utf-8") as f:
         problems = layout_problems(size, json.load(f))
-    problems += feature_problems(size, cpu_offload_gb=cpu_offload_gb, speculative=speculative)
     if problems:
         raise RefusedArgument(f"{spell('tensor_parallel_size', size)}: " + "; ".join(problems))
 
@@ -208,8 +206,7 @@ def engine_config(model: str | None, *, load_format: str = "auto", served_model_
         "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "gpu_memory_utilization",
         "kv_cache_dtype", "dtype", "quantization")}, setting=lambda name: setting_name(name, settings_spelling))
     files = resolve_model(model, load_format)  # ValueError for unknown models
-    check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), cpu_offload_gb=settings["cpu_offload_gb"],
-                          speculative=settings.get("speculative") is not None, spell=spell)
+    check_tensor_parallel(files, settings.get("tensor_parallel_size", 1), spell=spell)
     check_max_model_len(files, settings.get("max_model_len"), spell)
     settings["attention_backend"] = check_attention_backend(
         files, settings.get("attention_backend"), settings.pop("additional_config", None), spell)

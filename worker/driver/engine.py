@@ -56,7 +56,7 @@ from spillway.worker.speculative.setup import build_spec_decoder
 from spillway.worker.driver.stats import collect_stats, ready_message
 from spillway.worker.driver.tier_driver import NullTierDriver, TierDriver, write_ahead_blocks
 from spillway.worker.driver.timing import LinkTiming, StepTiming
-from spillway.worker.tp.group import RankGroup, check_tensor_parallel
+from spillway.worker.tp.group import RankGroup, check_tensor_parallel, share_from_rank_zero
 from spillway.worker.core.step_plan import NO_KV_COPIES, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,8 @@ class Engine:
         self.timing = StepTiming.derive(decode_step_s)
         logger.info("decode step: %.3f ms", decode_step_s * 1e3)
         num_cpu_blocks = self._num_cpu_blocks(hf_config)
+        if self.group is not None:  # each rank's tier holds its own heads of the same blocks
+            share_from_rank_zero(num_cpu_blocks, self.device)
         link: LinkTiming | None = None
         if num_cpu_blocks:
             copy_bytes_per_s = time_host_to_device(self.device)
@@ -135,6 +137,7 @@ class Engine:
                                                 size_setting=config.setting("cpu_offload_gb"))
         if self.group is not None:
             self.executor.step_sender = self.group.send_step
+            self.executor.copy_sender = self.group.send_kv_copies
         self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching, num_cpu_blocks,
                                           kv_events=config.kv_events)
         self.root_hash = root_hash(config.hash_seed, self.model_name)
@@ -380,14 +383,15 @@ class Engine:
         neither pool, so a slot reused after this returns cannot change what is sent."""
         self.tier.stores_landed()
         prefix = self.block_manager.readable_prefix(pull.block_hashes)
+        if self.group is not None:
+            prefix = prefix.in_gpu_pool()
         payload = self._read_kv_blocks(prefix) if prefix.num_blocks else b""
         return self._kv_answer(pull.transfer_id, pull.block_hashes[:prefix.num_blocks]), payload
 
     def _read_kv_blocks(self, prefix: ReadablePrefix) -> np.ndarray:
         if self.group is None:
             return self.executor.read_kv_blocks(prefix)
-        # A tensor-parallel worker has no CPU tier: every block is in the GPU pools.
-        assert not prefix.cpu_reads, "a tensor-parallel worker read from a CPU tier"
+        assert not prefix.cpu_reads, "a tensor-parallel worker serves blocks from its GPU pools only"
         return self.group.read_kv_blocks(self.executor.runner.kv_cache,
                                          [slot for slot, _ in sorted(prefix.gpu_reads, key=lambda read: read[1])])
 

@@ -229,6 +229,17 @@ class KVCopier:
         timings.append((started, finished))
         return finished
 
+    def wait_for_queued(self) -> None:
+        """Make the compute stream wait for every copy queued so far, both ways (the pending
+        loads queued first): for a tensor-parallel rank other than 0, which runs rank 0's
+        copies without knowing when rank 0 saw them land (worker/tp/rank.py)."""
+        if self.store_stream is None:
+            return
+        self.pump(pace=False)
+        compute = torch.cuda.current_stream(self.gpu_pool.device)
+        compute.wait_stream(self.store_stream)
+        compute.wait_stream(self.load_stream)
+
     def ahead_stored(self) -> bool:
         """Whether every store ahead of eviction queued so far has finished (an event query);
         on the CPU the copies ran when queued."""

@@ -3,7 +3,8 @@
 The driver (worker/driver/engine.py: scheduler, requests, sampler state) sends each step to the
 executor as a `PackedStep`, plain data that never points at a request, so the same step can
 be broadcast to N executors without change: with tensor parallelism, rank 0's executor sends
-each step to the other ranks' (`step_sender`, worker/tp/group.py) before running it itself.
+each step to the other ranks' (`step_sender`, worker/tp/group.py) before running it itself,
+and so the copies between the GPU pool and the CPU tier that run between steps (`copy_sender`).
 
 Start-up, in this order on CUDA (the pool is what is left once the model and one step fit):
 
@@ -149,6 +150,8 @@ class Executor:
         self._activation_peak_bytes: int | None = None
         # Tensor parallelism, on rank 0: sends each step (and its fed tokens) to the other ranks.
         self.step_sender: Callable[[PackedStep, torch.Tensor | None], None] | None = None
+        # ... and each step's-worth of copies between the tiers that runs between steps.
+        self.copy_sender: Callable[[KVCopies], None] | None = None
 
     def kv_budget(self, *, gpu_memory_utilization: float, with_graphs: bool) -> KVBudget:
         """The bytes this device's KV pools may take: on CUDA, the utilisation's share of the GPU
@@ -228,9 +231,24 @@ class Executor:
         logger.info("CPU KV tier: %d blocks, %.2f GiB of %s host memory", num_blocks, cpu_pool.nbytes / 2**30,
                     "pinned" if self.device.type == "cuda" else "plain")
 
-    def copy_kv(self, copies: KVCopies, pace: bool = False) -> list[torch.cuda.Event] | None:
-        """Start a step's copies between the tiers (worker/kv_tier/copier.py); `execute` does this
-        itself (`pace`: its forward runs beside the loads), a step without chunks calls it alone.
+    def copy_kv(self, copies: KVCopies) -> None:
+        """Start copies between the tiers that run between steps (worker/kv_tier/copier.py): a
+        step without chunks, write-backs while idle; on every rank (`copy_sender`)."""
+        if self.copy_sender is not None:
+            self.copy_sender(copies)
+        self._run_copies(copies)
+
+    def follow_copies(self, copies: KVCopies | None = None) -> None:
+        """On a tensor-parallel rank other than 0: everything that follows waits for every copy
+        queued so far (rank 0 plans by its own landings, which this rank's may trail); then
+        `copies`, when given, start."""
+        if self.kv_copier is not None:
+            self.kv_copier.wait_for_queued()
+        if copies is not None:
+            self._run_copies(copies)
+
+    def _run_copies(self, copies: KVCopies, pace: bool = False) -> list[torch.cuda.Event] | None:
+        """Start a step's copies between the tiers (`pace`: its forward runs beside the loads).
         Returns the events its forward waits for layer by layer, if it does (`KVCopier.run`)."""
         if self.kv_copier is None:
             # Only the CPU tier plans copies; a plan with some cannot be run without it.
@@ -274,7 +292,7 @@ class Executor:
             self.step_sender(step, fed_tokens if step.feed_rows else None)
         layer_ready = None
         if step.kv_copies != NO_KV_COPIES:
-            layer_ready = self.copy_kv(step.kv_copies, pace=True)
+            layer_ready = self._run_copies(step.kv_copies, pace=True)
         feed = TokenFeed(step.feed_rows, step.feed_sources, fed_tokens) if step.feed_rows else None
         if step.logits_rows:
             return self.runner.execute(step.chunks, feed, step.logits_rows, layer_ready=layer_ready)

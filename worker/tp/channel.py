@@ -8,6 +8,8 @@ in the order it runs it, so that every rank enters the same collectives in the s
     KV_READ   the pool slots whose KV rank 0 gathers from every rank (worker/tp/kv_shards.py)
     KV_WRITE  extra = bytes of the blocks broadcast after the payload, `[blocks, ranks, one
               rank's block bytes]`, each rank writing its own share into the slots named
+    KV_COPY   copies between the GPU pool and the CPU tier that run outside a step (a step's
+              own travel in its PackedStep)
     STOP      a header of zeros
 """
 
@@ -17,9 +19,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.runner.executor import PackedStep
 
-STOP, STEP, KV_READ, KV_WRITE = 0, 1, 2, 3
+STOP, STEP, KV_READ, KV_WRITE, KV_COPY = 0, 1, 2, 3, 4
 
 
 class KvRead(msgspec.Struct, frozen=True):
@@ -34,7 +37,13 @@ class KvWrite(msgspec.Struct, frozen=True):
     slots: list[int]
 
 
-Message = PackedStep | KvRead | KvWrite
+class KvCopy(msgspec.Struct, frozen=True):
+    """Every rank runs these copies between its GPU pool and its CPU tier now."""
+
+    copies: KVCopies
+
+
+Message = PackedStep | KvRead | KvWrite | KvCopy
 
 
 class RankChannel:
@@ -44,7 +53,7 @@ class RankChannel:
         self.device = device
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders = {STEP: msgspec.msgpack.Decoder(PackedStep), KV_READ: msgspec.msgpack.Decoder(KvRead),
-                          KV_WRITE: msgspec.msgpack.Decoder(KvWrite)}
+                          KV_WRITE: msgspec.msgpack.Decoder(KvWrite), KV_COPY: msgspec.msgpack.Decoder(KvCopy)}
 
     def send_step(self, step: PackedStep, fed_tokens: torch.Tensor | None) -> None:
         """On rank 0: the step, then the fed tokens it reads (rows up to its largest source)."""
@@ -60,6 +69,9 @@ class RankChannel:
         """On rank 0: the slots, then `blocks` (uint8 on the group's device, one row per slot)."""
         self._send(KV_WRITE, KvWrite(list(slots)), blocks.numel())
         dist.broadcast(blocks, src=0)
+
+    def send_kv_copies(self, copies: KVCopies) -> None:
+        self._send(KV_COPY, KvCopy(copies), 0)
 
     def stop(self) -> None:
         self._broadcast(torch.zeros(3, dtype=torch.int64))

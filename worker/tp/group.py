@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from spillway.protocol.config import WorkerConfig, encode_launch, read_launch
-from spillway.protocol.tensor_parallel import feature_problems, layout_problems
+from spillway.protocol.tensor_parallel import layout_problems
 from spillway.worker.runner.executor import PackedStep
 from spillway.worker.tp.channel import RankChannel
 from spillway.worker.runner.kv_block_io import KvLayout
@@ -56,12 +56,10 @@ class RankLaunch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def check_tensor_parallel(config: WorkerConfig, hf_config, device: torch.device) -> None:
-    """ValueError, before any rank starts, for a size the model, the devices or the other
-    settings cannot take (the gateway checks the same first, with its flag's name)."""
+    """ValueError, before any rank starts, for a size the model or the devices cannot take (the
+    gateway checks the model first, with its flag's name)."""
     size = config.tensor_parallel_size
     problems = layout_problems(size, hf_config.to_dict())
-    problems += feature_problems(size, cpu_offload_gb=config.cpu_offload_gb or config.num_cpu_blocks_override or 0,
-                                 speculative=config.speculative is not None)
     if device.type == "cuda" and device.index not in (None, 0):
         problems.append(f"its ranks run on cuda:0..{size - 1}, and the device asked for is {device}")
     if device.type == "cuda" and torch.cuda.device_count() < size:
@@ -84,6 +82,13 @@ def join_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def share_from_rank_zero(value: int, device: torch.device) -> int:
+    """Rank 0's `value` on every rank (a broadcast: every rank calls it at the same point)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
 
 
 def read_rank_launch(fd: int) -> RankLaunch:
@@ -124,6 +129,11 @@ class RankGroup:
     def send_step(self, step: PackedStep, fed_tokens: torch.Tensor | None) -> None:
         with self._collective():
             self.channel.send_step(step, fed_tokens)
+
+    def send_kv_copies(self, copies) -> None:
+        """Copies between the tiers that run between steps, to every rank (each runs its share)."""
+        with self._collective():
+            self.channel.send_kv_copies(copies)
 
     def kv_layout(self, pool: torch.Tensor) -> KvLayout:
         """A block of this worker as another worker must match it: every rank's share."""

@@ -2,8 +2,10 @@
 
 It reads its `RankLaunch` on stdin, joins the group, starts its executor exactly as rank 0 does
 (worker/runner/executor_start.py: its shard of the model, its own heads' KV pool of the group's
-block count, the same graphs), then runs every step rank 0 broadcasts until told to stop, and its
-share of every read or write of KV blocks for another worker (worker/tp/kv_shards.py).
+block count, the same graphs, a CPU tier of rank 0's block count holding its heads), then runs
+every step rank 0 broadcasts until told to stop, each after every copy between its tiers queued
+before it (rank 0 plans by its own copies' landings, which this rank's may trail), and its share
+of every read or write of KV blocks for another worker (worker/tp/kv_shards.py).
 It samples nothing and talks to no gateway. Its stdin's EOF (rank 0 gone, however it ended)
 ends it at once, even mid-load; so does a collective that fails (status 1).
 """
@@ -22,8 +24,9 @@ from spillway.kernels.utils import use_programmatic_launch
 from spillway.worker.runner.device_settings import resolve_device_settings
 from spillway.worker.runner.executor_start import build_executor, finish_start, pool_blocks
 from spillway.worker.models import loader
-from spillway.worker.tp.channel import KvRead, KvWrite, RankChannel
-from spillway.worker.tp.group import GROUP_TIMEOUT, STORE_HOST, RankLaunch, join_group, rank_device, read_rank_launch
+from spillway.worker.tp.channel import KvCopy, KvRead, KvWrite, RankChannel
+from spillway.worker.tp.group import (GROUP_TIMEOUT, STORE_HOST, RankLaunch, join_group, rank_device, read_rank_launch,
+                                      share_from_rank_zero)
 from spillway.worker.tp.kv_shards import send_own_share, write_own_share
 
 logger = logging.getLogger("spillway.worker")
@@ -54,6 +57,11 @@ def run_rank(launch: RankLaunch) -> None:
                                       kv_cache_dtype=kv_cache_dtype, shard=(launch.rank, launch.world_size))
     executor.allocate_kv_cache(pool_blocks(executor, config, limits, tensor_parallel=True))
     finish_start(executor, config)
+    num_cpu_blocks = share_from_rank_zero(0, device)  # rank 0's tier size
+    if num_cpu_blocks:
+        # Never paced here: this rank queues a step's pending loads before the next step (follow_copies).
+        executor.allocate_cpu_kv_cache(num_cpu_blocks, load_bytes_per_s=0.0, load_burst_s=0.0, load_speed_guess=1e9,
+                                       size_setting=config.setting("cpu_offload_gb"))
     channel = RankChannel(device)
     pool = executor.runner.kv_cache
     with torch.inference_mode():
@@ -65,7 +73,10 @@ def run_rank(launch: RankLaunch) -> None:
                 send_own_share(pool, message.slots)
             elif isinstance(message, KvWrite):
                 write_own_share(pool, tensor, launch.rank, launch.world_size, message.slots)
+            elif isinstance(message, KvCopy):
+                executor.follow_copies(message.copies)
             else:
+                executor.follow_copies()
                 executor.execute(message, tensor)
 
 

@@ -28,7 +28,6 @@ def test_flags_for_missing_features_are_refused(capsys, flags, named):
     (["-tp", "2", "--load-format", "dummy"], "2 and the model's 3 KV heads do not divide one another"),  # SmolLM2
     (["-tp", "3", "qwen3-0.6b", "--load-format", "dummy"],  # 16 heads, 8 KV heads, intermediate 3072
      "3 does not divide the model's 16 attention heads; 3 and the model's 8 KV heads"),
-    (["-tp", "2", "qwen3-0.6b", "--load-format", "dummy", "--cpu-offload-gb", "1"], "the CPU KV tier"),
 ])
 def test_tensor_parallel_sizes_the_model_cannot_split_exit_2(capsys, flags, numbers):
     assert main(["serve", "--port", "0", *flags]) == 2
@@ -40,8 +39,9 @@ def test_a_tensor_parallel_size_the_model_splits_reaches_the_worker_config():
     from spillway.gateway.cli.main import build_parser, worker_config
 
     args = build_parser().parse_args(["serve", "qwen3-0.6b", "--load-format", "dummy", "-tp", "2",
-                                      "--speculative-draft-tensor-parallel-size", "2"])
-    assert worker_config(args)[0].tensor_parallel_size == 2
+                                      "--speculative-draft-tensor-parallel-size", "2", "--cpu-offload-gb", "1"])
+    config = worker_config(args)[0]
+    assert config.tensor_parallel_size == 2 and config.cpu_offload_gb == 1
 
 
 def test_flags_that_ask_for_nothing_are_accepted(capsys):

@@ -93,9 +93,32 @@ def test_sizes_the_model_cannot_split_are_refused(tiny_qwen3, model, size, numbe
     assert f"LLM(tensor_parallel_size={size}): " in str(refused.value) and numbers in str(refused.value)
 
 
-def test_the_cpu_tier_is_refused_with_ranks(tiny_qwen3):
-    with pytest.raises(ValueError, match=r"LLM\(tensor_parallel_size=2\): .*--cpu-offload-gb.*tensor parallelism yet"):
-        LLM(model=tiny_qwen3, tensor_parallel_size=2, device="cpu", cpu_offload_gb=1)
+def tiered_conversation(model: str, size: int) -> tuple[list[list[int]], int, object]:
+    """Two turns with a filler between them that takes the whole GPU pool (4 blocks of 16), so
+    the first turn's blocks go to the CPU tier and come back for the second: (each request's
+    tokens, the second turn's cached tokens, the stats)."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, tokens, the model's 2 KV heads, head_dim, float32
+    with LLM(model=model, tensor_parallel_size=size, device="cpu", max_model_len=64, max_num_seqs=4,
+             num_gpu_blocks_override=4, cpu_offload_gb=8 * block_bytes / 2**30) as llm:
+        def run(prompt: list[int]):
+            return llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+
+        turn_1 = [(7 * i) % 200 + 2 for i in range(32)]
+        first = run(turn_1)
+        filler = run([(5 * i) % 200 + 3 for i in range(60)])
+        second = run(turn_1 + list(first.outputs[0].token_ids) + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+        tokens = [list(out.outputs[0].token_ids) for out in (first, filler, second)]
+        return tokens, second.num_cached_tokens, llm.stats()
+
+
+def test_two_ranks_with_a_cpu_tier_store_and_load_each_its_heads_as_one_process_does(tiny_qwen3):
+    """Each rank's tier holds its own heads of the same blocks: the first turn's two blocks go to
+    both ranks' tiers and come back for the second turn, which generates what one process does."""
+    alone, alone_cached, _ = tiered_conversation(tiny_qwen3, 1)
+    tokens, cached, stats = tiered_conversation(tiny_qwen3, 2)
+    assert tokens == alone and cached == alone_cached == 32
+    assert stats.cached_tokens_cpu == 32 and stats.kv_offload_bytes_cpu_to_gpu > 0
 
 
 def test_two_ranks_verify_a_draft_models_tokens_as_one_process_decodes_without(tiny_qwen3):
