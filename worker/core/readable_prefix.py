@@ -32,15 +32,6 @@ class ReadablePrefix:
     gpu_reads: tuple[tuple[int, int], ...] = ()
     cpu_reads: tuple[tuple[int, int], ...] = ()
 
-    def in_gpu_pool(self) -> ReadablePrefix:
-        """Its first blocks up to the first read from the CPU tier (a tensor-parallel worker
-        reads its ranks' GPU pools only)."""
-        positions = {position for _, position in self.gpu_reads}
-        count = 0
-        while count in positions:
-            count += 1
-        return ReadablePrefix(count, tuple(read for read in self.gpu_reads if read[1] < count))
-
 
 def readable_prefix(hits: Sequence[Block], tier: KVTier) -> ReadablePrefix:
     """The longest readable run of `hits` (a lookup's blocks, in prompt order), module doc."""

@@ -383,17 +383,13 @@ class Engine:
         neither pool, so a slot reused after this returns cannot change what is sent."""
         self.tier.stores_landed()
         prefix = self.block_manager.readable_prefix(pull.block_hashes)
-        if self.group is not None:
-            prefix = prefix.in_gpu_pool()
         payload = self._read_kv_blocks(prefix) if prefix.num_blocks else b""
         return self._kv_answer(pull.transfer_id, pull.block_hashes[:prefix.num_blocks]), payload
 
     def _read_kv_blocks(self, prefix: ReadablePrefix) -> np.ndarray:
         if self.group is None:
             return self.executor.read_kv_blocks(prefix)
-        assert not prefix.cpu_reads, "a tensor-parallel worker serves blocks from its GPU pools only"
-        return self.group.read_kv_blocks(self.executor.runner.kv_cache,
-                                         [slot for slot, _ in sorted(prefix.gpu_reads, key=lambda read: read[1])])
+        return self.group.read_kv_blocks(self.executor.runner.kv_cache, prefix, self.executor.tier_pool)
 
     def _write_kv_blocks(self, payload: memoryview | bytes, pairs: list[tuple[int, int]]) -> None:
         if self.group is None:

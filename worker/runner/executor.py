@@ -259,6 +259,18 @@ class Executor:
         """The dtype and shape of one block of the KV pool, as another worker's must match."""
         return KvLayout.of(self.runner.kv_cache)
 
+    @property
+    def tier_pool(self) -> torch.Tensor | None:
+        """The CPU tier's pool (host memory), None without a tier."""
+        return None if self.kv_copier is None else self.kv_copier.cpu_pool
+
+    def wait_for_stores(self) -> None:
+        """The host waits until every store into the CPU tier queued so far is in host memory:
+        a tensor-parallel rank other than 0, about to read its tier for rank 0, which knows only
+        its own stores landed."""
+        if self.kv_copier is not None and self.kv_copier.store_stream is not None:
+            self.kv_copier.store_stream.synchronize()
+
     def read_kv_blocks(self, prefix: ReadablePrefix) -> np.ndarray:
         """The KV of `prefix`'s blocks, in its order, as bytes in new host memory: those in the
         GPU pool read after every step launched, those in the CPU tier's pool copied on the host

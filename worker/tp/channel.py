@@ -5,7 +5,8 @@ in the order it runs it, so that every rank enters the same collectives in the s
     payload                                 msgpack: the PackedStep, KvRead or KvWrite
     STEP      extra = fed tokens: the ids the step before sampled that the step feeds from the
               device (rows up to its largest source), broadcast after the payload
-    KV_READ   the pool slots whose KV rank 0 gathers from every rank (worker/tp/kv_shards.py)
+    KV_READ   the blocks (GPU or CPU-tier slots) whose KV rank 0 gathers from every rank
+              (worker/tp/kv_shards.py)
     KV_WRITE  extra = bytes of the blocks broadcast after the payload, `[blocks, ranks, one
               rank's block bytes]`, each rank writing its own share into the slots named
     KV_COPY   copies between the GPU pool and the CPU tier that run outside a step (a step's
@@ -19,6 +20,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.core.step_plan import KVCopies
 from spillway.worker.runner.executor import PackedStep
 
@@ -26,9 +28,9 @@ STOP, STEP, KV_READ, KV_WRITE, KV_COPY = 0, 1, 2, 3, 4
 
 
 class KvRead(msgspec.Struct, frozen=True):
-    """Rank 0 gathers the KV of the pool's `slots`, in order, from every rank."""
+    """Rank 0 gathers the KV of `prefix`'s blocks, in its order, from every rank."""
 
-    slots: list[int]
+    prefix: ReadablePrefix
 
 
 class KvWrite(msgspec.Struct, frozen=True):
@@ -62,8 +64,8 @@ class RankChannel:
         if num_fed:
             dist.broadcast(fed_tokens[:num_fed].to(torch.int64).contiguous(), src=0)
 
-    def send_kv_read(self, slots: list[int]) -> None:
-        self._send(KV_READ, KvRead(list(slots)), 0)
+    def send_kv_read(self, prefix: ReadablePrefix) -> None:
+        self._send(KV_READ, KvRead(prefix), 0)
 
     def send_kv_write(self, slots: list[int], blocks: torch.Tensor) -> None:
         """On rank 0: the slots, then `blocks` (uint8 on the group's device, one row per slot)."""

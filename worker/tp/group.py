@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from spillway.protocol.config import WorkerConfig, encode_launch, read_launch
 from spillway.protocol.tensor_parallel import layout_problems
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.runner.executor import PackedStep
 from spillway.worker.tp.channel import RankChannel
 from spillway.worker.runner.kv_block_io import KvLayout
@@ -139,10 +140,10 @@ class RankGroup:
         """A block of this worker as another worker must match it: every rank's share."""
         return rank_layout(pool, self.world_size)
 
-    def read_kv_blocks(self, pool: torch.Tensor, slots: list[int]) -> np.ndarray:
-        """Every rank's KV of the pool's `slots`, block by block (worker/tp/kv_shards.py)."""
+    def read_kv_blocks(self, pool: torch.Tensor, prefix: ReadablePrefix, tier_pool: torch.Tensor | None) -> np.ndarray:
+        """Every rank's KV of `prefix`'s blocks, block by block (worker/tp/kv_shards.py)."""
         with self._collective():
-            return read_blocks_of_ranks(self.channel, pool, slots)
+            return read_blocks_of_ranks(self.channel, pool, prefix, tier_pool)
 
     def write_kv_blocks(self, pool: torch.Tensor, payload: memoryview | bytes, pairs: list[tuple[int, int]]) -> None:
         """Block `index` of `payload` into slot `slot` of every rank's pool, for each `(index,

@@ -11,8 +11,10 @@ so only a worker of the same tensor-parallel size and head split takes it (a con
 the layout: kv_pulls.answer_problem). Rank 0 broadcasts each read or write first
 (worker/tp/channel.py); the other ranks run their share when they receive it:
 
-    read    every rank selects its share of the slots on its device, in order; rank 0 gathers
-            them (a collective) and lays them out block by block in host memory
+    read    every rank selects its share of the blocks on its device, in order, from its GPU
+            pool or its CPU tier (where a rank other than 0 first waits for its own stores:
+            rank 0 knows only its own landed); rank 0 gathers them (a collective) and lays them
+            out block by block in host memory
     write   rank 0 stages the blocks named, sends them to every rank (a broadcast), and each
             rank copies its share into its slots, on its current stream: after every step
             launched before, before every step launched after
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.runner.kv_block_io import KvLayout
 
 
@@ -35,22 +38,31 @@ def rank_layout(pool: torch.Tensor, world_size: int) -> KvLayout:
                     world_size * pool[0].nbytes)
 
 
-def read_own_share(pool: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-    """This rank's share of the pool's `slots`, in order: uint8 `[len(slots), share bytes]` on the pool's device."""
-    index = torch.tensor(list(slots), dtype=torch.int64, device=pool.device)
-    return _bytes_by_slot(pool).index_select(0, index)
+def read_own_share(pool: torch.Tensor, prefix: ReadablePrefix, tier_pool: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of `prefix`'s blocks, in its order: uint8 `[num_blocks, share bytes]` on
+    the pool's device; those held in the CPU tier from `tier_pool` (host memory, whose stores
+    the caller knows landed), the others from the GPU pool."""
+    share = torch.empty((prefix.num_blocks, pool[0].nbytes), dtype=torch.uint8, device=pool.device)
+    for source, reads in ((pool, prefix.gpu_reads), (tier_pool, prefix.cpu_reads)):
+        if reads:
+            slots = torch.tensor([slot for slot, _ in reads], dtype=torch.int64, device=source.device)
+            positions = torch.tensor([position for _, position in reads], dtype=torch.int64, device=pool.device)
+            share.index_copy_(0, positions, _bytes_by_slot(source).index_select(0, slots).to(pool.device))
+    return share
 
 
-def send_own_share(pool: torch.Tensor, slots: Sequence[int]) -> None:
+def send_own_share(pool: torch.Tensor, prefix: ReadablePrefix, tier_pool: torch.Tensor | None = None) -> None:
     """On a rank other than 0: its share of a read, to rank 0."""
-    dist.gather(read_own_share(pool, slots), dst=0)
+    dist.gather(read_own_share(pool, prefix, tier_pool), dst=0)
 
 
-def read_blocks_of_ranks(channel, pool: torch.Tensor, slots: Sequence[int]) -> np.ndarray:
-    """On rank 0: every rank's share of the pool's `slots`, block by block in host memory
-    (the module's layout), after every step each rank launched before."""
-    channel.send_kv_read(list(slots))
-    own = read_own_share(pool, slots)
+def read_blocks_of_ranks(channel, pool: torch.Tensor, prefix: ReadablePrefix,
+                         tier_pool: torch.Tensor | None = None) -> np.ndarray:
+    """On rank 0: every rank's share of `prefix`'s blocks, block by block in host memory (the
+    module's layout): GPU blocks after every step each rank launched before, CPU-tier blocks
+    once each rank's stores landed."""
+    channel.send_kv_read(prefix)
+    own = read_own_share(pool, prefix, tier_pool)
     shares = [torch.empty_like(own) for _ in range(dist.get_world_size())]
     dist.gather(own, shares, dst=0)
     return torch.stack(shares, dim=1).cpu().numpy().reshape(-1)

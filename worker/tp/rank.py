@@ -70,7 +70,9 @@ def run_rank(launch: RankLaunch) -> None:
             if message is None:
                 return
             if isinstance(message, KvRead):
-                send_own_share(pool, message.slots)
+                if message.prefix.cpu_reads:
+                    executor.wait_for_stores()
+                send_own_share(pool, message.prefix, executor.tier_pool)
             elif isinstance(message, KvWrite):
                 write_own_share(pool, tensor, launch.rank, launch.world_size, message.slots)
             elif isinstance(message, KvCopy):

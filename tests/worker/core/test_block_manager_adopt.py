@@ -171,10 +171,3 @@ def test_without_a_tier_a_producer_reads_the_gpu_run_only():
     assert manager.allocate("y", 4)  # evicts b: dropped
     assert manager.readable_prefix(hashes("a", "b")) == ReadablePrefix(1, ((0, 0),))
 
-
-def test_a_tensor_parallel_producers_prefix_stops_at_the_first_block_read_from_the_cpu():
-    prefix = ReadablePrefix(4, gpu_reads=((7, 0), (3, 1), (5, 3)), cpu_reads=((2, 2),))
-    assert prefix.in_gpu_pool() == ReadablePrefix(2, gpu_reads=((7, 0), (3, 1)))
-    assert ReadablePrefix(1, cpu_reads=((2, 0),)).in_gpu_pool() == ReadablePrefix()
-    whole = ReadablePrefix(2, gpu_reads=((1, 0), (4, 1)))
-    assert whole.in_gpu_pool() == whole

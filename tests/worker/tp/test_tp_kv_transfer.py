@@ -13,6 +13,8 @@ from kv_transfer_pair import BLOCK, generate, kv_engine, run, tokens
 from tiny_models import save_tiny_qwen3
 
 from spillway.gateway import LLM, SamplingParams
+from spillway.protocol.kv_transfer import KvPull
+from spillway.worker.core.readable_prefix import ReadablePrefix
 from spillway.worker.kv_transfer.links import KvLinks
 from spillway.worker.tp.kv_shards import rank_layout, read_own_share, write_own_share
 
@@ -62,17 +64,48 @@ def test_a_consumer_of_another_size_refuses_the_blocks_by_their_layout(tiny_qwen
         ctx.destroy(linger=0)
 
 
-def test_a_ranks_share_of_each_block_is_read_and_written_in_place():
+def test_a_ranks_share_of_each_block_is_read_from_either_tier_and_written_in_place():
     pools = [torch.randn(6, 2, 2, 4, 1, 3) for _ in range(2)]  # two ranks' pools: [slots, layers, sides, block, heads, dim]
-    slots = [4, 1, 2]
-    shares = [read_own_share(pool, slots) for pool in pools]
-    assert torch.equal(shares[1][0].view(torch.float32).reshape(pools[1][4].shape), pools[1][4])
+    tiers = [torch.randn(5, 2, 2, 4, 1, 3) for _ in range(2)]  # and their CPU tiers
+    # Blocks 0 and 2 from GPU slots 4 and 2, block 1 from CPU slot 3.
+    prefix = ReadablePrefix(3, gpu_reads=((4, 0), (2, 2)), cpu_reads=((3, 1),))
+    shares = [read_own_share(pool, prefix, tier) for pool, tier in zip(pools, tiers)]
+    for rank in range(2):
+        read = [share.view(torch.float32).reshape(pools[rank][0].shape) for share in shares[rank]]
+        assert torch.equal(read[0], pools[rank][4]) and torch.equal(read[1], tiers[rank][3])
+        assert torch.equal(read[2], pools[rank][2])
     blocks = torch.stack(shares, dim=1)  # as rank 0 lays them out: a block's ranks one after another
     assert rank_layout(pools[0], 2).block_bytes == blocks[0].numel()
     targets = [torch.zeros_like(pool) for pool in pools]
     for rank, target in enumerate(targets):
         write_own_share(target, blocks, rank, 2, [0, 5, 3])
     for rank in range(2):
-        for source, destination in zip(slots, [0, 5, 3]):
-            assert torch.equal(targets[rank][destination], pools[rank][source])
+        assert torch.equal(targets[rank][0], pools[rank][4]) and torch.equal(targets[rank][5], tiers[rank][3])
+        assert torch.equal(targets[rank][3], pools[rank][2])
         assert not targets[rank][[1, 2, 4]].any()
+
+
+def test_a_two_rank_producer_serves_blocks_evicted_to_its_ranks_tiers_with_the_bytes_computed(tiny_qwen3):
+    """Each rank's tier holds its share of the blocks the filler evicted: served from both tiers,
+    the bytes are those both GPU pools served before the eviction."""
+    engine = kv_engine("kv_producer", num_blocks=8, num_cpu_blocks=16, model=tiny_qwen3, tensor_parallel_size=2)
+    try:
+        prompt, usable = PROMPTS[1], (len(PROMPTS[1]) - 1) // BLOCK
+        hashes = generate(engine, "x", prompt, 1).block_hashes[:usable]
+
+        def served(transfer_id: str) -> tuple[ReadablePrefix, bytes]:
+            engine.tier.stores_landed()
+            prefix = engine.block_manager.readable_prefix(hashes)
+            answer, payload = engine.serve_kv_pull(KvPull(transfer_id=transfer_id, block_hashes=hashes))
+            assert answer.error == "" and answer.block_hashes == hashes
+            return prefix, bytes(payload)
+
+        run(engine, generate(engine, "prefill", prompt, 1))
+        prefix, before = served("before")
+        assert len(prefix.gpu_reads) == usable and len(before) == usable * engine.kv_layout.block_bytes
+        run(engine, generate(engine, "filler", [(7 * i) % 240 + 5 for i in range(120)], 8))
+        prefix, after = served("after")
+        assert len(prefix.cpu_reads) == usable  # every one in the tiers only
+        assert after == before
+    finally:
+        engine.close()
