@@ -40,7 +40,9 @@ from spillway.worker.runner.kv_blocks import num_blocks_for_memory
 from spillway.worker.sample.logprobs import first_delta_prompt_logprobs, record_prompt_logprobs
 from spillway.worker.runner.executor import PackedStep
 from spillway.worker.runner.model_runner import ModelRunner
+from spillway.worker.runner.kv_head_groups import regroup
 from spillway.worker.models import loader
+from spillway.worker.models.spec import kv_cache_row
 from spillway.worker.driver.commit_order import (AFTER_LAUNCH, BEFORE_LAUNCH, BEFORE_PLAN, FINISHED, NEXT_CALL,
                                                  NOTHING, RUNNING, Commit, CommitOrder, commit_order)
 from spillway.worker.driver.constrained import ConstrainedRequests
@@ -113,7 +115,9 @@ class Engine:
                 draft_pool_blocks=lambda block_bytes: draft_pool_blocks(self.executor, config, limits, block_bytes))
         num_blocks = pool_blocks(self.executor, config, limits, tensor_parallel=self.group is not None)
         self.executor.allocate_kv_cache(num_blocks)
-        # What another worker's blocks must match (a tensor-parallel worker's: every rank's share).
+        # What another worker's blocks must match (a tensor-parallel worker's: every rank's share),
+        # up to the grouping of the model's KV heads over the ranks.
+        self.num_kv_heads = kv_cache_row(hf_config)[1]
         self.kv_layout = (self.executor.kv_layout() if self.group is None
                           else self.group.kv_layout(self.executor.runner.kv_cache))
         self.kv_pulls = KvPulls(kv_pull_timeout_s)
@@ -322,9 +326,13 @@ class Engine:
             logger.debug("a KV answer for %r, which no request waits for: dropped", answer.transfer_id)
             return []
         problem = answer_problem(answer, pending.block_hashes, None if payload is None else len(payload),
-                                 self.model_name, self.kv_layout)
+                                 self.model_name, self.kv_layout, self.num_kv_heads)
         if problem is not None:
             return self._kv_pull_failed(pending, problem)
+        received = len(payload)
+        if tuple(answer.block_shape) != self.kv_layout.block_shape:  # a producer of another tensor-parallel size
+            payload = regroup(payload, len(answer.block_hashes), answer.block_shape, self.kv_layout.block_shape,
+                              self.num_kv_heads, self.kv_layout.itemsize)
         adopted = self.block_manager.adopt(answer.block_hashes)
         if adopted:
             # The slots taken may have evicted cached blocks whose write-back to the CPU tier
@@ -335,7 +343,7 @@ class Engine:
             self._write_kv_blocks(payload, [(index[block_hash], slot) for block_hash, slot in adopted])
             if self.debug_invariants:
                 self.block_manager.check_invariants()
-        self.kv_counters.received(len(payload), time.monotonic() - pending.sent)
+        self.kv_counters.received(received, time.monotonic() - pending.sent)
         return self._release_or_refuse(pending)
 
     def fail_kv_pull(self, transfer_id: str, problem: str) -> list[RequestDelta]:

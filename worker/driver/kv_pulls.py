@@ -26,6 +26,7 @@ from spillway.protocol.kv_transfer import KvBlocks, KvPull
 from spillway.protocol.local.drop_log import LOG_INTERVAL_S
 from spillway.protocol.messages import BlockHash
 from spillway.worker.core.request import Request
+from spillway.worker.runner.kv_head_groups import can_regroup
 from spillway.worker.runner.kv_block_io import KvLayout
 
 logger = logging.getLogger(__name__)
@@ -149,22 +150,24 @@ class KvPulls:
 
 
 def answer_problem(answer: KvBlocks, asked: list[BlockHash], payload_bytes: int | None, model: str,
-                   layout: KvLayout) -> str | None:
-    """Why the blocks of `answer` cannot be taken into this worker's pool, or None.
+                   layout: KvLayout, num_kv_heads: int) -> str | None:
+    """Why the blocks of `answer` cannot be taken into this worker's pool, or None: a producer
+    of another tensor-parallel size is fine (its heads are regrouped, worker/runner/kv_head_groups.py).
     `payload_bytes`: the size of the frame after the answer; None when it came with another
-    number of frames than one."""
+    number of frames than one; `num_kv_heads`: the model's."""
     if answer.error:
         return f"the producer refused the pull: {answer.error}"
     if payload_bytes is None:
         return "the answer did not come as two frames (the answer, then its blocks)"
     if answer.model != model:
         return f"its blocks are of model {answer.model!r}; this worker runs {model!r}"
-    if answer.dtype != layout.dtype or tuple(answer.block_shape) != layout.block_shape:
+    if answer.dtype != layout.dtype or not (tuple(answer.block_shape) == layout.block_shape
+                                            or can_regroup(answer.block_shape, layout.block_shape, num_kv_heads)):
         return (f"its blocks are {answer.dtype} {list(answer.block_shape)}; this worker's are {layout.dtype} "
                 f"{list(layout.block_shape)}")
     if answer.block_hashes != asked[:len(answer.block_hashes)]:
         return "it answered with block hashes that are not a prefix of those asked"
-    if payload_bytes != len(answer.block_hashes) * layout.block_bytes:
-        return (f"it sent {payload_bytes} bytes for {len(answer.block_hashes)} blocks of {layout.block_bytes} "
-                "bytes each")
+    block_bytes = math.prod(answer.block_shape) * layout.itemsize
+    if payload_bytes != len(answer.block_hashes) * block_bytes:
+        return f"it sent {payload_bytes} bytes for {len(answer.block_hashes)} blocks of {block_bytes} bytes each"
     return None

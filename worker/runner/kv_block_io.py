@@ -13,6 +13,7 @@ a block until the copies queued on it have run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,11 @@ class KvLayout:
     dtype: str  # torch's name: "bfloat16", "float8_e4m3fn"
     block_shape: tuple[int, ...]  # one block: [num_layers, kv_sides, block_size, kv_heads, head_dim]
     block_bytes: int
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per value."""
+        return self.block_bytes // math.prod(self.block_shape)
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> KvLayout:
