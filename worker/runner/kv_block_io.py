@@ -71,10 +71,16 @@ def write_blocks(pool: torch.Tensor, payload: memoryview | bytes, pairs: Sequenc
         return
     block_bytes = pool[0].nbytes
     staged = torch.empty((len(pairs), *pool.shape[1:]), dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
-    # The blocks taken, gathered in one pass into writable memory: torch would warn on a tensor
-    # over the message's read-only bytes.
-    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
-    # (mode "clip": unbuffered, straight into `out`; the indexes lie in the payload, checked by the caller)
-    np.take(blocks.reshape(-1, block_bytes), [index for index, _ in pairs], axis=0, mode="clip",
-            out=staged.view(torch.uint8).numpy().reshape(len(pairs), block_bytes))
+    take_payload_blocks(payload, block_bytes, [index for index, _ in pairs],
+                        out=staged.view(torch.uint8).numpy().reshape(len(pairs), block_bytes))
     copy_blocks(staged, pool, [(position, slot) for position, (_, slot) in enumerate(pairs)])
+
+
+def take_payload_blocks(payload: memoryview | bytes, block_bytes: int, indexes: Sequence[int],
+                        out: np.ndarray | None = None) -> np.ndarray:
+    """Blocks `indexes` of `payload` (blocks of `block_bytes` one after another), gathered in one
+    pass into writable memory (`out`, or new): torch would warn on a tensor over a message's
+    read-only bytes. The indexes lie in the payload (checked by the caller)."""
+    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
+    # (mode "clip": unbuffered, straight into `out`)
+    return np.take(blocks.reshape(-1, block_bytes), list(indexes), axis=0, mode="clip", out=out)

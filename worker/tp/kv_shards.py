@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from spillway.worker.core.readable_prefix import ReadablePrefix
-from spillway.worker.runner.kv_block_io import KvLayout
+from spillway.worker.runner.kv_block_io import KvLayout, take_payload_blocks
 
 
 def rank_layout(pool: torch.Tensor, world_size: int) -> KvLayout:
@@ -75,11 +75,8 @@ def write_blocks_of_ranks(channel, pool: torch.Tensor, payload: memoryview | byt
     if not pairs:
         return
     world_size = dist.get_world_size()
-    block_bytes = world_size * pool[0].nbytes
-    blocks = np.frombuffer(payload, dtype=np.uint8, count=len(payload) // block_bytes * block_bytes)
-    # The blocks named, gathered in one pass into writable memory (the indexes lie in the
-    # payload, checked by the caller), then to the device the group broadcasts from.
-    staged = np.take(blocks.reshape(-1, block_bytes), [index for index, _ in pairs], axis=0, mode="clip")
+    # The blocks named, to the device the group broadcasts from.
+    staged = take_payload_blocks(payload, world_size * pool[0].nbytes, [index for index, _ in pairs])
     staged_blocks = torch.from_numpy(staged).to(pool.device)
     slots = [slot for _, slot in pairs]
     channel.send_kv_write(slots, staged_blocks.reshape(-1))

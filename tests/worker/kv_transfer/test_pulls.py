@@ -246,6 +246,16 @@ def test_with_recompute_an_answer_that_does_not_fit_leaves_the_prompt_computed(c
         fake.close()
 
 
+def assert_policy_applied(policy: str, deltas, error: str, expected: list[int]) -> None:
+    """A failed pull's request: ended with `error` ("fail"), or its prompt computed to the
+    `expected` tokens from no cached block ("recompute")."""
+    if policy == "fail":
+        [delta] = deltas
+        assert delta.finish_reason == FinishReason.ERROR and delta.error == error
+    else:
+        assert tokens(deltas) == expected and deltas[0].num_cached_tokens == 0
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_a_producer_that_never_answers_applies_the_policy_after_the_bound(policy, folder, consumer,
                                                                           recomputing_consumer):
@@ -258,12 +268,7 @@ def test_a_producer_that_never_answers_applies_the_policy_after_the_bound(policy
     waited = time.monotonic() - started
     assert engine.kv_pulls.timeout_s <= waited < 10
     assert engine.stats().kv_transfer_failures == before + 1
-    if policy == "fail":
-        [delta] = deltas
-        assert delta.finish_reason == FinishReason.ERROR
-        assert delta.error == f"the KV transfer from {gone} failed: no answer within 1 s"
-    else:
-        assert tokens(deltas) == expected and deltas[0].num_cached_tokens == 0
+    assert_policy_applied(policy, deltas, f"the KV transfer from {gone} failed: no answer within 1 s", expected)
 
 
 def test_an_abort_while_waiting_leaves_both_pools_as_they_were_and_the_late_answer_is_dropped(producer, consumer):
@@ -336,10 +341,5 @@ def test_a_producer_the_gateway_lost_applies_the_policy_at_once(policy, folder, 
     finally:
         engine.abort(["on-other"])
         engine.kv_pulls.timeout_s = 1.0
-    mine = [d for d in deltas if d.request_id == "on-lost"]
-    if policy == "fail":
-        [delta] = mine
-        assert delta.finish_reason == FinishReason.ERROR
-        assert delta.error == f"the KV transfer from {lost} failed: the gateway lost that prefill worker"
-    else:
-        assert tokens(mine) == expected and mine[0].num_cached_tokens == 0
+    assert_policy_applied(policy, [d for d in deltas if d.request_id == "on-lost"],
+                          f"the KV transfer from {lost} failed: the gateway lost that prefill worker", expected)
